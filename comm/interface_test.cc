@@ -1,0 +1,147 @@
+// Argument validation of the Communicator base class, exercised through a backend stub that
+// records what reached it.
+#include <memory>
+#include <vector>
+
+#include "base/status_matchers.h"
+#include "comm/communicator.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace fairscale::comm {
+namespace {
+
+using ::fairscale::base::testing::IsOk;
+using ::fairscale::base::testing::StatusIs;
+using ::testing::HasSubstr;
+
+class StubComm : public Communicator {
+ public:
+  StubComm(int rank, int size) : Communicator(rank, size, "stub", absl::Seconds(5)) {}
+  void Abort(absl::Status) override {}
+  absl::Status status() const override { return absl::OkStatus(); }
+  std::vector<OpContext> seen;
+
+ protected:
+  Work Record(const OpContext& ctx) {
+    seen.push_back(ctx);
+    return Work();
+  }
+  Work DoAllReduce(const OpContext& c, ConstBuffer, Buffer, ReduceOp) override { return Record(c); }
+  Work DoReduceScatter(const OpContext& c, ConstBuffer, Buffer, ReduceOp) override {
+    return Record(c);
+  }
+  Work DoAllGather(const OpContext& c, ConstBuffer, Buffer) override { return Record(c); }
+  Work DoBroadcast(const OpContext& c, Buffer, int) override { return Record(c); }
+  Work DoReduce(const OpContext& c, ConstBuffer, Buffer, ReduceOp, int) override {
+    return Record(c);
+  }
+  Work DoAllToAll(const OpContext& c, ConstBuffer, Buffer) override { return Record(c); }
+  Work DoSend(const OpContext& c, ConstBuffer, int) override { return Record(c); }
+  Work DoRecv(const OpContext& c, Buffer, int) override { return Record(c); }
+  Work DoBarrier(const OpContext& c) override { return Record(c); }
+  absl::StatusOr<std::shared_ptr<Communicator>> DoSplit(const OpContext& c, int, int) override {
+    seen.push_back(c);
+    return std::shared_ptr<Communicator>();
+  }
+};
+
+TEST(Communicator, SequenceNumbersCountCollectivesAndPerPeerP2p) {
+  StubComm c(1, 4);
+  std::vector<float> a(8), b(8);
+  ASSERT_OK(c.AllReduce(MakeConstBuffer(a.data(), 8), MakeBuffer(b.data(), 8), ReduceOp::kSum).Wait());
+  ASSERT_OK(c.Barrier().Wait());
+  ASSERT_OK(c.Send(MakeConstBuffer(a.data(), 8), 2).Wait());
+  ASSERT_OK(c.Send(MakeConstBuffer(a.data(), 8), 2).Wait());
+  ASSERT_OK(c.Recv(MakeBuffer(b.data(), 8), 2).Wait());
+  ASSERT_EQ(c.seen.size(), 5u);
+  EXPECT_EQ(c.seen[0].seq, 1u);
+  EXPECT_EQ(c.seen[1].seq, 2u);
+  EXPECT_EQ(c.seen[2].seq, 1u);
+  EXPECT_EQ(c.seen[3].seq, 2u);
+  EXPECT_EQ(c.seen[4].seq, 1u);
+  EXPECT_EQ(c.seen[1].Label(), "barrier #2 rank 1/4 [stub]");
+  EXPECT_EQ(c.seen[0].timeout, absl::Seconds(5));
+}
+
+TEST(Communicator, RejectsBadArgumentsWithoutQueueing) {
+  StubComm c(1, 4);
+  std::vector<float> a(8), b(8);
+  std::vector<int32_t> ints(8);
+  auto in = MakeConstBuffer(a.data(), 8);
+  EXPECT_THAT(c.AllReduce(in, MakeBuffer(b.data(), 7), ReduceOp::kSum).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("all_reduce #1 rank 1/4 [stub]: send count 8 != recv count 7")));
+  EXPECT_THAT(c.AllReduce(in, MakeBuffer(ints.data(), 8), ReduceOp::kSum).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dtype")));
+  EXPECT_THAT(c.AllReduce(MakeConstBuffer(ints.data(), 8), MakeBuffer(ints.data(), 8),
+                          ReduceOp::kAvg).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("avg")));
+  EXPECT_THAT(c.AllReduce(in, MakeBuffer(a.data() + 1, 7), ReduceOp::kSum).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument));  // count, then overlap
+  EXPECT_THAT(c.AllReduce(MakeConstBuffer(a.data(), 4), MakeBuffer(a.data() + 2, 4),
+                          ReduceOp::kSum).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("partially overlap")));
+  EXPECT_THAT(c.AllReduce(ConstBuffer(nullptr, 3, DataType::kF32), MakeBuffer(b.data(), 3),
+                          ReduceOp::kSum).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("null")));
+  EXPECT_THAT(c.Broadcast(MakeBuffer(b.data(), 8), 4).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("root 4")));
+  EXPECT_THAT(c.Send(in, 1).Wait(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(c.Recv(MakeBuffer(b.data(), 8), -1).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(c.ReduceScatter(in, MakeBuffer(b.data(), 3), ReduceOp::kSum).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("size 4")));
+  EXPECT_THAT(c.AllGather(MakeConstBuffer(a.data(), 3), MakeBuffer(b.data(), 8)).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(c.AllToAll(MakeConstBuffer(a.data(), 6), MakeBuffer(b.data(), 6)).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("divisible")));
+  EXPECT_THAT(c.AllToAll(in, MakeBuffer(a.data(), 8)).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("in place")));
+  Buffer cuda = MakeBuffer(b.data(), 8);
+  cuda.device = Device::Cuda(0);
+  EXPECT_THAT(c.Broadcast(cuda, 0).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cuda:0")));
+  EXPECT_TRUE(c.seen.empty());
+}
+
+TEST(Communicator, InPlaceLayoutsAreAccepted) {
+  StubComm c(2, 4);
+  std::vector<float> big(16), small(4);
+  // reduce_scatter in place: recv is block 2 of send.
+  EXPECT_OK(c.ReduceScatter(MakeConstBuffer(big.data(), 16), MakeBuffer(big.data() + 8, 4),
+                            ReduceOp::kSum).Wait());
+  // all_gather in place: send is block 2 of recv.
+  EXPECT_OK(c.AllGather(MakeConstBuffer(big.data() + 8, 4), MakeBuffer(big.data(), 16)).Wait());
+  EXPECT_THAT(c.AllGather(MakeConstBuffer(big.data() + 4, 4), MakeBuffer(big.data(), 16)).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("in-place layout")));
+  // zero-count with null pointers.
+  EXPECT_OK(c.AllReduce(ConstBuffer(nullptr, 0, DataType::kF16), Buffer{nullptr, 0, DataType::kF16},
+                        ReduceOp::kMax).Wait());
+  // Reduce: recv ignored off the root.
+  EXPECT_OK(c.Reduce(MakeConstBuffer(small.data(), 4), Buffer{}, ReduceOp::kSum, 0).Wait());
+  EXPECT_EQ(c.seen.size(), 4u);
+}
+
+TEST(Work, WaitTimesOutAndCompletesOnce) {
+  auto [work, completer] = Work::Pending("all_reduce #3 rank 0/2 [stub]");
+  EXPECT_FALSE(work.IsDone());
+  EXPECT_THAT(work.Wait(absl::Milliseconds(10)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("all_reduce #3")));
+  completer.Complete(absl::UnavailableError("first"));
+  completer.Complete(absl::OkStatus());
+  EXPECT_TRUE(work.IsDone());
+  EXPECT_THAT(work.Wait(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("first")));
+  Work done;
+  EXPECT_OK(done.Wait(absl::ZeroDuration()));
+}
+
+TEST(Types, Names) {
+  EXPECT_EQ(SizeOf(DataType::kBF16), 2u);
+  EXPECT_EQ(DataTypeName(DataType::kI64), "i64");
+  EXPECT_EQ(ReduceOpName(ReduceOp::kAvg), "avg");
+  EXPECT_EQ(OpTypeName(OpType::kReduceScatter), "reduce_scatter");
+}
+
+}  // namespace
+}  // namespace fairscale::comm

@@ -1,0 +1,82 @@
+// Backend registry (//comm:registry): binaries and tests create communicators here; feature
+// libraries never do (they receive a Communicator).
+//
+// A backend registers itself at static-init time from its own .cc, in a target with
+// alwayslink = 1:
+//
+//   const BackendRegistration kRegistration("tcp", /*priority=*/10, &CreateTcp);
+//
+// so linking //comm/tcp (or //comm/ucx, //comm/nccl, //comm:all_backends) is how a binary
+// chooses its network. CreateCommunicator("") picks the highest-priority linked backend.
+#pragma once
+
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "comm/communicator.h"
+#include "comm/store/store.h"
+
+namespace fairscale::comm {
+
+struct CommConfig {
+  int rank = 0;
+  int size = 1;
+  // Rendezvous. Required by every network backend; each communicator uses its own namespace
+  // inside it (so several communicators may share one store).
+  std::shared_ptr<Store> store;
+  // Default timeout of every operation and of the rendezvous itself.
+  absl::Duration timeout = absl::Minutes(10);
+  // Address that listening backends bind to and publish. Loopback unless told otherwise.
+  std::string bind_address = "127.0.0.1";
+  // Store namespace of this communicator ("" = "default"). Ranks must agree.
+  std::string name;
+  // Backend-specific knobs, e.g. {"chunk_bytes", "1048576"}; unknown keys are kInvalidArgument.
+  absl::flat_hash_map<std::string, std::string> options;
+};
+
+using BackendFactory = absl::StatusOr<std::shared_ptr<Communicator>> (*)(const CommConfig&);
+
+class BackendRegistration {
+ public:
+  BackendRegistration(absl::string_view name, int priority, BackendFactory factory);
+};
+
+// Names of the linked backends, highest priority first.
+std::vector<std::string> LinkedBackends();
+
+// Creates this rank's communicator with backend `name` ("" = highest priority linked).
+// kNotFound lists the linked backends when `name` is unknown or none is linked.
+// kInvalidArgument for a bad rank/size; rendezvous errors as the backend reports them.
+absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(absl::string_view name,
+                                                                 const CommConfig& config);
+
+// The torchrun contract, read from the environment:
+//   RANK, WORLD_SIZE (required), LOCAL_RANK (optional), MASTER_ADDR, MASTER_PORT (required
+//   when WORLD_SIZE > 1), FS_COMM_BACKEND (backend name, default: highest priority),
+//   FS_COMM_TIMEOUT_S (default operation timeout in seconds),
+//   TORCHELASTIC_USE_AGENT_STORE=True (the launcher hosts the TCPStore; otherwise rank 0 does).
+struct EnvConfig {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr;
+  int master_port = 0;
+  std::string backend;
+  absl::Duration timeout = absl::Minutes(10);
+  bool use_agent_store = false;
+};
+
+// Parses and validates the variables above; kInvalidArgument names the variable at fault.
+absl::StatusOr<EnvConfig> ParseEnv();
+
+// ParseEnv(), then a TCPStore at MASTER_ADDR:MASTER_PORT, then CreateCommunicator.
+// `base` supplies the fields the environment does not (bind_address, options).
+absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(
+    const CommConfig& base = {});
+
+}  // namespace fairscale::comm

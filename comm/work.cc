@@ -1,0 +1,78 @@
+#include "comm/work.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+
+namespace fairscale::comm {
+namespace internal {
+struct WorkState {
+  explicit WorkState(std::string d) : description(std::move(d)) {}
+  const std::string description;
+  mutable absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+};
+}  // namespace internal
+
+namespace {
+std::shared_ptr<internal::WorkState> DoneState(absl::Status status) {
+  auto state = std::make_shared<internal::WorkState>("");
+  absl::MutexLock lock(&state->mu);
+  state->done = true;
+  state->status = std::move(status);
+  return state;
+}
+}  // namespace
+
+Work::Work() : state_(DoneState(absl::OkStatus())) {}
+
+Work Work::Done(absl::Status status) { return Work(DoneState(std::move(status))); }
+
+std::pair<Work, WorkCompleter> Work::Pending(std::string description) {
+  auto state = std::make_shared<internal::WorkState>(std::move(description));
+  return {Work(state), WorkCompleter(state)};
+}
+
+bool Work::IsDone() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->done;
+}
+
+absl::Status Work::Wait(absl::Duration timeout) const {
+  internal::WorkState& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  auto done = [&s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return s.done; };
+  if (timeout == absl::InfiniteDuration()) {
+    s.mu.Await(absl::Condition(&done));
+  } else if (!s.mu.AwaitWithTimeout(absl::Condition(&done), timeout)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(s.description, s.description.empty() ? "" : ": ",
+                     "Work::Wait gave up after ", absl::FormatDuration(timeout),
+                     "; the operation is still running"));
+  }
+  return s.status;
+}
+
+void WorkCompleter::Complete(absl::Status status) const {
+  if (state_ == nullptr) return;
+  absl::MutexLock lock(&state_->mu);
+  if (state_->done) return;
+  state_->done = true;
+  state_->status = std::move(status);
+}
+
+absl::Status WaitAll(const Work* works, size_t n, absl::Duration timeout) {
+  absl::Time deadline = timeout == absl::InfiniteDuration() ? absl::InfiniteFuture()
+                                                             : absl::Now() + timeout;
+  absl::Status first;
+  for (size_t i = 0; i < n; ++i) {
+    absl::Duration left = deadline == absl::InfiniteFuture() ? absl::InfiniteDuration()
+                                                              : deadline - absl::Now();
+    if (left < absl::ZeroDuration()) left = absl::ZeroDuration();
+    absl::Status s = works[i].Wait(left);
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
+}
+
+}  // namespace fairscale::comm

@@ -1,0 +1,71 @@
+// Work: the handle every asynchronous comm operation returns (//comm:interface).
+//
+// An operation is queued when its Communicator method returns; its Work completes exactly once,
+// with OK or the error that ended it. Wait() blocks the caller; IsDone() polls. Work is a cheap,
+// copyable handle (shared state), safe to use from any thread.
+//
+// Waiting never hangs: every operation carries its own timeout (CommConfig::timeout or
+// OpOptions::timeout), after which the backend fails it with kDeadlineExceeded. Wait(d) returns
+// kDeadlineExceeded after d even if the operation is still running (it keeps running; wait again).
+//
+// Backends create a pending Work with Work::Pending() and complete it through the returned
+// WorkCompleter.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace fairscale::comm {
+
+namespace internal {
+struct WorkState;
+}
+
+class WorkCompleter;
+
+class [[nodiscard]] Work {
+ public:
+  // A Work that is already done with OK.
+  Work();
+
+  // A Work that is already done with `status` (used for argument errors).
+  static Work Done(absl::Status status);
+
+  // A pending Work and the completer that finishes it. `description` ("all_reduce #12 rank 2/4
+  // [tcp]") prefixes the message of a Wait() that times out.
+  static std::pair<Work, WorkCompleter> Pending(std::string description);
+
+  bool IsDone() const;
+
+  // Blocks until the operation completes or `timeout` passes. Returns the operation's status, or
+  // kDeadlineExceeded if it is still running after `timeout`.
+  absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration()) const;
+
+ private:
+  explicit Work(std::shared_ptr<internal::WorkState> state) : state_(std::move(state)) {}
+  std::shared_ptr<internal::WorkState> state_;
+};
+
+// The producer side of a Work. Complete() may be called once; later calls are ignored (the
+// first status wins, so an Abort racing a normal completion is harmless).
+class WorkCompleter {
+ public:
+  WorkCompleter() = default;
+  void Complete(absl::Status status) const;
+  bool valid() const { return state_ != nullptr; }
+
+ private:
+  friend class Work;
+  explicit WorkCompleter(std::shared_ptr<internal::WorkState> state) : state_(std::move(state)) {}
+  std::shared_ptr<internal::WorkState> state_;
+};
+
+// Waits for every work (each with the same overall timeout) and returns the first error.
+absl::Status WaitAll(const Work* works, size_t n,
+                     absl::Duration timeout = absl::InfiniteDuration());
+
+}  // namespace fairscale::comm
