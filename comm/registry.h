@@ -15,29 +15,12 @@
 #include "absl/strings/string_view.h"
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
-#include "comm/store/store.h"
+#include "comm/config.h"
 
 namespace fairscale::comm {
-
-struct CommConfig {
-  int rank = 0;
-  int size = 1;
-  // Rendezvous. Required by every network backend; each communicator uses its own namespace
-  // inside it (so several communicators may share one store).
-  std::shared_ptr<Store> store;
-  // Default timeout of every operation and of the rendezvous itself.
-  absl::Duration timeout = absl::Minutes(10);
-  // Address that listening backends bind to and publish. Loopback unless told otherwise.
-  std::string bind_address = "127.0.0.1";
-  // Store namespace of this communicator ("" = "default"). Ranks must agree.
-  std::string name;
-  // Backend-specific knobs, e.g. {"chunk_bytes", "1048576"}; unknown keys are kInvalidArgument.
-  absl::flat_hash_map<std::string, std::string> options;
-};
 
 using BackendFactory = absl::StatusOr<std::shared_ptr<Communicator>> (*)(const CommConfig&);
 
