@@ -25,12 +25,22 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "comm/communicator.h"
 
 namespace fairscale::comm {
+
+// Message tags used by TransportCommunicator: (seq << 8) | op type. Send and Recv both use
+// OpType::kSend with the per-peer sequence number, so the two sides' tags agree.
+inline uint64_t MakeTag(OpType type, uint64_t seq) {
+  return (seq << 8) | static_cast<uint64_t>(type);
+}
+// "all_reduce #12" (for error messages).
+std::string DescribeTag(uint64_t tag);
 
 class Transport {
  public:
