@@ -1,0 +1,86 @@
+// TCPStore: the multi-machine rendezvous Store (//comm/store:tcp_store). One process (rank 0, or
+// the launcher's agent) creates it with is_server = true and hosts the key-value server; every
+// other process creates a client pointed at that host:port. CreateCommunicatorFromEnv builds one
+// from MASTER_ADDR/MASTER_PORT.
+//
+// Compared with c10d's TCPStore:
+// * Nothing blocks without a deadline: the initial connect retries with backoff until
+//   `timeout`, every request waits at most `timeout` (Get/Wait: their own timeout), and a dead
+//   server is noticed at once (kUnavailable naming host:port), not after a hang.
+// * One connection serves many threads at once: requests carry an id and replies are matched
+//   by id, so a Get parked on the server does not block a Set from another thread.
+// * The server is one poll()-driven thread over non-blocking sockets. It parks Get/Wait until
+//   the keys exist (or their timeout passes), rejects malformed or oversized frames before
+//   buffering them (see wire.h) by closing that connection only, and applies backpressure to a
+//   client that stops reading its replies.
+//
+// Thread-safety: all methods may be called concurrently. The server, if any, stops (and every
+// client connected to it sees kUnavailable) when the TCPStore that hosts it is destroyed.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "comm/store/store.h"
+
+namespace fairscale::comm {
+
+struct TCPStoreOptions {
+  // Server: the address to bind (loopback unless told otherwise). Client: where to connect.
+  std::string host = "127.0.0.1";
+  // 0 lets the OS pick (server only); port() reports the real one.
+  int port = 0;
+  bool is_server = false;
+  // Bounds the initial connect and every request other than Get/Wait.
+  absl::Duration timeout = absl::Minutes(5);
+  // When num_workers > 0, every TCPStore (the server's included) counts itself in on creation,
+  // and with wait_for_workers the server's Create returns only once num_workers have (or fails
+  // with kDeadlineExceeded after `timeout`).
+  int num_workers = 0;
+  bool wait_for_workers = false;
+};
+
+namespace tcp_store_internal {
+class Server;
+class Client;
+}  // namespace tcp_store_internal
+
+class TCPStore : public Store {
+ public:
+  // Server: binds and starts the server thread, then connects a client to it. Client: connects,
+  // retrying until options.timeout (kDeadlineExceeded naming host:port and the last error).
+  static absl::StatusOr<std::unique_ptr<TCPStore>> Create(TCPStoreOptions options);
+  ~TCPStore() override;
+
+  absl::Status Set(absl::string_view key, absl::string_view value) override;
+  absl::StatusOr<std::string> Get(absl::string_view key, absl::Duration timeout) override;
+  absl::StatusOr<int64_t> Add(absl::string_view key, int64_t delta) override;
+  absl::StatusOr<std::string> CompareSet(absl::string_view key, absl::string_view expected,
+                                         absl::string_view desired) override;
+  absl::StatusOr<bool> Delete(absl::string_view key) override;
+  absl::Status Wait(absl::Span<const std::string> keys, absl::Duration timeout) override;
+  absl::StatusOr<bool> Check(absl::string_view key) override;
+
+  const std::string& host() const { return options_.host; }
+  // The server's port (the OS-assigned one when options.port was 0).
+  int port() const { return options_.port; }
+  bool is_server() const { return server_ != nullptr; }
+
+  // Key under which workers count themselves in when num_workers > 0.
+  static constexpr absl::string_view kWorkersKey = "__tcpstore/workers";
+  static constexpr absl::string_view kWorkersReadyKey = "__tcpstore/workers_ready";
+
+ private:
+  explicit TCPStore(TCPStoreOptions options);
+
+  TCPStoreOptions options_;
+  // Declared before client_ so the client (connected to it) is destroyed first.
+  std::unique_ptr<tcp_store_internal::Server> server_;
+  std::unique_ptr<tcp_store_internal::Client> client_;
+};
+
+}  // namespace fairscale::comm
