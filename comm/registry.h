@@ -58,7 +58,10 @@ struct EnvConfig {
 absl::StatusOr<EnvConfig> ParseEnv();
 
 // ParseEnv(), then a TCPStore at MASTER_ADDR:MASTER_PORT, then CreateCommunicator.
-// `base` supplies the fields the environment does not (bind_address, options).
+// `base` supplies the fields the environment does not (bind_address, options; timeout unless
+// FS_COMM_TIMEOUT_S is set; a store, which then replaces the TCPStore). Rank 0 hosts the
+// TCPStore server, bound to MASTER_ADDR, unless TORCHELASTIC_USE_AGENT_STORE=True (then every
+// rank is a client of the launcher's). WORLD_SIZE=1 uses an in-memory HashStore.
 absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(
     const CommConfig& base = {});
 

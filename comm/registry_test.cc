@@ -1,0 +1,174 @@
+// The registry with no backend linked, and the torchrun environment contract (ParseEnv).
+// registry_backend_test.cc covers selection among linked (fake) backends.
+#include "comm/registry.h"
+
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "base/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace fairscale::comm {
+namespace {
+
+using ::fairscale::base::testing::IsOk;
+using ::fairscale::base::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+constexpr const char* kVars[] = {"RANK",        "WORLD_SIZE",      "LOCAL_RANK",
+                                 "MASTER_ADDR", "MASTER_PORT",     "FS_COMM_BACKEND",
+                                 "FS_COMM_TIMEOUT_S", "TORCHELASTIC_USE_AGENT_STORE"};
+
+// Clears the contract's variables for each test and restores them afterwards.
+class EnvTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const char* v : kVars) {
+      const char* old = std::getenv(v);
+      saved_[v] = old ? std::optional<std::string>(old) : std::nullopt;
+      unsetenv(v);
+    }
+  }
+  void TearDown() override {
+    for (const auto& [name, value] : saved_) {
+      if (value.has_value()) {
+        setenv(name.c_str(), value->c_str(), 1);
+      } else {
+        unsetenv(name.c_str());
+      }
+    }
+  }
+  static void Set(const char* name, const char* value) { setenv(name, value, 1); }
+
+  std::map<std::string, std::optional<std::string>> saved_;
+};
+
+TEST(Registry, NothingLinked) {
+  EXPECT_THAT(LinkedBackends(), IsEmpty());
+  CommConfig config;
+  EXPECT_THAT(CreateCommunicator("", config).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no comm backend is linked")));
+  EXPECT_THAT(CreateCommunicator("tcp", config).status(),
+              StatusIs(absl::StatusCode::kNotFound,
+                       AllOf(HasSubstr("no comm backend is linked"), HasSubstr("'tcp'"),
+                             HasSubstr("//comm:all_backends"))));
+}
+
+TEST_F(EnvTest, MinimalSingleRank) {
+  Set("RANK", "0");
+  Set("WORLD_SIZE", "1");
+  ASSERT_OK_AND_ASSIGN(EnvConfig env, ParseEnv());
+  EXPECT_EQ(env.rank, 0);
+  EXPECT_EQ(env.world_size, 1);
+  EXPECT_EQ(env.local_rank, 0);
+  EXPECT_EQ(env.master_addr, "");
+  EXPECT_EQ(env.master_port, 0);
+  EXPECT_EQ(env.backend, "");
+  EXPECT_EQ(env.timeout, absl::Minutes(10));
+  EXPECT_FALSE(env.use_agent_store);
+}
+
+TEST_F(EnvTest, EveryVariable) {
+  Set("RANK", "2");
+  Set("WORLD_SIZE", "4");
+  Set("LOCAL_RANK", "1");
+  Set("MASTER_ADDR", "10.1.2.3");
+  Set("MASTER_PORT", "29500");
+  Set("FS_COMM_BACKEND", "tcp");
+  Set("FS_COMM_TIMEOUT_S", "2.5");
+  Set("TORCHELASTIC_USE_AGENT_STORE", "True");
+  ASSERT_OK_AND_ASSIGN(EnvConfig env, ParseEnv());
+  EXPECT_EQ(env.rank, 2);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.master_addr, "10.1.2.3");
+  EXPECT_EQ(env.master_port, 29500);
+  EXPECT_EQ(env.backend, "tcp");
+  EXPECT_EQ(env.timeout, absl::Milliseconds(2500));
+  EXPECT_TRUE(env.use_agent_store);
+  Set("TORCHELASTIC_USE_AGENT_STORE", "False");
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_FALSE(env.use_agent_store);
+}
+
+struct BadCase {
+  std::map<std::string, std::string> vars;
+  std::string message;  // must appear in the kInvalidArgument message
+};
+
+TEST_F(EnvTest, ErrorsNameTheVariableAndItsValue) {
+  const std::map<std::string, std::string> ok1 = {{"RANK", "0"}, {"WORLD_SIZE", "1"}};
+  const std::map<std::string, std::string> ok2 = {
+      {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+  auto with = [](std::map<std::string, std::string> base,
+                 std::map<std::string, std::string> changes) {
+    for (auto& [k, v] : changes) base[k] = v;
+    return base;
+  };
+  auto without = [](std::map<std::string, std::string> base, const std::string& name) {
+    base.erase(name);
+    return base;
+  };
+  const std::vector<BadCase> cases = {
+      {without(ok1, "RANK"), "RANK is not set"},
+      {without(ok1, "WORLD_SIZE"), "WORLD_SIZE is not set"},
+      {with(ok1, {{"RANK", "abc"}}), "RANK='abc' is not an integer"},
+      {with(ok1, {{"RANK", ""}}), "RANK='' is not an integer"},
+      {with(ok1, {{"RANK", "1.5"}}), "RANK='1.5' is not an integer"},
+      {with(ok1, {{"RANK", "99999999999"}}), "RANK='99999999999'"},
+      {with(ok1, {{"RANK", "-1"}}), "RANK='-1' is outside"},
+      {with(ok1, {{"WORLD_SIZE", "0"}}), "WORLD_SIZE='0' is outside"},
+      {with(ok1, {{"WORLD_SIZE", "-4"}}), "WORLD_SIZE='-4'"},
+      {with(ok2, {{"RANK", "2"}}), "RANK='2' is not below WORLD_SIZE='2'"},
+      {with(ok1, {{"LOCAL_RANK", "-3"}}), "LOCAL_RANK='-3'"},
+      {with(ok1, {{"LOCAL_RANK", "x"}}), "LOCAL_RANK='x' is not an integer"},
+      {without(ok2, "MASTER_ADDR"), "MASTER_ADDR is not set"},
+      {without(ok2, "MASTER_PORT"), "MASTER_PORT is not set"},
+      {with(ok2, {{"MASTER_ADDR", ""}}), "MASTER_ADDR='' is empty"},
+      {with(ok2, {{"MASTER_PORT", "http"}}), "MASTER_PORT='http' is not an integer"},
+      {with(ok2, {{"MASTER_PORT", "70000"}}), "MASTER_PORT='70000' is outside [1, 65535]"},
+      {with(ok2, {{"MASTER_PORT", "0"}}), "MASTER_PORT='0'"},
+      {with(ok1, {{"FS_COMM_TIMEOUT_S", "0"}}), "FS_COMM_TIMEOUT_S='0' must be positive"},
+      {with(ok1, {{"FS_COMM_TIMEOUT_S", "-5"}}), "FS_COMM_TIMEOUT_S='-5'"},
+      {with(ok1, {{"FS_COMM_TIMEOUT_S", "soon"}}), "FS_COMM_TIMEOUT_S='soon'"},
+      {with(ok1, {{"FS_COMM_TIMEOUT_S", "inf"}}), "FS_COMM_TIMEOUT_S='inf'"},
+      {with(ok1, {{"TORCHELASTIC_USE_AGENT_STORE", "maybe"}}),
+       "TORCHELASTIC_USE_AGENT_STORE='maybe'"},
+  };
+  for (const BadCase& c : cases) {
+    for (const char* v : kVars) unsetenv(v);
+    std::string desc;
+    for (const auto& [k, v] : c.vars) {
+      Set(k.c_str(), v.c_str());
+      desc += k + "=" + v + " ";
+    }
+    EXPECT_THAT(ParseEnv().status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)))
+        << desc;
+  }
+}
+
+TEST_F(EnvTest, SingleRankNeedsNoMasterButValidatesOneIfGiven) {
+  Set("RANK", "0");
+  Set("WORLD_SIZE", "1");
+  Set("MASTER_PORT", "99999");
+  EXPECT_THAT(ParseEnv().status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("MASTER_PORT='99999'")));
+}
+
+TEST_F(EnvTest, FromEnvReportsEnvErrorsThenMissingBackends) {
+  EXPECT_THAT(CreateCommunicatorFromEnv().status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is not set")));
+  Set("RANK", "0");
+  Set("WORLD_SIZE", "1");
+  EXPECT_THAT(CreateCommunicatorFromEnv().status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no comm backend is linked")));
+}
+
+}  // namespace
+}  // namespace fairscale::comm
