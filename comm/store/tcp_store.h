@@ -5,8 +5,10 @@
 //
 // Compared with c10d's TCPStore:
 // * Nothing blocks without a deadline: the initial connect retries with backoff until
-//   `timeout`, every request waits at most `timeout` (Get/Wait: their own timeout), and a dead
-//   server is noticed at once (kUnavailable naming host:port), not after a hang.
+//   `timeout`, every request waits at most `timeout` (Get/Wait: their own timeout, enforced by
+//   the server too; a timeout under 50 ms still allows one 50 ms round trip so that a present
+//   key is returned), and a dead server is noticed at once (kUnavailable naming host:port), not
+//   after a hang. Name resolution (getaddrinfo) is the one step the deadline cannot interrupt.
 // * One connection serves many threads at once: requests carry an id and replies are matched
 //   by id, so a Get parked on the server does not block a Set from another thread.
 // * The server is one poll()-driven thread over non-blocking sockets. It parks Get/Wait until
