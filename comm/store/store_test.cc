@@ -70,7 +70,8 @@ std::vector<StoreKind> Kinds() {
          auto a = FileStore::Create(dir);
          auto b = FileStore::Create(dir);
          if (!a.ok() || !b.ok()) return Handles{};
-         return Handles{std::shared_ptr<Store>(std::move(*a)), std::shared_ptr<Store>(std::move(*b))};
+         return Handles{std::shared_ptr<Store>(std::move(*a)),
+                        std::shared_ptr<Store>(std::move(*b))};
        }},
       {"Prefix",
        [] {

@@ -925,8 +925,9 @@ absl::Status TCPStore::Set(absl::string_view key, absl::string_view value) {
   const std::string what = absl::StrCat("set ", Quote(key));
   FS_ASSIGN_OR_RETURN(
       Message reply,
-      client_->Call([&](uint32_t id, std::string* out) { return wire::EncodeSet(id, key, value, out); },
-                    DeadlineAfter(options_.timeout), what));
+      client_->Call(
+          [&](uint32_t id, std::string* out) { return wire::EncodeSet(id, key, value, out); },
+          DeadlineAfter(options_.timeout), what));
   return CheckReply(reply, WireCommand::kOk, client_->address(), what);
 }
 
@@ -953,8 +954,9 @@ absl::StatusOr<int64_t> TCPStore::Add(absl::string_view key, int64_t delta) {
   const std::string what = absl::StrCat("add ", Quote(key));
   FS_ASSIGN_OR_RETURN(
       Message reply,
-      client_->Call([&](uint32_t id, std::string* out) { return wire::EncodeAdd(id, key, delta, out); },
-                    DeadlineAfter(options_.timeout), what));
+      client_->Call(
+          [&](uint32_t id, std::string* out) { return wire::EncodeAdd(id, key, delta, out); },
+          DeadlineAfter(options_.timeout), what));
   FS_RETURN_IF_ERROR(CheckReply(reply, WireCommand::kInt, client_->address(), what));
   return reply.number;
 }

@@ -106,14 +106,17 @@ std::string RandomValidFrames(std::mt19937_64& rng) {
     const uint32_t id = static_cast<uint32_t>(rng());
     absl::Status st;
     if (requests) {
+      const std::string key = RandomKey(rng);
       switch (rng() % 7) {
-        case 0: st = wire::EncodeSet(id, RandomKey(rng), RandomKey(rng), &s); break;
-        case 1: st = wire::EncodeGet(id, RandomKey(rng), absl::Milliseconds(rng() % 100000), &s); break;
-        case 2: st = wire::EncodeAdd(id, RandomKey(rng), static_cast<int64_t>(rng()), &s); break;
-        case 3: st = wire::EncodeCompareSet(id, RandomKey(rng), RandomKey(rng), RandomKey(rng), &s); break;
-        case 4: st = wire::EncodeDelete(id, RandomKey(rng), &s); break;
-        case 5: st = wire::EncodeCheck(id, RandomKey(rng), &s); break;
-        case 6: st = wire::EncodeWait(id, {RandomKey(rng), RandomKey(rng)}, absl::InfiniteDuration(), &s); break;
+        case 0: st = wire::EncodeSet(id, key, RandomKey(rng), &s); break;
+        case 1: st = wire::EncodeGet(id, key, absl::Milliseconds(rng() % 100000), &s); break;
+        case 2: st = wire::EncodeAdd(id, key, static_cast<int64_t>(rng()), &s); break;
+        case 3: st = wire::EncodeCompareSet(id, key, RandomKey(rng), RandomKey(rng), &s); break;
+        case 4: st = wire::EncodeDelete(id, key, &s); break;
+        case 5: st = wire::EncodeCheck(id, key, &s); break;
+        case 6:
+          st = wire::EncodeWait(id, {key, RandomKey(rng)}, absl::InfiniteDuration(), &s);
+          break;
       }
     } else {
       switch (rng() % 5) {
