@@ -1,0 +1,73 @@
+// Collective algorithms over a point-to-point Transport (//comm/algorithms:algorithms).
+//
+// TransportCommunicator runs each operation by calling one of these functions on its worker
+// thread; tcp, ucx and inproc therefore share every algorithm:
+//   all_reduce      direct exchange when small, else ring reduce-scatter + ring all-gather
+//   reduce_scatter  direct exchange when small, else ring
+//   all_gather      direct exchange when small, else ring (received straight into the output)
+//   broadcast       binomial tree, segmented and pipelined
+//   reduce          binomial tree, segmented and pipelined
+//   all_to_all      pairwise exchange
+//   barrier         dissemination
+//   send / recv     direct, segmented
+// Every function blocks until the operation is done on this rank, an error occurs, or
+// ctx.deadline passes; errors are the Transport's (the caller adds the op label). Arguments are
+// assumed valid (the Communicator base class checks them). Memory beyond the caller's buffers is
+// bounded by a few algo.chunk_bytes (ring, tree) or n * algo.small_bytes (direct exchange), taken
+// from a Scratch the caller keeps between operations.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "comm/algorithms/transport.h"
+#include "comm/types.h"
+
+namespace fairscale::comm::algo {
+
+// The "algo.*" knobs of CommConfig::options (see transport_communicator.h).
+struct Options {
+  size_t chunk_bytes = 512 << 10;
+  size_t small_bytes = 16 << 10;
+};
+
+// Parses the "algo.*" keys of `options`, ignoring the others. kInvalidArgument names the key for
+// an unknown "algo." key or a value that is not a decimal byte count in range.
+absl::StatusOr<Options> ParseOptions(
+    const absl::flat_hash_map<std::string, std::string>& options);
+
+// Reusable scratch memory. Get() invalidates what an earlier Get() returned.
+class Scratch {
+ public:
+  char* Get(size_t bytes);
+
+ private:
+  std::unique_ptr<char[]> data_;
+  size_t size_ = 0;
+};
+
+struct Context {
+  Transport* transport = nullptr;
+  uint64_t tag = 0;  // every message of the operation carries it
+  absl::Time deadline = absl::InfiniteFuture();
+  Options options;
+  Scratch* scratch = nullptr;
+};
+
+absl::Status AllReduce(const Context& ctx, ConstBuffer send, Buffer recv, ReduceOp op);
+absl::Status ReduceScatter(const Context& ctx, ConstBuffer send, Buffer recv, ReduceOp op);
+absl::Status AllGather(const Context& ctx, ConstBuffer send, Buffer recv);
+absl::Status Broadcast(const Context& ctx, Buffer buffer, int root);
+// `recv` is used on the root only.
+absl::Status Reduce(const Context& ctx, ConstBuffer send, Buffer recv, ReduceOp op, int root);
+absl::Status AllToAll(const Context& ctx, ConstBuffer send, Buffer recv);
+absl::Status Send(const Context& ctx, ConstBuffer buffer, int peer);
+absl::Status Recv(const Context& ctx, Buffer buffer, int peer);
+absl::Status Barrier(const Context& ctx);
+
+}  // namespace fairscale::comm::algo
