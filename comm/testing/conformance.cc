@@ -69,6 +69,35 @@ constexpr absl::Duration kShortTimeoutSlack = absl::Seconds(3);
 std::string Fmt(absl::Duration d) { return absl::FormatDuration(d); }
 
 // ---------------------------------------------------------------------------------------------
+// Element encoding in bulk: the dtype switch is hoisted out of the loop (the 64 MiB cases encode
+// tens of millions of values).
+
+template <typename T, typename F>
+void EncodeTyped(uint8_t* out, size_t begin, size_t end, F value) {
+  T* p = reinterpret_cast<T*>(out);
+  for (size_t i = begin; i < end; ++i) p[i - begin] = static_cast<T>(value(i));
+}
+
+// Writes value(i) for i in [begin, end) as elements of `dtype` starting at `out`.
+template <typename F>
+void EncodeRange(DataType dtype, uint8_t* out, size_t begin, size_t end, F value) {
+  switch (dtype) {
+    case DataType::kF32: return EncodeTyped<float>(out, begin, end, value);
+    case DataType::kF64: return EncodeTyped<double>(out, begin, end, value);
+    case DataType::kI8: return EncodeTyped<int8_t>(out, begin, end, value);
+    case DataType::kU8: return EncodeTyped<uint8_t>(out, begin, end, value);
+    case DataType::kI32: return EncodeTyped<int32_t>(out, begin, end, value);
+    case DataType::kI64: return EncodeTyped<int64_t>(out, begin, end, value);
+    case DataType::kF16:
+    case DataType::kBF16:
+      for (size_t i = begin; i < end; ++i) {
+        EncodeValue(dtype, value(i), out + (i - begin) * SizeOf(dtype));
+      }
+      return;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Buffers with guard bytes on both sides, so a backend that writes past a buffer is caught.
 
 class TestBuffer {
@@ -93,10 +122,9 @@ class TestBuffer {
 
   template <typename F>  // F(size_t i) -> long double
   void Fill(F value, size_t begin = 0, size_t end = SIZE_MAX) {
-    const size_t size = SizeOf(dtype_);
     end = std::min(end, count_);
-    uint8_t* p = data();
-    for (size_t i = begin; i < end; ++i) EncodeValue(dtype_, value(i), p + i * size);
+    if (begin >= end) return;
+    EncodeRange(dtype_, data() + begin * SizeOf(dtype_), begin, end, value);
   }
 
   bool GuardsIntact() const {
@@ -134,16 +162,22 @@ std::string CompareExact(const TestBuffer& buf, F expected, size_t begin = 0,
   const size_t size = SizeOf(dtype);
   end = std::min(end, buf.count());
   const uint8_t* p = buf.data();
-  uint8_t want[8];
+  // Encode the expected values a chunk at a time and memcmp whole chunks; only a chunk that
+  // differs is compared element by element.
+  constexpr size_t kChunk = 16384;
+  std::vector<uint8_t> want(kChunk * size);
   size_t mismatches = 0, first = 0;
   long double first_want = 0;
-  for (size_t i = begin; i < end; ++i) {
-    const long double e = expected(i);
-    EncodeValue(dtype, e, want);
-    if (std::memcmp(want, p + i * size, size) != 0) {
-      if (mismatches++ == 0) {
-        first = i;
-        first_want = e;
+  for (size_t c = begin; c < end; c += kChunk) {
+    const size_t c_end = std::min(end, c + kChunk);
+    EncodeRange(dtype, want.data(), c, c_end, expected);
+    if (std::memcmp(want.data(), p + c * size, (c_end - c) * size) == 0) continue;
+    for (size_t i = c; i < c_end; ++i) {
+      if (std::memcmp(want.data() + (i - c) * size, p + i * size, size) != 0) {
+        if (mismatches++ == 0) {
+          first = i;
+          first_want = expected(i);
+        }
       }
     }
   }
@@ -180,12 +214,17 @@ std::string CompareClose(const TestBuffer& buf, F expected, double tolerance) {
                       ValueString(dtype, DecodeValue(dtype, p + first * size)));
 }
 
-uint64_t Fnv1a(const uint8_t* p, size_t n) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (size_t i = 0; i < n; ++i) {
-    h ^= p[i];
-    h *= 0x100000001b3ull;
+// FNV-1a style digest over 8-byte words (then the tail bytes): only compared between ranks.
+uint64_t Digest(const uint8_t* p, size_t n) {
+  uint64_t h = 0xcbf29ce484222325ull ^ n;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = (h ^ w) * 0x100000001b3ull;
+    h ^= h >> 29;
   }
+  for (; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
   return h;
 }
 
@@ -213,7 +252,7 @@ class Checker {
     if (!buf.GuardsIntact()) Fail(absl::StrCat(what, ": wrote outside the buffer"));
   }
   void RecordShared(absl::string_view what, const TestBuffer& buf) {
-    absl::StrAppend(&digests_, what, "=", absl::Hex(Fnv1a(buf.data(), buf.bytes())), "\n");
+    absl::StrAppend(&digests_, what, "=", absl::Hex(Digest(buf.data(), buf.bytes())), "\n");
   }
 
   absl::Status Finish(Store& store) {

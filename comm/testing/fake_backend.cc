@@ -112,9 +112,34 @@ long double Combine(ReduceOp op, long double a, long double b) {
   return a;
 }
 
+template <typename T>
+void ReduceTyped(const std::vector<std::optional<Part>>& parts, ReduceOp op, size_t offset,
+                 size_t count, void* out) {
+  const int n = static_cast<int>(parts.size());
+  T* dst = static_cast<T*>(out);
+  const T* first = reinterpret_cast<const T*>(parts[0]->data.data()) + offset;
+  std::copy(first, first + count, dst);
+  for (int p = 1; p < n; ++p) {
+    const T* src = reinterpret_cast<const T*>(parts[p]->data.data()) + offset;
+    for (size_t i = 0; i < count; ++i) {
+      dst[i] = static_cast<T>(Combine(op, dst[i], src[i]));
+    }
+  }
+  if (op == ReduceOp::kAvg) {
+    for (size_t i = 0; i < count; ++i) dst[i] = static_cast<T>(dst[i] / n);
+  }
+}
+
 // out[i] = reduction over parts of element (offset + i).
 void ReduceInto(const std::vector<std::optional<Part>>& parts, DataType dtype, ReduceOp op,
                 size_t offset, size_t count, void* out) {
+  switch (dtype) {
+    case DataType::kF32: return ReduceTyped<float>(parts, op, offset, count, out);
+    case DataType::kF64: return ReduceTyped<double>(parts, op, offset, count, out);
+    case DataType::kI32: return ReduceTyped<int32_t>(parts, op, offset, count, out);
+    case DataType::kI64: return ReduceTyped<int64_t>(parts, op, offset, count, out);
+    default: break;
+  }
   const size_t es = SizeOf(dtype);
   const int n = static_cast<int>(parts.size());
   for (size_t i = 0; i < count; ++i) {
