@@ -38,13 +38,13 @@ struct Options {
 
 // Parses the "algo.*" keys of `options`, ignoring the others. kInvalidArgument names the key for
 // an unknown "algo." key or a value that is not a decimal byte count in range.
-absl::StatusOr<Options> ParseOptions(
-    const absl::flat_hash_map<std::string, std::string>& options);
+absl::StatusOr<Options> ParseOptions(const absl::flat_hash_map<std::string, std::string>& options);
 
 // Reusable scratch memory. Get() invalidates what an earlier Get() returned.
 class Scratch {
  public:
   char* Get(size_t bytes);
+  size_t capacity() const { return size_; }
 
  private:
   std::unique_ptr<char[]> data_;

@@ -16,7 +16,6 @@
 
 namespace fairscale::comm::algo {
 
-
 namespace {
 
 // Large enough for any sane setting; keeps a typo from allocating terabytes of scratch.
@@ -42,8 +41,7 @@ int Rank(const Context& ctx) { return ctx.transport->rank(); }
 
 }  // namespace
 
-absl::StatusOr<Options> ParseOptions(
-    const absl::flat_hash_map<std::string, std::string>& options) {
+absl::StatusOr<Options> ParseOptions(const absl::flat_hash_map<std::string, std::string>& options) {
   Options out;
   for (const auto& [key, value] : options) {
     if (!absl::StartsWith(key, "algo.")) continue;
@@ -52,8 +50,8 @@ absl::StatusOr<Options> ParseOptions(
     } else if (key == "algo.small_bytes") {
       FS_ASSIGN_OR_RETURN(out.small_bytes, ParseBytes(key, value, 0));
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unknown option ", key, " (known: algo.chunk_bytes, algo.small_bytes)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown option ", key, " (known: algo.chunk_bytes, algo.small_bytes)"));
     }
   }
   return out;
@@ -75,8 +73,7 @@ absl::Status AllReduce(const Context& ctx, ConstBuffer send, Buffer recv, Reduce
     return absl::OkStatus();
   }
   if (recv.bytes() <= ctx.options.small_bytes) {
-    FS_RETURN_IF_ERROR(DirectAllReduce(ctx, send.data, recv.data, recv.count,
-                                                      recv.dtype, op));
+    FS_RETURN_IF_ERROR(DirectAllReduce(ctx, send.data, recv.data, recv.count, recv.dtype, op));
     if (op == ReduceOp::kAvg) DivideBy(recv.dtype, recv.data, recv.count, n);
     return absl::OkStatus();
   }
@@ -85,8 +82,7 @@ absl::Status AllReduce(const Context& ctx, ConstBuffer send, Buffer recv, Reduce
   const Blocks blocks = Blocks::Balanced(n, recv.count);
   const int r = Rank(ctx);
   Buffer mine = recv.Slice(blocks.offset[r], blocks.length[r]);
-  FS_RETURN_IF_ERROR(RingReduceScatter(ctx, send.data, blocks, mine.data,
-                                                      recv.dtype, op));
+  FS_RETURN_IF_ERROR(RingReduceScatter(ctx, send.data, blocks, mine.data, recv.dtype, op));
   if (op == ReduceOp::kAvg) DivideBy(recv.dtype, mine.data, mine.count, n);
   return RingAllGather(ctx, recv.data, blocks, recv.dtype);
 }
@@ -98,11 +94,10 @@ absl::Status ReduceScatter(const Context& ctx, ConstBuffer send, Buffer recv, Re
     return absl::OkStatus();
   }
   if (send.bytes() <= ctx.options.small_bytes) {
-    FS_RETURN_IF_ERROR(DirectReduceScatter(ctx, send.data, recv.data, recv.count,
-                                                          recv.dtype, op));
+    FS_RETURN_IF_ERROR(DirectReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op));
   } else {
-    FS_RETURN_IF_ERROR(RingReduceScatter(
-        ctx, send.data, Blocks::Equal(n, recv.count), recv.data, recv.dtype, op));
+    FS_RETURN_IF_ERROR(
+        RingReduceScatter(ctx, send.data, Blocks::Equal(n, recv.count), recv.data, recv.dtype, op));
   }
   if (op == ReduceOp::kAvg) DivideBy(recv.dtype, recv.data, recv.count, n);
   return absl::OkStatus();
@@ -126,15 +121,13 @@ absl::Status Broadcast(const Context& ctx, Buffer buffer, int root) {
   return TreeBroadcast(ctx, buffer.data, buffer.count, buffer.dtype, root);
 }
 
-absl::Status Reduce(const Context& ctx, ConstBuffer send, Buffer recv, ReduceOp op,
-                    int root) {
+absl::Status Reduce(const Context& ctx, ConstBuffer send, Buffer recv, ReduceOp op, int root) {
   const int n = Size(ctx);
   if (n == 1) {
     CopyIfDistinct(recv.data, send.data, send.bytes());
     return absl::OkStatus();
   }
-  FS_RETURN_IF_ERROR(
-      TreeReduce(ctx, send.data, recv.data, send.count, send.dtype, op, root));
+  FS_RETURN_IF_ERROR(TreeReduce(ctx, send.data, recv.data, send.count, send.dtype, op, root));
   if (op == ReduceOp::kAvg && Rank(ctx) == root) DivideBy(recv.dtype, recv.data, recv.count, n);
   return absl::OkStatus();
 }

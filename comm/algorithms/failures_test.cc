@@ -36,6 +36,7 @@ TEST(Failures, MismatchedCountFailsEveryRank) {
   const Case cases[] = {
       {"direct", {}, 8, 9},
       {"direct, zero vs one", {}, 1, 0},
+      {"direct vs ring", {}, 4096, 4097},  // 16 KiB is the default threshold
       {"ring", {{"algo.small_bytes", "0"}, {"algo.chunk_bytes", "4096"}}, 20000, 20001},
   };
   for (const Case& c : cases) {
@@ -67,6 +68,23 @@ TEST(Failures, MismatchedCountFailsEveryRank) {
   }
 }
 
+TEST(Failures, DifferentCollectivesFailWithBothTags) {
+  Comms comms = MakeGroup(2);
+  std::vector<absl::Status> results(2);
+  OnRanks(2, [&](int r) {
+    float x = 1;
+    results[r] = r == 0 ? comms[r]->Broadcast(MakeBuffer(&x, 1), 0).Wait(kWait)
+                        : comms[r]->AllReduce(MakeConstBuffer(&x, 1), MakeBuffer(&x, 1),
+                                              ReduceOp::kSum)
+                              .Wait(kWait);
+  });
+  EXPECT_THAT(results[1], StatusIs(absl::StatusCode::kInvalidArgument,
+                                   AllOf(HasSubstr("all_reduce #1 rank 1/2 [inproc]: "),
+                                         HasSubstr("peer 0"), HasSubstr("expected all_reduce #1"),
+                                         HasSubstr("got broadcast #1"))));
+  EXPECT_THAT(results[0], Not(IsOk()));
+}
+
 TEST(Failures, BrokenCommunicatorFailsLaterOps) {
   Comms comms = MakeGroup(2);
   comms[0]->Abort(absl::AbortedError("stop"));
@@ -82,18 +100,17 @@ TEST(Failures, BrokenCommunicatorFailsLaterOps) {
 TEST(Failures, AbortFromAnotherThreadUnblocksAWaitingOp) {
   Comms comms = MakeGroup(2, {}, absl::Seconds(60));
   std::vector<float> v(16);
-  Work w = comms[0]->AllReduce(MakeConstBuffer(v.data(), 16), MakeBuffer(v.data(), 16),
-                               ReduceOp::kSum);
+  Work w =
+      comms[0]->AllReduce(MakeConstBuffer(v.data(), 16), MakeBuffer(v.data(), 16), ReduceOp::kSum);
   // Queued behind it: fails with the same reason.
   Work queued = comms[0]->Barrier();
   absl::SleepFor(absl::Milliseconds(100));
   EXPECT_FALSE(w.IsDone());
   const absl::Time start = absl::Now();
   std::thread watchdog([&] { comms[0]->Abort(absl::AbortedError("watchdog fired")); });
-  EXPECT_THAT(w.Wait(absl::Seconds(5)),
-              StatusIs(absl::StatusCode::kAborted,
-                       AllOf(HasSubstr("all_reduce #1 rank 0/2 [inproc]"),
-                             HasSubstr("watchdog fired"))));
+  EXPECT_THAT(w.Wait(absl::Seconds(5)), StatusIs(absl::StatusCode::kAborted,
+                                                 AllOf(HasSubstr("all_reduce #1 rank 0/2 [inproc]"),
+                                                       HasSubstr("watchdog fired"))));
   EXPECT_THAT(queued.Wait(absl::Seconds(5)), StatusIs(absl::StatusCode::kAborted));
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
   watchdog.join();
@@ -113,8 +130,9 @@ TEST(Failures, TimeoutWhenOneRankNeverCalls) {
   const absl::Time start = absl::Now();
   OnRanks(2, [&](int r) {  // rank 2 never calls
     std::vector<float> v(1000);
-    results[r] = comms[r]->AllReduce(MakeConstBuffer(v.data(), v.size()),
-                                     MakeBuffer(v.data(), v.size()), ReduceOp::kSum)
+    results[r] = comms[r]
+                     ->AllReduce(MakeConstBuffer(v.data(), v.size()),
+                                 MakeBuffer(v.data(), v.size()), ReduceOp::kSum)
                      .Wait(kWait);
   });
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
@@ -178,8 +196,8 @@ TEST(Split, GroupsByColorOrderedByKey) {
   OnRanks(n, [&](int r) {
     if (children[r] == nullptr) return;
     std::vector<int32_t> v = {r + 1};
-    ASSERT_OK(children[r]->AllReduce(MakeConstBuffer(v.data(), 1), MakeBuffer(v.data(), 1),
-                                     ReduceOp::kSum)
+    ASSERT_OK(children[r]
+                  ->AllReduce(MakeConstBuffer(v.data(), 1), MakeBuffer(v.data(), 1), ReduceOp::kSum)
                   .Wait(kWait));
     got[r] = v[0];
   });

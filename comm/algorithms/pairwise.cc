@@ -36,8 +36,8 @@ Schedule ExchangeWithAll(int rank, int size, size_t bytes, SendAt send_at, RecvA
 }
 
 // out = parts[0] (op) parts[1] (op) ... in rank order: the same arithmetic on every rank.
-void ReduceInRankOrder(ReduceOp op, DataType dtype, void* out, const std::vector<const char*>& parts,
-                       size_t count) {
+void ReduceInRankOrder(ReduceOp op, DataType dtype, void* out,
+                       const std::vector<const char*>& parts, size_t count) {
   ReduceTo(op, dtype, out, parts[0], parts[1], count);
   for (size_t k = 2; k < parts.size(); ++k) ReduceTo(op, dtype, out, out, parts[k], count);
 }
@@ -45,8 +45,8 @@ void ReduceInRankOrder(ReduceOp op, DataType dtype, void* out, const std::vector
 // Sends the blocks `parts(p)` (block p goes to rank p), collects every rank's block `rank` and
 // reduces them in rank order into `out`. `own` is this rank's contribution, which may alias out.
 template <typename PartOf>
-absl::Status ExchangeAndReduce(const Context& ctx, PartOf part_for, const void* own,
-                               void* out, size_t count, DataType dtype, ReduceOp op) {
+absl::Status ExchangeAndReduce(const Context& ctx, PartOf part_for, const void* own, void* out,
+                               size_t count, DataType dtype, ReduceOp op) {
   const int n = ctx.transport->size();
   const int r = ctx.transport->rank();
   const size_t bytes = count * SizeOf(dtype);
@@ -98,8 +98,8 @@ absl::Status DirectAllReduce(const Context& ctx, const void* in, void* out, size
       ctx, [in](int) { return in; }, in, out, count, dtype, op);
 }
 
-absl::Status DirectReduceScatter(const Context& ctx, const void* in, void* out,
-                                 size_t block_count, DataType dtype, ReduceOp op) {
+absl::Status DirectReduceScatter(const Context& ctx, const void* in, void* out, size_t block_count,
+                                 DataType dtype, ReduceOp op) {
   const size_t bytes = block_count * SizeOf(dtype);
   const char* blocks = static_cast<const char*>(in);
   const void* own = blocks + ctx.transport->rank() * bytes;
@@ -108,8 +108,8 @@ absl::Status DirectReduceScatter(const Context& ctx, const void* in, void* out,
       op);
 }
 
-absl::Status DirectAllGather(const Context& ctx, const void* in, void* out,
-                             size_t block_count, DataType dtype) {
+absl::Status DirectAllGather(const Context& ctx, const void* in, void* out, size_t block_count,
+                             DataType dtype) {
   const int r = ctx.transport->rank();
   const size_t bytes = block_count * SizeOf(dtype);
   char* blocks = static_cast<char*>(out);
@@ -120,8 +120,8 @@ absl::Status DirectAllGather(const Context& ctx, const void* in, void* out,
   return RunSchedule(s, ctx);
 }
 
-absl::Status PairwiseAllToAll(const Context& ctx, const void* in, void* out,
-                              size_t block_count, DataType dtype) {
+absl::Status PairwiseAllToAll(const Context& ctx, const void* in, void* out, size_t block_count,
+                              DataType dtype) {
   const int n = ctx.transport->size();
   const int r = ctx.transport->rank();
   const size_t es = SizeOf(dtype);
@@ -150,13 +150,11 @@ absl::Status PairwiseAllToAll(const Context& ctx, const void* in, void* out,
   return RunSchedule(s, ctx);
 }
 
-absl::Status SendTo(const Context& ctx, const void* data, size_t count, DataType dtype,
-                    int peer) {
+absl::Status SendTo(const Context& ctx, const void* data, size_t count, DataType dtype, int peer) {
   return RunSchedule(Stream(ctx, data, count, dtype, peer, /*send=*/true), ctx);
 }
 
-absl::Status RecvFrom(const Context& ctx, void* data, size_t count, DataType dtype,
-                      int peer) {
+absl::Status RecvFrom(const Context& ctx, void* data, size_t count, DataType dtype, int peer) {
   return RunSchedule(Stream(ctx, data, count, dtype, peer, /*send=*/false), ctx);
 }
 

@@ -45,7 +45,8 @@ struct ProductFn {
   C operator()(C a, C b) const {
     if constexpr (std::is_integral_v<C>) {
       // uint8/uint16 would promote to int and could overflow it; unsigned int does not promote.
-      using U = std::conditional_t<(sizeof(C) < sizeof(unsigned)), unsigned, std::make_unsigned_t<C>>;
+      using U =
+          std::conditional_t<(sizeof(C) < sizeof(unsigned)), unsigned, std::make_unsigned_t<C>>;
       return static_cast<C>(static_cast<U>(a) * static_cast<U>(b));
     } else {
       return a * b;
@@ -133,14 +134,10 @@ void ReduceTyped(ReduceOp op, void* out, const void* a, const void* b, size_t n)
   using C = typename Ty::Compute;
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAvg:
-      return Apply<Ty>(out, a, b, n, SumFn<C>());
-    case ReduceOp::kProduct:
-      return Apply<Ty>(out, a, b, n, ProductFn<C>());
-    case ReduceOp::kMin:
-      return Apply<Ty>(out, a, b, n, MinFn<C>());
-    case ReduceOp::kMax:
-      return Apply<Ty>(out, a, b, n, MaxFn<C>());
+    case ReduceOp::kAvg: return Apply<Ty>(out, a, b, n, SumFn<C>());
+    case ReduceOp::kProduct: return Apply<Ty>(out, a, b, n, ProductFn<C>());
+    case ReduceOp::kMin: return Apply<Ty>(out, a, b, n, MinFn<C>());
+    case ReduceOp::kMax: return Apply<Ty>(out, a, b, n, MaxFn<C>());
   }
 }
 
@@ -173,8 +170,7 @@ void Dispatch(DataType dtype, Fn&& fn) {
 
 }  // namespace
 
-void ReduceTo(ReduceOp op, DataType dtype, void* out, const void* a, const void* b,
-              size_t count) {
+void ReduceTo(ReduceOp op, DataType dtype, void* out, const void* a, const void* b, size_t count) {
   if (count == 0) return;
   Dispatch(dtype, [&](auto traits) { ReduceTyped<decltype(traits)>(op, out, a, b, count); });
 }

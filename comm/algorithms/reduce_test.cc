@@ -130,16 +130,20 @@ void StoreRef(DataType dtype, double v, void* out) {
   switch (dtype) {
     case DataType::kF32: *static_cast<float*>(out) = static_cast<float>(v); return;
     case DataType::kF64: *static_cast<double*>(out) = v; return;
-    case DataType::kF16:
-      *static_cast<uint16_t*>(out) = std::isnan(v) ? 0x7e00 : RefF16(v);
-      return;
+    case DataType::kF16: *static_cast<uint16_t*>(out) = std::isnan(v) ? 0x7e00 : RefF16(v); return;
     case DataType::kBF16:
       *static_cast<uint16_t*>(out) = std::isnan(v) ? 0x7fc0 : RefBF16(v);
       return;
     // Through int64 so that out-of-range products wrap like the kernels' integer math.
-    case DataType::kI8: *static_cast<int8_t*>(out) = static_cast<int8_t>(static_cast<int64_t>(v)); return;
-    case DataType::kU8: *static_cast<uint8_t*>(out) = static_cast<uint8_t>(static_cast<int64_t>(v)); return;
-    case DataType::kI32: *static_cast<int32_t*>(out) = static_cast<int32_t>(static_cast<int64_t>(v)); return;
+    case DataType::kI8:
+      *static_cast<int8_t*>(out) = static_cast<int8_t>(static_cast<int64_t>(v));
+      return;
+    case DataType::kU8:
+      *static_cast<uint8_t*>(out) = static_cast<uint8_t>(static_cast<int64_t>(v));
+      return;
+    case DataType::kI32:
+      *static_cast<int32_t*>(out) = static_cast<int32_t>(static_cast<int64_t>(v));
+      return;
     case DataType::kI64: *static_cast<int64_t*>(out) = static_cast<int64_t>(v); return;
   }
 }
@@ -207,8 +211,8 @@ TEST(Reduce, EveryDtypeAndOpMatchesTheDoubleReference) {
     const size_t esize = SizeOf(dtype);
     for (ReduceOp op : kAllOps) {
       for (size_t count : {0, 1, 7, 4097}) {
-        SCOPED_TRACE(testing::Message() << DataTypeName(dtype) << " " << ReduceOpName(op)
-                                        << " count " << count);
+        SCOPED_TRACE(testing::Message()
+                     << DataTypeName(dtype) << " " << ReduceOpName(op) << " count " << count);
         std::vector<char> a = RandomData(dtype, count, rng);
         std::vector<char> b = RandomData(dtype, count, rng);
         std::vector<char> want(a.size());
@@ -276,7 +280,8 @@ TEST(DivideBy, FloatsDivideInTheirComputeType) {
         const double v = LoadRef(dtype, &data[i * es]);
         // The kernels divide in f32 for 16-bit types; division by 3 is inexact, so the
         // reference divides in the same type.
-        const double q = dtype == DataType::kF64 ? v / 3 : static_cast<double>(static_cast<float>(v) / 3.0f);
+        const double q =
+            dtype == DataType::kF64 ? v / 3 : static_cast<double>(static_cast<float>(v) / 3.0f);
         StoreRef(dtype, q, &want[i * es]);
       }
       DivideBy(dtype, data.data(), count, 3);

@@ -37,8 +37,8 @@ Segment SegmentOf(size_t len, size_t j, size_t seg) {
 
 }  // namespace
 
-absl::Status RingReduceScatter(const Context& ctx, const void* in, const Blocks& blocks,
-                               void* out, DataType dtype, ReduceOp op) {
+absl::Status RingReduceScatter(const Context& ctx, const void* in, const Blocks& blocks, void* out,
+                               DataType dtype, ReduceOp op) {
   const int n = ctx.transport->size();
   const int r = ctx.transport->rank();
   const size_t es = SizeOf(dtype);
@@ -92,8 +92,7 @@ absl::Status RingReduceScatter(const Context& ctx, const void* in, const Blocks&
   return RunSchedule(s, ctx);
 }
 
-absl::Status RingAllGather(const Context& ctx, void* buf, const Blocks& blocks,
-                           DataType dtype) {
+absl::Status RingAllGather(const Context& ctx, void* buf, const Blocks& blocks, DataType dtype) {
   const int n = ctx.transport->size();
   const int r = ctx.transport->rank();
   const size_t es = SizeOf(dtype);

@@ -13,12 +13,11 @@ namespace fairscale::comm::algo {
 // element-wise reduction of all ranks' `in` into `out` (blocks.length[r] elements). `out` may be
 // block r of `in` itself; `in` is never written. Each block's value is computed once, on its
 // owner. Scratch: 4 segments.
-absl::Status RingReduceScatter(const Context& ctx, const void* in, const Blocks& blocks,
-                               void* out, DataType dtype, ReduceOp op);
+absl::Status RingReduceScatter(const Context& ctx, const void* in, const Blocks& blocks, void* out,
+                               DataType dtype, ReduceOp op);
 
 // On entry rank r holds block r of `buf`; on exit every rank holds every block. Received data
 // goes straight into `buf` (no scratch).
-absl::Status RingAllGather(const Context& ctx, void* buf, const Blocks& blocks,
-                           DataType dtype);
+absl::Status RingAllGather(const Context& ctx, void* buf, const Blocks& blocks, DataType dtype);
 
 }  // namespace fairscale::comm::algo

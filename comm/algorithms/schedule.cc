@@ -85,7 +85,8 @@ class Runner {
         if (st.send_after >= n_) return Bad(k, "send_after out of range");
         FS_RETURN_IF_ERROR(check_slot_ref(k, st.send_src, true));
         if (st.send_src.is_slot()) {
-          if (st.send_after < st.send_src.slot_of) return Bad(k, "sends a slot before it is filled");
+          if (st.send_after < st.send_src.slot_of)
+            return Bad(k, "sends a slot before it is filled");
           ++refs_[st.send_src.slot_of];
         }
       }
@@ -182,8 +183,8 @@ class Runner {
           FS_RETURN_IF_ERROR(WaitOldestSend(cur, &waited));
           if (waited) continue;
           if (k != cur) return absl::OkStatus();  // look-ahead waits for a later turn
-          return absl::InternalError(absl::StrCat(
-              "schedule: no scratch slot free for step ", cur, " (", s_.slots, " slots)"));
+          return absl::InternalError(absl::StrCat("schedule: no scratch slot free for step ", cur,
+                                                  " (", s_.slots, " slots)"));
         }
         slot_[k] = free_.back();
         free_.pop_back();

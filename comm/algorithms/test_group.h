@@ -63,7 +63,9 @@ inline void StoreValue(DataType dtype, void* base, size_t i, double v) {
     case DataType::kF32: static_cast<float*>(base)[i] = static_cast<float>(v); return;
     case DataType::kF64: static_cast<double*>(base)[i] = v; return;
     case DataType::kF16: static_cast<uint16_t*>(base)[i] = F32ToF16(static_cast<float>(v)); return;
-    case DataType::kBF16: static_cast<uint16_t*>(base)[i] = F32ToBF16(static_cast<float>(v)); return;
+    case DataType::kBF16:
+      static_cast<uint16_t*>(base)[i] = F32ToBF16(static_cast<float>(v));
+      return;
     case DataType::kI8: static_cast<int8_t*>(base)[i] = static_cast<int8_t>(v); return;
     case DataType::kU8: static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(v); return;
     case DataType::kI32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v); return;

@@ -10,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
@@ -34,8 +35,9 @@ class TransportCommunicator final : public Communicator {
                         factory(store, config.rank, config.size, config));
     if (transport == nullptr || transport->rank() != config.rank ||
         transport->size() != config.size) {
-      return absl::InternalError("the transport factory returned no transport or one of the "
-                                 "wrong rank/size");
+      return absl::InternalError(
+          "the transport factory returned no transport or one of the "
+          "wrong rank/size");
     }
     return std::shared_ptr<Communicator>(
         new TransportCommunicator(std::move(backend), config, options, std::move(store),
@@ -87,9 +89,9 @@ class TransportCommunicator final : public Communicator {
   Work DoAllReduce(const OpContext& ctx, ConstBuffer send, Buffer recv, ReduceOp op) override {
     return Enqueue(ctx, [=](const algo::Context& a) { return algo::AllReduce(a, send, recv, op); });
   }
-  Work DoReduceScatter(const OpContext& ctx, ConstBuffer send, Buffer recv,
-                       ReduceOp op) override {
-    return Enqueue(ctx, [=](const algo::Context& a) { return algo::ReduceScatter(a, send, recv, op); });
+  Work DoReduceScatter(const OpContext& ctx, ConstBuffer send, Buffer recv, ReduceOp op) override {
+    return Enqueue(ctx,
+                   [=](const algo::Context& a) { return algo::ReduceScatter(a, send, recv, op); });
   }
   Work DoAllGather(const OpContext& ctx, ConstBuffer send, Buffer recv) override {
     return Enqueue(ctx, [=](const algo::Context& a) { return algo::AllGather(a, send, recv); });
@@ -99,7 +101,8 @@ class TransportCommunicator final : public Communicator {
   }
   Work DoReduce(const OpContext& ctx, ConstBuffer send, Buffer recv, ReduceOp op,
                 int root) override {
-    return Enqueue(ctx, [=](const algo::Context& a) { return algo::Reduce(a, send, recv, op, root); });
+    return Enqueue(ctx,
+                   [=](const algo::Context& a) { return algo::Reduce(a, send, recv, op, root); });
   }
   Work DoAllToAll(const OpContext& ctx, ConstBuffer send, Buffer recv) override {
     return Enqueue(ctx, [=](const algo::Context& a) { return algo::AllToAll(a, send, recv); });
@@ -142,15 +145,14 @@ class TransportCommunicator final : public Communicator {
         std::find(members.begin(), members.end(), std::make_pair(key, r)) - members.begin());
     child.timeout = default_timeout();
     // Unique per parent, split and color, so children never collide in the store.
-    child.store = std::make_shared<PrefixStore>(absl::StrCat("split", ctx.seq, "/color", color),
-                                                store_);
+    child.store =
+        std::make_shared<PrefixStore>(absl::StrCat("split", ctx.seq, "/color", color), store_);
     absl::StatusOr<std::shared_ptr<Communicator>> made =
         Build(std::string(backend()), child, options_, child.store, factory_);
     if (!made.ok()) {
       return ctx.Error(made.status().code(),
                        absl::StrCat("creating the communicator of color ", color, " (rank ",
-                                    child.rank, "/", child.size,
-                                    "): ", made.status().message()));
+                                    child.rank, "/", child.size, "): ", made.status().message()));
     }
     return made;
   }
@@ -238,7 +240,8 @@ class TransportCommunicator final : public Communicator {
         RunOp(*op);
       } else if (poll) {
         absl::Status s = transport_->Poll();
-        if (!s.ok()) (void)Break(absl::Status(s.code(), absl::StrCat(Who(), " (idle): ", s.message())));
+        if (!s.ok())
+          (void)Break(absl::Status(s.code(), absl::StrCat(Who(), " (idle): ", s.message())));
       }
     }
   }
@@ -260,7 +263,10 @@ class TransportCommunicator final : public Communicator {
       op.done.Complete(s);
       return;
     }
-    std::string message(s.message());
+    // Reasons this communicator made up itself (Abort, destruction) already name the rank.
+    absl::string_view reason = s.message();
+    absl::ConsumePrefix(&reason, absl::StrCat(Who(), ": "));
+    std::string message(reason);
     if (s.code() == absl::StatusCode::kDeadlineExceeded) {
       absl::StrAppend(&message, " (timeout ", absl::FormatDuration(op.ctx.timeout), ")");
     }

@@ -36,8 +36,7 @@ TreeNode BinomialNode(int rank, int size, int root) {
 
 }  // namespace
 
-absl::Status TreeBroadcast(const Context& ctx, void* buf, size_t count, DataType dtype,
-                           int root) {
+absl::Status TreeBroadcast(const Context& ctx, void* buf, size_t count, DataType dtype, int root) {
   const TreeNode node = BinomialNode(ctx.transport->rank(), ctx.transport->size(), root);
   const size_t es = SizeOf(dtype);
   const size_t seg = SegmentElems(ctx, dtype);
@@ -69,8 +68,8 @@ absl::Status TreeBroadcast(const Context& ctx, void* buf, size_t count, DataType
   return RunSchedule(s, ctx);
 }
 
-absl::Status TreeReduce(const Context& ctx, const void* in, void* out, size_t count,
-                        DataType dtype, ReduceOp op, int root) {
+absl::Status TreeReduce(const Context& ctx, const void* in, void* out, size_t count, DataType dtype,
+                        ReduceOp op, int root) {
   TreeNode node = BinomialNode(ctx.transport->rank(), ctx.transport->size(), root);
   // Smallest subtree first: its partial sum is ready earliest.
   std::reverse(node.children.begin(), node.children.end());

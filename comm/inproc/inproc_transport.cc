@@ -54,20 +54,23 @@ class Domain {
   }
 
   struct RankState {
-    absl::CondVar cv;      // signalled when anything this rank may wait for changes
+    absl::CondVar cv;  // signalled when anything this rank may wait for changes
     bool joined = false;
-    bool closed = false;   // shut down: nothing more can be sent to or received from it
+    bool closed = false;  // shut down: nothing more can be sent to or received from it
     std::string closed_reason;
     absl::Status failure;  // the error it shut down with (OK for a normal close)
+    uint64_t failure_order = 0;  // when it failed, to report the first failure of a cascade
     int copying = 0;       // its requests being copied right now
   };
   RankState& rank(int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return ranks_[r]; }
+  uint64_t NextFailureOrder() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return ++failures_; }
 
  private:
   const std::string id_;
   const int size_;
   std::vector<Pair> pairs_ ABSL_GUARDED_BY(mu);
   std::vector<RankState> ranks_ ABSL_GUARDED_BY(mu);
+  uint64_t failures_ ABSL_GUARDED_BY(mu) = 0;
 };
 
 // Process-global registry of live domains (leaked: ranks may join during static destruction).
@@ -179,6 +182,7 @@ class InprocTransport final : public Transport {
     Domain::RankState& me = d_->rank(rank_);
     me.closed = true;
     me.failure = reason;
+    if (!reason.ok()) me.failure_order = d_->NextFailureOrder();
     me.closed_reason = reason.ok() ? "its communicator was destroyed" : reason.ToString();
     const absl::Status gone = PeerGone(rank_, me.closed_reason);
     // Fail what peers posted towards this rank; they would otherwise wait for their deadline.
@@ -234,17 +238,16 @@ class InprocTransport final : public Transport {
   // Completes a matched pair: checks tag and size, copies outside the lock, finishes both.
   void MatchLocked(Posted* send, Posted* recv) ABSL_EXCLUSIVE_LOCKS_REQUIRED(d_->mu) {
     if (send->tag != recv->tag || send->bytes != recv->bytes) {
-      const std::string sent = absl::StrCat(DescribeTag(send->tag), " with ", send->bytes, " bytes");
+      const std::string sent =
+          absl::StrCat(DescribeTag(send->tag), " with ", send->bytes, " bytes");
       const std::string expected =
           absl::StrCat(DescribeTag(recv->tag), " with ", recv->bytes, " bytes");
-      FinishLocked(recv, absl::InvalidArgumentError(
-                             absl::StrCat("message from peer ", send->owner,
-                                          " does not match the receive: expected ", expected,
-                                          ", got ", sent)));
-      FinishLocked(send, absl::InvalidArgumentError(
-                             absl::StrCat("message to peer ", recv->owner,
-                                          " does not match its receive: sent ", sent,
-                                          ", the peer expected ", expected)));
+      FinishLocked(recv, absl::InvalidArgumentError(absl::StrCat(
+                             "message from peer ", send->owner,
+                             " does not match the receive: expected ", expected, ", got ", sent)));
+      FinishLocked(send, absl::InvalidArgumentError(absl::StrCat(
+                             "message to peer ", recv->owner, " does not match its receive: sent ",
+                             sent, ", the peer expected ", expected)));
       return;
     }
     send->state = recv->state = Posted::State::kCopying;
@@ -266,11 +269,17 @@ class InprocTransport final : public Transport {
   }
 
   // A Cancel() or a peer that shut down with an error: the communicator is broken everywhere.
+  // Of several failed peers the first one to fail is named: the others usually failed because
+  // of it.
   absl::Status TroubleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(d_->mu) {
     if (!cancel_.ok()) return cancel_;
+    int first = -1;
     for (int p = 0; p < size_; ++p) {
-      if (p != rank_ && !d_->rank(p).failure.ok()) return PeerGone(p, d_->rank(p).closed_reason);
+      const Domain::RankState& s = d_->rank(p);
+      if (p == rank_ || s.failure.ok()) continue;
+      if (first < 0 || s.failure_order < d_->rank(first).failure_order) first = p;
     }
+    if (first >= 0) return PeerGone(first, d_->rank(first).closed_reason);
     return absl::OkStatus();
   }
 
@@ -334,9 +343,10 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateInprocTransport(std::shared_ptr
     auto it = reg.domains.find(*id);
     if (it != reg.domains.end()) domain = it->second.lock();
     if (domain == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "inproc: domain ", *id, " is gone (rank 0 is in another process, or its "
-          "communicator was already destroyed)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("inproc: domain ", *id,
+                       " is gone (rank 0 is in another process, or its "
+                       "communicator was already destroyed)"));
     }
   }
   absl::MutexLock lock(&domain->mu);

@@ -6,9 +6,7 @@
 namespace fairscale::comm {
 namespace {
 
-TEST(InprocRegistration, IsLinked) {
-  EXPECT_THAT(LinkedBackends(), ::testing::Contains("inproc"));
-}
+TEST(InprocRegistration, IsLinked) { EXPECT_THAT(LinkedBackends(), ::testing::Contains("inproc")); }
 
 }  // namespace
 }  // namespace fairscale::comm
