@@ -11,7 +11,9 @@
 //   barrier         dissemination
 //   send / recv     direct, segmented
 // Every function blocks until the operation is done on this rank, an error occurs, or
-// ctx.deadline passes; errors are the Transport's (the caller adds the op label). Arguments are
+// ctx.deadline passes; errors are the Transport's (the caller adds the op label). All messages
+// of one operation carry ctx.tag. Results of all_reduce are bit-identical on every rank (each
+// element is reduced once, in one order, and then copied); kAvg divides the final sums. Arguments are
 // assumed valid (the Communicator base class checks them). Memory beyond the caller's buffers is
 // bounded by a few algo.chunk_bytes (ring, tree) or n * algo.small_bytes (direct exchange), taken
 // from a Scratch the caller keeps between operations.
@@ -66,6 +68,10 @@ absl::Status Broadcast(const Context& ctx, Buffer buffer, int root);
 // `recv` is used on the root only.
 absl::Status Reduce(const Context& ctx, ConstBuffer send, Buffer recv, ReduceOp op, int root);
 absl::Status AllToAll(const Context& ctx, ConstBuffer send, Buffer recv);
+// Send returns once its messages have left; on a rendezvous transport (inproc) that is when the
+// peer has posted the matching Recv. As with MPI_Ssend, two ranks that each Send to the other
+// before their Recv wait for each other until the timeout; order the pair (lower rank sends
+// first) instead.
 absl::Status Send(const Context& ctx, ConstBuffer buffer, int peer);
 absl::Status Recv(const Context& ctx, Buffer buffer, int peer);
 absl::Status Barrier(const Context& ctx);

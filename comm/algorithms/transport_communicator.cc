@@ -125,13 +125,14 @@ class TransportCommunicator final : public Communicator {
     auto table = std::make_shared<std::vector<int32_t>>(2 * n, 0);
     (*table)[2 * r] = color;
     (*table)[2 * r + 1] = key;
+    const absl::Duration budget = QueuedTimeBudget() + ctx.timeout;
     Work exchange = Enqueue(ctx, [table, r](const algo::Context& a) {
       Buffer all = MakeBuffer(table->data(), table->size());
       return algo::AllGather(a, all.Slice(2 * r, 2), all);
     });
-    // No timeout needed here: the worker finishes every queued operation within its own
-    // timeout (this one's is ctx.timeout), so the Work always completes.
-    FS_RETURN_IF_ERROR(exchange.Wait());
+    // The worker ends every operation within its own timeout, so this bound is never the one
+    // that fires unless something is badly wrong.
+    FS_RETURN_IF_ERROR(exchange.Wait(budget + absl::Seconds(5)));
     if (color == kNoColor) return std::shared_ptr<Communicator>();
 
     std::vector<std::pair<int, int>> members;  // (key, old rank)
@@ -181,6 +182,14 @@ class TransportCommunicator final : public Communicator {
     return absl::StrCat("rank ", rank(), "/", size(), " [", backend(), "]");
   }
 
+  // The longest the worker can take to finish what is running and queued now.
+  absl::Duration QueuedTimeBudget() {
+    absl::MutexLock lock(&mu_);
+    absl::Duration budget = running_ ? running_timeout_ : absl::ZeroDuration();
+    for (const Op& op : queue_) budget += op.ctx.timeout;
+    return budget;
+  }
+
   Work Enqueue(const OpContext& ctx, OpFn run) {
     auto [work, done] = Work::Pending(ctx.Label());
     absl::MutexLock lock(&mu_);
@@ -227,6 +236,7 @@ class TransportCommunicator final : public Communicator {
           op.emplace(std::move(queue_.front()));
           queue_.pop_front();
           running_ = true;
+          running_timeout_ = op->ctx.timeout;
         } else if (stopping_) {
           return;
         } else {
@@ -296,6 +306,7 @@ class TransportCommunicator final : public Communicator {
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool running_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Duration running_timeout_ ABSL_GUARDED_BY(mu_);
   // Set once Transport::Shutdown has been (or is being) called.
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   std::thread worker_;
