@@ -13,10 +13,10 @@
 // Every function blocks until the operation is done on this rank, an error occurs, or
 // ctx.deadline passes; errors are the Transport's (the caller adds the op label). All messages
 // of one operation carry ctx.tag. Results of all_reduce are bit-identical on every rank (each
-// element is reduced once, in one order, and then copied); kAvg divides the final sums. Arguments are
-// assumed valid (the Communicator base class checks them). Memory beyond the caller's buffers is
-// bounded by a few algo.chunk_bytes (ring, tree) or n * algo.small_bytes (direct exchange), taken
-// from a Scratch the caller keeps between operations.
+// element is reduced once, in one order, and then copied); kAvg divides the final sums. Arguments
+// are assumed valid (the Communicator base class checks them). Memory beyond the caller's buffers
+// is bounded by a few algo.chunk_bytes (ring, tree) or n * algo.small_bytes (direct exchange),
+// taken from a Scratch the caller keeps between operations.
 #pragma once
 
 #include <cstddef>

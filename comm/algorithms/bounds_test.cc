@@ -148,5 +148,61 @@ TEST(Bounds, DirectAllReduceSendsOneMessagePerPeer) {
   }
 }
 
+// Size 1 is pure local copies: a transport that fails the test on any call proves it.
+class UntouchableTransport : public Transport {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  Request Isend(int, uint64_t, const void*, size_t) override { return Fail(); }
+  Request Irecv(int, uint64_t, void*, size_t) override { return Fail(); }
+  absl::Status Wait(absl::Span<const Request>, absl::Time) override {
+    Fail();
+    return absl::OkStatus();
+  }
+  absl::Status Poll() override {
+    Fail();
+    return absl::OkStatus();
+  }
+  void Cancel(const absl::Status&) override { Fail(); }
+  void Shutdown(const absl::Status&) override { Fail(); }
+
+ private:
+  static Request Fail() {
+    ADD_FAILURE() << "size 1 touched the transport";
+    return 1;
+  }
+};
+
+TEST(Bounds, SizeOneMakesNoTransportCalls) {
+  UntouchableTransport t;
+  algo::Scratch scratch;
+  algo::Context ctx;
+  ctx.transport = &t;
+  ctx.scratch = &scratch;
+  for (size_t small : {size_t{0}, size_t{1} << 20}) {
+    ctx.options.small_bytes = small;
+    std::vector<float> a = {1, 2, 3, 4}, b(4);
+    EXPECT_OK(algo::AllReduce(ctx, MakeConstBuffer(a.data(), 4), MakeBuffer(b.data(), 4),
+                              ReduceOp::kAvg));
+    EXPECT_EQ(b, a);
+    b.assign(4, 0);
+    EXPECT_OK(algo::ReduceScatter(ctx, MakeConstBuffer(a.data(), 4), MakeBuffer(b.data(), 4),
+                                  ReduceOp::kSum));
+    EXPECT_EQ(b, a);
+    b.assign(4, 0);
+    EXPECT_OK(algo::AllGather(ctx, MakeConstBuffer(a.data(), 4), MakeBuffer(b.data(), 4)));
+    EXPECT_EQ(b, a);
+    b.assign(4, 0);
+    EXPECT_OK(algo::AllToAll(ctx, MakeConstBuffer(a.data(), 4), MakeBuffer(b.data(), 4)));
+    EXPECT_EQ(b, a);
+    b.assign(4, 0);
+    EXPECT_OK(algo::Reduce(ctx, MakeConstBuffer(a.data(), 4), MakeBuffer(b.data(), 4),
+                           ReduceOp::kMax, 0));
+    EXPECT_EQ(b, a);
+    EXPECT_OK(algo::Broadcast(ctx, MakeBuffer(a.data(), 4), 0));
+    EXPECT_OK(algo::Barrier(ctx));
+  }
+}
+
 }  // namespace
 }  // namespace fairscale::comm::testing

@@ -1,6 +1,6 @@
-// Element-wise reduction kernels (//comm/algorithms:reduce), used by every backend that reduces
-// on the CPU: the ring/tree/direct algorithms of this package (tcp, ucx, inproc) and the Gloo
-// and NCCL adapters' host fallbacks.
+// Element-wise reduction kernels (//comm/algorithms:reduce), used wherever a backend reduces on
+// the CPU: the ring, tree and direct algorithms of this package (so tcp, ucx and inproc), and any
+// other backend that needs a host-side reduction with the same semantics.
 //
 // Semantics per ReduceOp (the same on every rank, so results are reproducible):
 //   sum, avg   a + b (avg divides once at the end, see DivideBy); integers wrap around
