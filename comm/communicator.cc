@@ -20,6 +20,7 @@ absl::string_view OpTypeName(OpType type) {
     case OpType::kRecv: return "recv";
     case OpType::kBarrier: return "barrier";
     case OpType::kSplit: return "split";
+    case OpType::kBatchP2P: return "batch_p2p";
   }
   return "invalid-op-type";
 }
@@ -252,6 +253,33 @@ Work Communicator::Recv(Buffer buffer, int peer, const OpOptions& opts) {
   FS_COMM_CHECK(CheckBuffer(ctx, "", buffer.data, buffer.count, buffer.dtype, buffer.device));
   ctx.seq = ++recv_seq_[peer];
   return DoRecv(ctx, buffer, peer);
+}
+
+Work Communicator::BatchP2P(const std::vector<P2POp>& ops, const OpOptions& opts) {
+  absl::MutexLock lock(&mu_);
+  OpContext ctx = MakeContext(OpType::kBatchP2P, 0, opts);
+  if (ops.empty()) return Work();
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const P2POp& op = ops[i];
+    FS_COMM_REQUIRE(op.peer >= 0 && op.peer < size_ && op.peer != rank_, "batch item ", i,
+                    ": peer ", op.peer, " is not another rank in [0, ", size_, ")");
+    FS_COMM_CHECK(CheckBuffer(ctx, absl::StrCat("batch item ", i), op.buffer.data,
+                              op.buffer.count, op.buffer.dtype, op.buffer.device));
+    for (size_t j = 0; j < i; ++j) {
+      const P2POp& other = ops[j];
+      const bool writes = !op.is_send || !other.is_send;
+      FS_COMM_REQUIRE(!writes || !Overlaps(op.buffer.data, op.buffer.bytes(), other.buffer.data,
+                                           other.buffer.bytes()),
+                      "batch items ", j, " and ", i, " overlap and one of them receives");
+    }
+  }
+  std::vector<P2PItem> items;
+  items.reserve(ops.size());
+  for (const P2POp& op : ops) {
+    uint64_t& seq = op.is_send ? send_seq_[op.peer] : recv_seq_[op.peer];
+    items.push_back({op, ++seq});
+  }
+  return DoBatchP2P(ctx, std::move(items));
 }
 
 Work Communicator::Barrier(const OpOptions& opts) {

@@ -39,6 +39,15 @@
 //   AllToAll(send, recv)           send.count == recv.count, divisible by n; block j of send goes
 //                                  to rank j, block i of recv comes from rank i. No in-place.
 //   Send(buffer, peer) / Recv(buffer, peer)  counts and dtypes must match; peer != rank.
+//                                  A Send may complete only once the peer receives (it does on
+//                                  rendezvous transports), and operations run one after another,
+//                                  so two ranks that each Send to the other before their Recv can
+//                                  wait for each other until the timeout. Use BatchP2P for
+//                                  exchanges: it runs all its sends and receives at once.
+//   BatchP2P(ops)                  a group of Sends and Recvs (to any peers) run concurrently as
+//                                  one operation, like NCCL's group calls or PyTorch's
+//                                  batch_isend_irecv. Each item matches a Send/Recv (or a
+//                                  BatchP2P item) of the peer in per-peer issue order.
 //   Barrier()                      completes once every rank has entered it.
 //   Split(color, key)              collective and blocking; ranks with the same color form a new
 //                                  communicator ordered by (key, old rank); color < 0 (kNoColor)
@@ -72,6 +81,7 @@ enum class OpType : uint8_t {
   kRecv,
   kBarrier,
   kSplit,
+  kBatchP2P,
 };
 absl::string_view OpTypeName(OpType type);  // "all_reduce", "reduce_scatter", ...
 
@@ -99,6 +109,24 @@ struct OpContext {
 
 inline constexpr int kNoColor = -1;
 
+// One item of BatchP2P.
+struct P2POp {
+  bool is_send = false;
+  Buffer buffer;  // never written when is_send
+  int peer = -1;
+
+  static P2POp Send(ConstBuffer b, int peer) {
+    return {true, Buffer{const_cast<void*>(b.data), b.count, b.dtype, b.device}, peer};
+  }
+  static P2POp Recv(Buffer b, int peer) { return {false, b, peer}; }
+};
+
+// A validated BatchP2P item with its per-peer sequence number.
+struct P2PItem {
+  P2POp op;
+  uint64_t seq = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator();
@@ -119,6 +147,9 @@ class Communicator {
   Work Send(ConstBuffer buffer, int peer, const OpOptions& opts = {});
   Work Recv(Buffer buffer, int peer, const OpOptions& opts = {});
   Work Barrier(const OpOptions& opts = {});
+  // Runs every send and receive of `ops` concurrently; done when all are. An empty batch is done
+  // at once.
+  Work BatchP2P(const std::vector<P2POp>& ops, const OpOptions& opts = {});
 
   // Collective and blocking (bounded by the timeout). nullptr for color < 0.
   absl::StatusOr<std::shared_ptr<Communicator>> Split(int color, int key,
@@ -150,6 +181,9 @@ class Communicator {
   virtual Work DoSend(const OpContext& ctx, ConstBuffer buffer, int peer) = 0;
   virtual Work DoRecv(const OpContext& ctx, Buffer buffer, int peer) = 0;
   virtual Work DoBarrier(const OpContext& ctx) = 0;
+  // ctx.type is kBatchP2P and ctx.seq 0; every item carries its own per-peer seq (messages are
+  // tagged as Send/Recv with that seq, so they match plain Send/Recv on the peer).
+  virtual Work DoBatchP2P(const OpContext& ctx, std::vector<P2PItem> items) = 0;
   // Every rank calls this, including those with color == kNoColor, which take part in the
   // exchange and return nullptr. Returns this rank's child communicator.
   virtual absl::StatusOr<std::shared_ptr<Communicator>> DoSplit(const OpContext& ctx, int color,

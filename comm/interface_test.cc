@@ -40,6 +40,14 @@ class StubComm : public Communicator {
   Work DoSend(const OpContext& c, ConstBuffer, int) override { return Record(c); }
   Work DoRecv(const OpContext& c, Buffer, int) override { return Record(c); }
   Work DoBarrier(const OpContext& c) override { return Record(c); }
+  Work DoBatchP2P(const OpContext& c, std::vector<P2PItem> items) override {
+    for (const P2PItem& item : items) {
+      OpContext one = c;
+      one.seq = item.seq;
+      seen.push_back(one);
+    }
+    return Work();
+  }
   absl::StatusOr<std::shared_ptr<Communicator>> DoSplit(const OpContext& c, int, int) override {
     seen.push_back(c);
     return std::shared_ptr<Communicator>();

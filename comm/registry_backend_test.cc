@@ -42,6 +42,7 @@ class FakeComm : public Communicator {
   Work DoSend(const OpContext&, ConstBuffer, int) override { return Work(); }
   Work DoRecv(const OpContext&, Buffer, int) override { return Work(); }
   Work DoBarrier(const OpContext&) override { return Work(); }
+  Work DoBatchP2P(const OpContext&, std::vector<P2PItem>) override { return Work(); }
   absl::StatusOr<std::shared_ptr<Communicator>> DoSplit(const OpContext&, int, int) override {
     return std::shared_ptr<Communicator>();
   }

@@ -22,12 +22,14 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "comm/algorithms/transport.h"
+#include "comm/communicator.h"
 #include "comm/types.h"
 
 namespace fairscale::comm::algo {
@@ -75,5 +77,8 @@ absl::Status AllToAll(const Context& ctx, ConstBuffer send, Buffer recv);
 absl::Status Send(const Context& ctx, ConstBuffer buffer, int peer);
 absl::Status Recv(const Context& ctx, Buffer buffer, int peer);
 absl::Status Barrier(const Context& ctx);
+// Every send and receive of `items` at once (each item's messages carry
+// MakeTag(OpType::kSend, item.seq)); done when all are.
+absl::Status BatchP2P(const Context& ctx, const std::vector<P2PItem>& items);
 
 }  // namespace fairscale::comm::algo

@@ -145,6 +145,10 @@ absl::Status Recv(const Context& ctx, Buffer buffer, int peer) {
   return RecvFrom(ctx, buffer.data, buffer.count, buffer.dtype, peer);
 }
 
+absl::Status BatchP2P(const Context& ctx, const std::vector<P2PItem>& items) {
+  return BatchedSendRecv(ctx, items);
+}
+
 absl::Status Barrier(const Context& ctx) {
   if (Size(ctx) == 1) return absl::OkStatus();
   return DisseminationBarrier(ctx);

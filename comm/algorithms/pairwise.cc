@@ -158,6 +158,60 @@ absl::Status RecvFrom(const Context& ctx, void* data, size_t count, DataType dty
   return RunSchedule(Stream(ctx, data, count, dtype, peer, /*send=*/false), ctx);
 }
 
+absl::Status BatchedSendRecv(const Context& ctx, const std::vector<P2PItem>& items) {
+  // Segment every item exactly as a plain Send/Recv would (so a batch on one side matches plain
+  // calls on the other), then pair the k-th send segment with the k-th receive segment in one
+  // step: every send is posted at once and receives stay posted ahead, so no two ranks can wait
+  // on each other's sends.
+  struct Segment {
+    int peer;
+    uint64_t tag;
+    char* ptr;
+    size_t bytes;
+  };
+  std::vector<Segment> sends, recvs;
+  for (const P2PItem& item : items) {
+    const Buffer& b = item.op.buffer;
+    const size_t es = SizeOf(b.dtype);
+    const size_t seg = SegmentElems(ctx, b.dtype);
+    const uint64_t tag = MakeTag(OpType::kSend, item.seq);
+    for (size_t j = 0; j < NumSegments(b.count, seg); ++j) {
+      const size_t first = std::min(b.count, j * seg);
+      const size_t len = std::min(b.count, first + seg) - first;
+      (item.op.is_send ? sends : recvs)
+          .push_back({item.op.peer, tag, static_cast<char*>(b.data) + first * es, len * es});
+    }
+  }
+  Schedule s;
+  for (size_t k = 0; k < std::max(sends.size(), recvs.size()); ++k) {
+    Step step;
+    if (k < sends.size()) {
+      step.send_peer = sends[k].peer;
+      step.send_bytes = sends[k].bytes;
+      step.send_src = Loc::At(sends[k].ptr);
+    }
+    if (k < recvs.size()) {
+      step.recv_peer = recvs[k].peer;
+      step.recv_bytes = recvs[k].bytes;
+      step.recv_dst = Loc::At(recvs[k].ptr);
+    }
+    // One tag per step: split the pair when the send and the receive carry different tags.
+    if (k < sends.size() && k < recvs.size() && sends[k].tag != recvs[k].tag) {
+      Step recv_only = step;
+      recv_only.send_peer = -1;
+      recv_only.tag = recvs[k].tag;
+      step.recv_peer = -1;
+      step.tag = sends[k].tag;
+      s.Add(step);
+      s.Add(recv_only);
+      continue;
+    }
+    step.tag = k < sends.size() ? sends[k].tag : recvs[k].tag;
+    s.Add(step);
+  }
+  return RunSchedule(s, ctx);
+}
+
 absl::Status DisseminationBarrier(const Context& ctx) {
   const int n = ctx.transport->size();
   const int r = ctx.transport->rank();

@@ -3,6 +3,8 @@
 // barrier.
 #pragma once
 
+#include <vector>
+
 #include "absl/status/status.h"
 #include "comm/algorithms/algorithms.h"
 #include "comm/types.h"
@@ -36,5 +38,6 @@ absl::Status RecvFrom(const Context& ctx, void* data, size_t count, DataType dty
 // Dissemination barrier: in round k a zero-byte message goes to rank r + 2^k once the message of
 // round k-1 has arrived; after ceil(log2 n) rounds every rank has heard from every rank.
 absl::Status DisseminationBarrier(const Context& ctx);
+absl::Status BatchedSendRecv(const Context& ctx, const std::vector<P2PItem>& items);
 
 }  // namespace fairscale::comm::algo

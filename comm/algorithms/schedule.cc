@@ -148,7 +148,7 @@ class Runner {
       if (st.send_peer < 0) continue;
       if (st.send_after >= 0 && !recv_done_[st.send_after]) break;
       const Transport::Request req =
-          t_.Isend(st.send_peer, ctx_.tag, Resolve(st.send_src, st.send_bytes), st.send_bytes);
+          t_.Isend(st.send_peer, st.tag ? st.tag : ctx_.tag, Resolve(st.send_src, st.send_bytes), st.send_bytes);
       sends_.push_back({next_send_, req});
     }
     return absl::OkStatus();
@@ -190,7 +190,7 @@ class Runner {
         free_.pop_back();
       }
       const Transport::Request req =
-          t_.Irecv(st.recv_peer, ctx_.tag, Resolve(st.recv_dst, st.recv_bytes), st.recv_bytes);
+          t_.Irecv(st.recv_peer, st.tag ? st.tag : ctx_.tag, Resolve(st.recv_dst, st.recv_bytes), st.recv_bytes);
       recvs_.push_back({k, req});
       ++next_recv_post_;
     }

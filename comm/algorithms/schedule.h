@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -59,6 +60,10 @@ struct Step {
   bool reduce = false;
   Loc reduce_out;
   Loc reduce_a;
+
+  // Tag of this step's messages; 0 = the operation's (Context::tag). Batched send/recv gives
+  // each item its own per-peer tag.
+  uint64_t tag = 0;
 };
 
 struct Schedule {

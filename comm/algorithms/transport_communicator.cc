@@ -113,6 +113,11 @@ class TransportCommunicator final : public Communicator {
   Work DoRecv(const OpContext& ctx, Buffer buffer, int peer) override {
     return Enqueue(ctx, [=](const algo::Context& a) { return algo::Recv(a, buffer, peer); });
   }
+  Work DoBatchP2P(const OpContext& ctx, std::vector<P2PItem> items) override {
+    return Enqueue(ctx, [items = std::move(items)](const algo::Context& a) {
+      return algo::BatchP2P(a, items);
+    });
+  }
   Work DoBarrier(const OpContext& ctx) override {
     return Enqueue(ctx, [](const algo::Context& a) { return algo::Barrier(a); });
   }
