@@ -3,8 +3,10 @@
 #include <cstdint>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace fairscale::comm {
 
@@ -23,6 +25,26 @@ absl::string_view OpTypeName(OpType type) {
     case OpType::kBatchP2P: return "batch_p2p";
   }
   return "invalid-op-type";
+}
+
+uint32_t MakeSignature(const DataType* dtype, const ReduceOp* op, int root) {
+  uint32_t sig = 0;
+  if (dtype != nullptr) sig |= (static_cast<uint32_t>(*dtype) + 1) & 0xf;
+  if (op != nullptr) sig |= ((static_cast<uint32_t>(*op) + 1) & 0xf) << 4;
+  if (root >= 0) sig |= (static_cast<uint32_t>(root + 1) & 0xffff) << 8;
+  return sig;
+}
+
+std::string DescribeSignature(uint32_t signature) {
+  std::vector<std::string> parts;
+  if (uint32_t d = signature & 0xf; d != 0) {
+    parts.emplace_back(DataTypeName(static_cast<DataType>(d - 1)));
+  }
+  if (uint32_t o = (signature >> 4) & 0xf; o != 0) {
+    parts.emplace_back(ReduceOpName(static_cast<ReduceOp>(o - 1)));
+  }
+  if (uint32_t r = (signature >> 8) & 0xffff; r != 0) parts.push_back(absl::StrCat("root ", r - 1));
+  return absl::StrJoin(parts, " ");
 }
 
 std::string OpContext::Label() const {
@@ -154,7 +176,9 @@ Work Communicator::AllReduce(ConstBuffer send, Buffer recv, ReduceOp op, const O
   FS_COMM_REQUIRE(send.data == recv.data || !Overlaps(send.data, send.bytes(), recv.data,
                                                       recv.bytes()),
                   "send and recv buffers partially overlap (in-place needs send == recv)");
-  return DoAllReduce(NextCollective(OpType::kAllReduce, opts), send, recv, op);
+  ctx = NextCollective(OpType::kAllReduce, opts);
+  ctx.signature = MakeSignature(&send.dtype, &op);
+  return DoAllReduce(ctx, send, recv, op);
 }
 
 Work Communicator::ReduceScatter(ConstBuffer send, Buffer recv, ReduceOp op,
@@ -172,7 +196,9 @@ Work Communicator::ReduceScatter(ConstBuffer send, Buffer recv, ReduceOp op,
                       !Overlaps(send.data, send.bytes(), recv.data, recv.bytes()),
                   "send and recv overlap but recv is not block ", rank_,
                   " of send (the in-place layout)");
-  return DoReduceScatter(NextCollective(OpType::kReduceScatter, opts), send, recv, op);
+  ctx = NextCollective(OpType::kReduceScatter, opts);
+  ctx.signature = MakeSignature(&send.dtype, &op);
+  return DoReduceScatter(ctx, send, recv, op);
 }
 
 Work Communicator::AllGather(ConstBuffer send, Buffer recv, const OpOptions& opts) {
@@ -188,7 +214,9 @@ Work Communicator::AllGather(ConstBuffer send, Buffer recv, const OpOptions& opt
                       !Overlaps(send.data, send.bytes(), recv.data, recv.bytes()),
                   "send and recv overlap but send is not block ", rank_,
                   " of recv (the in-place layout)");
-  return DoAllGather(NextCollective(OpType::kAllGather, opts), send, recv);
+  ctx = NextCollective(OpType::kAllGather, opts);
+  ctx.signature = MakeSignature(&send.dtype);
+  return DoAllGather(ctx, send, recv);
 }
 
 Work Communicator::Broadcast(Buffer buffer, int root, const OpOptions& opts) {
@@ -196,7 +224,9 @@ Work Communicator::Broadcast(Buffer buffer, int root, const OpOptions& opts) {
   OpContext ctx = MakeContext(OpType::kBroadcast, collective_seq_ + 1, opts);
   FS_COMM_CHECK(CheckBuffer(ctx, "", buffer.data, buffer.count, buffer.dtype, buffer.device));
   FS_COMM_REQUIRE(root >= 0 && root < size_, "root ", root, " is not in [0, ", size_, ")");
-  return DoBroadcast(NextCollective(OpType::kBroadcast, opts), buffer, root);
+  ctx = NextCollective(OpType::kBroadcast, opts);
+  ctx.signature = MakeSignature(&buffer.dtype, nullptr, root);
+  return DoBroadcast(ctx, buffer, root);
 }
 
 Work Communicator::Reduce(ConstBuffer send, Buffer recv, ReduceOp op, int root,
@@ -217,7 +247,9 @@ Work Communicator::Reduce(ConstBuffer send, Buffer recv, ReduceOp op, int root,
   } else {
     recv = Buffer{nullptr, 0, send.dtype, send.device};
   }
-  return DoReduce(NextCollective(OpType::kReduce, opts), send, recv, op, root);
+  ctx = NextCollective(OpType::kReduce, opts);
+  ctx.signature = MakeSignature(&send.dtype, &op, root);
+  return DoReduce(ctx, send, recv, op, root);
 }
 
 Work Communicator::AllToAll(ConstBuffer send, Buffer recv, const OpOptions& opts) {
@@ -232,7 +264,9 @@ Work Communicator::AllToAll(ConstBuffer send, Buffer recv, const OpOptions& opts
                   " is not divisible by size ", size_);
   FS_COMM_REQUIRE(!Overlaps(send.data, send.bytes(), recv.data, recv.bytes()),
                   "all_to_all cannot run in place: send and recv overlap");
-  return DoAllToAll(NextCollective(OpType::kAllToAll, opts), send, recv);
+  ctx = NextCollective(OpType::kAllToAll, opts);
+  ctx.signature = MakeSignature(&send.dtype);
+  return DoAllToAll(ctx, send, recv);
 }
 
 Work Communicator::Send(ConstBuffer buffer, int peer, const OpOptions& opts) {
@@ -242,6 +276,7 @@ Work Communicator::Send(ConstBuffer buffer, int peer, const OpOptions& opts) {
   FS_COMM_REQUIRE(peer_ok, "peer ", peer, " is not another rank in [0, ", size_, ")");
   FS_COMM_CHECK(CheckBuffer(ctx, "", buffer.data, buffer.count, buffer.dtype, buffer.device));
   ctx.seq = ++send_seq_[peer];
+  ctx.signature = MakeSignature(&buffer.dtype);
   return DoSend(ctx, buffer, peer);
 }
 
@@ -252,6 +287,7 @@ Work Communicator::Recv(Buffer buffer, int peer, const OpOptions& opts) {
   FS_COMM_REQUIRE(peer_ok, "peer ", peer, " is not another rank in [0, ", size_, ")");
   FS_COMM_CHECK(CheckBuffer(ctx, "", buffer.data, buffer.count, buffer.dtype, buffer.device));
   ctx.seq = ++recv_seq_[peer];
+  ctx.signature = MakeSignature(&buffer.dtype);
   return DoRecv(ctx, buffer, peer);
 }
 

@@ -100,12 +100,20 @@ struct OpContext {
   int rank = 0;
   int size = 1;
   absl::string_view backend;
+  // What all ranks must agree on besides the op and the size: dtype, reduce op and root (see
+  // MakeSignature). Backends put it on the wire so a disagreement is an error, not garbage.
+  uint32_t signature = 0;
 
   // "all_reduce #12 rank 2/4 [tcp]"
   std::string Label() const;
   // The status `code` with message "<Label()>: <message>".
   absl::Status Error(absl::StatusCode code, absl::string_view message) const;
 };
+
+// 24 bits: dtype + 1 (bits 0-3), reduce op + 1 (bits 4-7), root + 1 (bits 8-23); 0 = absent.
+uint32_t MakeSignature(const DataType* dtype, const ReduceOp* op = nullptr, int root = -1);
+// "f32 sum root 2".
+std::string DescribeSignature(uint32_t signature);
 
 inline constexpr int kNoColor = -1;
 

@@ -1,6 +1,7 @@
 // TransportCommunicator beyond the happy path (through the inproc backend): mismatched
 // arguments, Abort, timeouts, destruction with work in flight, Split, option validation and
 // store namespaces. Every wait is bounded; a hang fails the test instead of blocking it.
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -83,6 +84,56 @@ TEST(Failures, DifferentCollectivesFailWithBothTags) {
                                          HasSubstr("peer 0"), HasSubstr("expected all_reduce #1"),
                                          HasSubstr("got broadcast #1"))));
   EXPECT_THAT(results[0], Not(IsOk()));
+}
+
+// Same sizes, different dtype / reduce op / root: the signature in the tag catches each. (Two
+// ranks that both believe they are the broadcast root only send, so nobody receives a message
+// to compare: that case ends at the timeout, and the message names the root each rank used.)
+TEST(Failures, DisagreementOnDtypeOpOrRootIsAnError) {
+  struct Case {
+    const char* name;
+    std::function<Work(Communicator&, int r, void* data)> issue;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {"dtype",
+       [](Communicator& c, int r, void* d) {
+         Buffer b{d, 4, r == 0 ? DataType::kF32 : DataType::kI32, {}};
+         return c.AllReduce(b, b, ReduceOp::kSum);
+       },
+       "(f32 sum)"},
+      {"op",
+       [](Communicator& c, int r, void* d) {
+         Buffer b{d, 4, DataType::kF32, {}};
+         return c.AllReduce(b, b, r == 0 ? ReduceOp::kSum : ReduceOp::kMax);
+       },
+       "(f32 max)"},
+      {"root",
+       [](Communicator& c, int r, void* d) {
+         return c.Broadcast(Buffer{d, 4, DataType::kF32, {}}, r == 0 ? 0 : 1);
+       },
+       "root 1"},
+      {"send/recv dtype",
+       [](Communicator& c, int r, void* d) {
+         return r == 0 ? c.Send(ConstBuffer(d, 4, DataType::kF32), 1)
+                       : c.Recv(Buffer{d, 4, DataType::kI32, {}}, 0);
+       },
+       "(i32)"},
+  };
+  for (const Case& c : cases) {
+    Comms comms = MakeGroup(2, {}, absl::Seconds(1));
+    std::vector<absl::Status> results(2);
+    OnRanks(2, [&](int r) {
+      std::vector<int32_t> data(4, 1);
+      results[r] = c.issue(*comms[r], r, data.data()).Wait(kWait);
+    });
+    bool named = false;
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_THAT(results[r], Not(IsOk())) << c.name << " rank " << r;
+      named |= absl::StrContains(results[r].message(), c.expect);
+    }
+    EXPECT_TRUE(named) << c.name << ": " << results[0] << " | " << results[1];
+  }
 }
 
 TEST(Failures, BrokenCommunicatorFailsLaterOps) {

@@ -174,7 +174,7 @@ absl::Status BatchedSendRecv(const Context& ctx, const std::vector<P2PItem>& ite
     const Buffer& b = item.op.buffer;
     const size_t es = SizeOf(b.dtype);
     const size_t seg = SegmentElems(ctx, b.dtype);
-    const uint64_t tag = MakeTag(OpType::kSend, item.seq);
+    const uint64_t tag = MakeTag(OpType::kSend, item.seq, MakeSignature(&b.dtype));
     for (size_t j = 0; j < NumSegments(b.count, seg); ++j) {
       const size_t first = std::min(b.count, j * seg);
       const size_t len = std::min(b.count, first + seg) - first;

@@ -34,12 +34,15 @@
 
 namespace fairscale::comm {
 
-// Message tags used by TransportCommunicator: (seq << 8) | op type. Send and Recv both use
-// OpType::kSend with the per-peer sequence number, so the two sides' tags agree.
-inline uint64_t MakeTag(OpType type, uint64_t seq) {
-  return (seq << 8) | static_cast<uint64_t>(type);
+// Message tags used by TransportCommunicator: (seq << 32) | (signature << 8) | op type, where
+// the 24-bit signature (OpContext::signature) encodes dtype, reduce op and root, so ranks that
+// disagree about any of them fail with a mismatch instead of computing garbage. Send and Recv
+// both use OpType::kSend with the per-peer sequence number, so the two sides' tags agree.
+inline uint64_t MakeTag(OpType type, uint64_t seq, uint32_t signature = 0) {
+  return (seq << 32) | (static_cast<uint64_t>(signature & 0xffffff) << 8) |
+         static_cast<uint64_t>(type);
 }
-// "all_reduce #12" (for error messages).
+// "all_reduce #12 (f32 sum)" (for error messages).
 std::string DescribeTag(uint64_t tag);
 
 class Transport {

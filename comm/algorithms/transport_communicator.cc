@@ -265,7 +265,8 @@ class TransportCommunicator final : public Communicator {
     algo::Context actx;
     actx.transport = transport_.get();
     // Send and Recv share one tag space (OpType::kSend, per-peer sequence) so both sides agree.
-    actx.tag = MakeTag(op.ctx.type == OpType::kRecv ? OpType::kSend : op.ctx.type, op.ctx.seq);
+    actx.tag = MakeTag(op.ctx.type == OpType::kRecv ? OpType::kSend : op.ctx.type, op.ctx.seq,
+                       op.ctx.signature);
     actx.deadline = absl::Now() + op.ctx.timeout;
     actx.options = options_;
     actx.scratch = &scratch_;
