@@ -1044,6 +1044,110 @@ TEST_P(CommConformance, SendRecvPairwise) {
   });
 }
 
+// A receive buffer of a point-to-point test and what it must hold afterwards.
+struct ExpectedMessage {
+  std::unique_ptr<TestBuffer> buf;
+  int from = 0;
+  int salt = 0;
+};
+
+void CheckMessages(Checker& check, absl::string_view label, int rank,
+                   const std::vector<ExpectedMessage>& msgs) {
+  for (const ExpectedMessage& m : msgs) {
+    const DataType dtype = m.buf->dtype();
+    const std::string what = absl::StrCat(label, ": ", DataTypeName(dtype), " count=",
+                                          m.buf->count(), " from rank ", m.from);
+    check.ExpectGuards(what, *m.buf);
+    check.Expect(what, CompareExact(*m.buf, [&](size_t k) {
+                   return P2pValue(dtype, m.salt, m.from, rank, k);
+                 }));
+  }
+}
+
+TEST_P(CommConformance, BatchP2P) {
+  RunResultTest(GetParam(), [](Communicator& comm, Checker& check) -> absl::Status {
+    const int n = comm.size(), r = comm.rank();
+    std::vector<float> a(64, 1.0f), b(64, 0.0f);
+    Work empty = comm.BatchP2P({});
+    if (!empty.IsDone() || !empty.Wait(kFailFast).ok()) {
+      check.Fail("an empty BatchP2P must be done at once with OK");
+    }
+    ExpectInvalidArgument(check, "batch_p2p item sending to itself", "batch_p2p",
+                          comm.BatchP2P({P2POp::Send(MakeConstBuffer(a.data(), 8), r)}));
+    if (n > 1) {
+      const int peer = (r + 1) % n;
+      ExpectInvalidArgument(check, "batch_p2p with overlapping recv items", "batch_p2p",
+                            comm.BatchP2P({P2POp::Recv(MakeBuffer(b.data(), 8), peer),
+                                           P2POp::Recv(MakeBuffer(b.data() + 4, 8), peer)}));
+    }
+    if (n == 1) return absl::OkStatus();
+
+    // 1. One batch per rank: two or more messages to and from every other rank, every send
+    // listed before every receive (as plain Sends and Recvs this would wait until the timeout
+    // on a rendezvous transport). Per peer, the items match in order.
+    const std::pair<DataType, size_t> rounds[] = {{DataType::kF32, kLargeCount},
+                                                  {DataType::kI8, 7},
+                                                  {DataType::kBF16, 0},
+                                                  {DataType::kI64, 4097}};
+    std::vector<std::unique_ptr<TestBuffer>> outs;
+    std::vector<ExpectedMessage> ins;
+    std::vector<P2POp> sends, recvs;
+    int salt = 100;
+    for (const auto& [dtype, count] : rounds) {
+      ++salt;
+      for (int peer = 0; peer < n; ++peer) {
+        if (peer == r) continue;
+        outs.push_back(std::make_unique<TestBuffer>(dtype, count));
+        outs.back()->Fill([&](size_t k) { return P2pValue(dtype, salt, r, peer, k); });
+        sends.push_back(P2POp::Send(outs.back()->buffer(), peer));
+        ExpectedMessage in{std::make_unique<TestBuffer>(dtype, count), peer, salt};
+        in.buf->Fill([&](size_t k) { return Garbage(dtype, r, k); });
+        recvs.push_back(P2POp::Recv(in.buf->buffer(), peer));
+        ins.push_back(std::move(in));
+      }
+    }
+    std::vector<P2POp> all = sends;
+    all.insert(all.end(), recvs.begin(), recvs.end());
+    FS_RETURN_IF_ERROR(Await(comm.BatchP2P(all), "batch_p2p all-pairs exchange"));
+    CheckMessages(check, "batch_p2p all-pairs exchange", r, ins);
+    for (size_t i = 0; i < outs.size(); ++i) check.ExpectGuards("batch_p2p send buffer", *outs[i]);
+
+    // 2. A batch on one side matches plain Send/Recv on the other. Pairs (a, b), a < b, in one
+    // global order: a posts {send to b, recv from b} as a batch, b a plain Send then Recv.
+    // Everything is issued before anything is waited for.
+    std::vector<std::unique_ptr<TestBuffer>> mixed_outs;
+    std::vector<ExpectedMessage> mixed_ins;
+    std::vector<Work> works;
+    const int mixed_salt = 200;
+    for (int a_rank = 0; a_rank < n; ++a_rank) {
+      for (int b_rank = a_rank + 1; b_rank < n; ++b_rank) {
+        if (r != a_rank && r != b_rank) continue;
+        const int peer = r == a_rank ? b_rank : a_rank;
+        const DataType dtype = DataType::kF64;
+        const size_t count = 4097;
+        mixed_outs.push_back(std::make_unique<TestBuffer>(dtype, count));
+        mixed_outs.back()->Fill([&](size_t k) { return P2pValue(dtype, mixed_salt, r, peer, k); });
+        ExpectedMessage in{std::make_unique<TestBuffer>(dtype, count), peer, mixed_salt};
+        in.buf->Fill([&](size_t k) { return Garbage(dtype, r, k); });
+        if (r == a_rank) {
+          works.push_back(comm.BatchP2P({P2POp::Send(mixed_outs.back()->buffer(), peer),
+                                         P2POp::Recv(in.buf->buffer(), peer)}));
+        } else {
+          works.push_back(comm.Send(mixed_outs.back()->buffer(), peer));
+          works.push_back(comm.Recv(in.buf->buffer(), peer));
+        }
+        mixed_ins.push_back(std::move(in));
+      }
+    }
+    for (size_t i = 0; i < works.size(); ++i) {
+      FS_RETURN_IF_ERROR(Await(works[i], absl::StrCat("batch_p2p against plain send/recv, op #",
+                                                      i)));
+    }
+    CheckMessages(check, "batch_p2p against plain send/recv", r, mixed_ins);
+    return absl::OkStatus();
+  });
+}
+
 TEST_P(CommConformance, Barrier) {
   // A barrier may complete on a rank only after every rank entered it. Each round one rank enters
   // late; entry times go through the store (one clock: the ranks share a machine).

@@ -9,7 +9,8 @@
 //
 // which creates the tests "Tcp/CommConformance.<Case>/ws<N>" for world sizes 1-4 (results of
 // every collective, every dtype and reduce op, counts 0, 1, 7, 4097, 1<<20 and one 64 MiB
-// message, in-place and out-of-place, Split, argument errors) and
+// message, in-place and out-of-place, send/recv and BatchP2P, barrier, Split, argument errors)
+// and
 // "Tcp/CommFailureConformance.<Case>/ws<N>" for world sizes 2-3 (count and op mismatch between
 // ranks, a rank that skips an op, Abort, a peer SIGKILLed mid-operation with the process runner;
 // the communicator stays broken after each). Expected values come from a reference computed in
