@@ -1,0 +1,56 @@
+// FsdpOptions: the knobs of fsdp::FullyShardedDataParallel (//fsdp), written like LibTorch's
+// options structs so that a user who knows torch::nn::LinearOptions can guess them:
+//
+//   auto opts = fsdp::FsdpOptions()
+//                   .sharding_strategy(fsdp::ShardingStrategy::kShardGradOp)
+//                   .gradient_predivide_factor(2.0);
+//
+// Semantics follow FairScale's FullyShardedDataParallel and PyTorch FSDP (see
+// /work/shared/reference/fairscale-and-peers.md §1.1 and §4.1); the differences are stated here.
+#pragma once
+
+#include <torch/arg.h>
+
+#include <cstdint>
+
+namespace fairscale::fsdp {
+
+// How a wrapped unit keeps its parameters between uses.
+enum class ShardingStrategy {
+  // ZeRO-3: each rank keeps 1/N of the flat parameter; the full parameter is all-gathered before
+  // forward, freed after forward, all-gathered again before backward; gradients are
+  // reduce-scattered. Comm per step: 3x the parameter bytes (2 all-gathers + 1 reduce-scatter).
+  kFullShard,
+  // ZeRO-2: like kFullShard, but the full parameter is kept from forward until the end of this
+  // unit's backward. Comm per step: 2x the parameter bytes.
+  kShardGradOp,
+  // Plain data parallel: every rank keeps the whole parameter; gradients are all-reduced.
+  kNoShard,
+};
+
+const char* ShardingStrategyName(ShardingStrategy strategy);  // "FULL_SHARD", ...
+
+struct FsdpOptions {
+  // See ShardingStrategy. Default: kFullShard (FairScale's reshard_after_forward=True).
+  TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
+
+  // The root unit's parameters are the first ones backward needs, so with kFullShard the root
+  // keeps them after forward instead of freeing and re-gathering them at once (FairScale's
+  // default). Set false when the root's backward does not follow its forward directly.
+  TORCH_ARG(bool, disable_reshard_on_root) = true;
+
+  // Gradients are divided by `gradient_predivide_factor` before the reduction and by
+  // `gradient_postdivide_factor` after it; together they must make the mean over ranks.
+  // 0 (the default for both) means: pre = 1 and post = world size. Dividing part of the way
+  // before the sum keeps low-precision reductions from overflowing (FairScale picks ~sqrt(N)).
+  TORCH_ARG(double, gradient_predivide_factor) = 0.0;
+  TORCH_ARG(double, gradient_postdivide_factor) = 0.0;
+
+  // Overlap communication with compute: while one unit computes, the all-gather of the unit
+  // that comes next (in the order recorded during the first iteration) is already running.
+  // Both assume every rank runs the same units in the same order, as all collectives do.
+  TORCH_ARG(bool, forward_prefetch) = true;
+  TORCH_ARG(bool, backward_prefetch) = true;
+};
+
+}  // namespace fairscale::fsdp

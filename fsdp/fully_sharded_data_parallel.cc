@@ -1,0 +1,567 @@
+#include "fsdp/fully_sharded_data_parallel.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <ostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "comm/torch/tensor_buffer.h"
+#include "fsdp/internal/errors.h"
+
+namespace fairscale::fsdp {
+
+const char* ShardingStrategyName(ShardingStrategy strategy) {
+  switch (strategy) {
+    case ShardingStrategy::kFullShard:
+      return "FULL_SHARD";
+    case ShardingStrategy::kShardGradOp:
+      return "SHARD_GRAD_OP";
+    case ShardingStrategy::kNoShard:
+      return "NO_SHARD";
+  }
+  return "?";
+}
+
+namespace internal {
+
+// A gradient reduction that is issued and not yet waited for.
+struct PendingReduce {
+  FullyShardedDataParallelImpl* unit;
+  size_t flat;
+  comm::Work work;
+  at::Tensor send;  // kept alive until the Work completes
+  at::Tensor recv;
+};
+
+// State shared by all units of one model, owned by the root.
+struct RootState {
+  FullyShardedDataParallelImpl* root = nullptr;
+  std::vector<FullyShardedDataParallelImpl*> units;  // parents before children
+  // Orders in which the units' forwards / pre-backward hooks ran in the first iteration; the
+  // prefetches of later iterations follow them.
+  std::vector<FullyShardedDataParallelImpl*> forward_order;
+  std::vector<FullyShardedDataParallelImpl*> backward_order;
+  bool forward_order_done = false;
+  bool backward_order_done = false;
+  bool backward_active = false;  // finalize_backward is queued on the engine
+  std::vector<PendingReduce> pending;
+};
+
+// Runs after a parameter's AccumulateGrad node: hands the gradient to its unit.
+class PostBackwardHook : public torch::autograd::FunctionPostHook {
+ public:
+  PostBackwardHook(std::weak_ptr<FullyShardedDataParallelImpl*> unit, size_t flat, size_t slot)
+      : unit_(std::move(unit)), flat_(flat), slot_(slot) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (auto unit = unit_.lock()) (*unit)->on_param_grad(flat_, slot_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<FullyShardedDataParallelImpl*> unit_;
+  size_t flat_;
+  size_t slot_;
+};
+
+namespace {
+
+// An empty module that holds nested units under their dotted path ("blocks" -> "0" -> unit).
+class PathModule : public torch::nn::Module {
+ public:
+  PathModule() : torch::nn::Module("FsdpPath") {}
+  std::shared_ptr<torch::nn::Module> add(const std::string& name,
+                                         std::shared_ptr<torch::nn::Module> m) {
+    return register_module(name, std::move(m));
+  }
+};
+
+comm::Buffer Buf(const at::Tensor& t, const std::string& context) {
+  return ValueOrThrow(comm::ToBuffer(t), context);
+}
+
+}  // namespace
+}  // namespace internal
+
+using internal::FlatParam;
+using internal::ParamSlot;
+using internal::ThrowIfError;
+
+FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
+    torch::nn::AnyModule module, std::shared_ptr<comm::Communicator> comm, FsdpOptions options)
+    : torch::nn::Module("fairscale::fsdp::FullyShardedDataParallel"),
+      module_any_(std::move(module)),
+      comm_(std::move(comm)),
+      options_(std::move(options)) {
+  TORCH_CHECK(comm_ != nullptr, "FullyShardedDataParallel: the communicator is null");
+  TORCH_CHECK(!module_any_.is_empty(), "FullyShardedDataParallel: the module is empty");
+  module_ = module_any_.ptr();
+  rank_ = comm_->rank();
+  world_ = comm_->size();
+  TORCH_CHECK(dynamic_cast<FullyShardedDataParallelImpl*>(module_.get()) == nullptr, label(),
+              ": wrapping a FullyShardedDataParallel directly in another is not supported");
+  alive_ = std::make_shared<FullyShardedDataParallelImpl*>(this);
+  collect_and_shard();
+  register_nested();
+}
+
+FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() {
+  alive_.reset();
+  for (FlatParam& fp : flats_) {
+    // The communicator may still write into `full`: wait before the memory goes.
+    if (fp.gather_pending) fp.gather_work.Wait().IgnoreError();
+    for (ParamSlot& slot : fp.slots) {
+      if (slot.grad_accumulator) slot.grad_accumulator->del_post_hook(slot.hook_key);
+    }
+  }
+  if (state_ && state_->root == this) {
+    for (auto& p : state_->pending) p.work.Wait().IgnoreError();
+  }
+}
+
+std::string FullyShardedDataParallelImpl::label() const {
+  return absl::StrCat("FSDP unit '", prefix_, "' (", module_ ? module_->name() : "?", ") rank ",
+                      rank_, "/", world_);
+}
+
+bool FullyShardedDataParallelImpl::is_root() const { return state_ && state_->root == this; }
+
+void FullyShardedDataParallelImpl::collect_and_shard() {
+  // Walk the wrapped module; stop at nested units, which own their subtree.
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  std::vector<std::pair<std::string, at::Tensor>> buffers;
+  std::function<void(const std::shared_ptr<torch::nn::Module>&, const std::string&)> visit =
+      [&](const std::shared_ptr<torch::nn::Module>& m, const std::string& path) {
+        for (const auto& item : m->named_parameters(/*recurse=*/false)) {
+          params.emplace_back(path + item.key(), item.value());
+        }
+        for (const auto& item : m->named_buffers(/*recurse=*/false)) {
+          buffers.emplace_back(path + item.key(), item.value());
+        }
+        for (const auto& child : m->named_children()) {
+          const std::string child_path = path + child.key();
+          if (auto unit = std::dynamic_pointer_cast<FullyShardedDataParallelImpl>(child.value())) {
+            bool seen = false;
+            for (const Nested& n : nested_) seen = seen || n.unit == unit;
+            if (!seen) nested_.push_back({child_path, unit});
+            continue;
+          }
+          visit(child.value(), child_path + ".");
+        }
+      };
+  visit(module_, "");
+
+  // Parameters owned by nested units may not appear here (tied across units).
+  std::map<const c10::TensorImpl*, std::string> nested_owned;
+  for (const Nested& n : nested_) {
+    TORCH_CHECK(n.unit->comm_ == comm_, label(), ": nested unit '", n.path,
+                "' uses a different communicator; all units of a model must share one");
+    for (const auto& [impl, name] : n.unit->owned_params_) {
+      nested_owned.emplace(impl, n.path + "." + name);
+      owned_params_.emplace_back(impl, n.path + "." + name);
+    }
+  }
+
+  // Distinct parameters in registration order; a tensor registered twice (tied) is one slot.
+  std::vector<ParamSlot> trainable;
+  std::vector<ParamSlot> frozen;
+  std::map<const c10::TensorImpl*, std::pair<bool, size_t>> index;
+  for (const auto& [name, p] : params) {
+    const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
+    auto owned = nested_owned.find(impl);
+    TORCH_CHECK(owned == nested_owned.end(), label(), ": parameter '", name,
+                "' is the same tensor as '", owned == nested_owned.end() ? "" : owned->second,
+                "', which a nested FullyShardedDataParallel owns. Tied weights must be wrapped in "
+                "the same unit: wrap their common parent instead");
+    auto it = index.find(impl);
+    if (it != index.end()) {
+      auto& list = it->second.first ? trainable : frozen;
+      list[it->second.second].aliases.push_back(name);
+      continue;
+    }
+    TORCH_CHECK(p.is_floating_point(), label(), ": parameter '", name, "' has dtype ",
+                p.scalar_type(), "; FSDP shards floating-point parameters only");
+    auto& list = p.requires_grad() ? trainable : frozen;
+    index.emplace(impl, std::make_pair(p.requires_grad(), list.size()));
+    ParamSlot slot;
+    slot.name = name;
+    slot.param = p;
+    slot.shape = p.sizes().vec();
+    slot.numel = p.numel();
+    list.push_back(std::move(slot));
+  }
+
+  c10::NoGradGuard no_grad;
+  for (int kind = 0; kind < 2; ++kind) {
+    std::vector<ParamSlot>& slots = kind == 0 ? trainable : frozen;
+    if (slots.empty()) continue;
+    const at::Tensor& first = slots.front().param;
+    FlatParam& fp = flats_.emplace_back();
+    fp.requires_grad = kind == 0;
+    for (ParamSlot& slot : slots) {
+      TORCH_CHECK(slot.param.scalar_type() == first.scalar_type() &&
+                      slot.param.device() == first.device(),
+                  label(), ": parameter '", slot.name, "' is ", slot.param.scalar_type(), " on ",
+                  slot.param.device(), " but '", slots.front().name, "' is ",
+                  first.scalar_type(), " on ", first.device(),
+                  "; a unit's parameters are flattened into one tensor and must agree");
+      slot.offset = fp.numel;
+      fp.numel += slot.numel;
+    }
+    if (sharded()) {
+      fp.shard_numel = (fp.numel + world_ - 1) / world_;
+      fp.padded_numel = fp.shard_numel * world_;
+      fp.shard_offset = rank_ * fp.shard_numel;
+    } else {
+      fp.shard_numel = fp.padded_numel = fp.numel;
+    }
+    fp.full = at::zeros({fp.padded_numel}, first.options().requires_grad(false));
+    for (ParamSlot& slot : slots) {
+      fp.full.narrow(0, slot.offset, slot.numel).copy_(slot.param.detach().reshape({-1}));
+    }
+    fp.shard = sharded() ? fp.full.narrow(0, fp.shard_offset, fp.shard_numel).clone() : fp.full;
+    const size_t flat_index = flats_.size() - 1;
+    for (size_t s = 0; s < slots.size(); ++s) {
+      ParamSlot& slot = slots[s];
+      // Same TensorImpl, new storage: the module keeps using its tensor, which now views `full`.
+      slot.param.set_data(fp.full.narrow(0, slot.offset, slot.numel).view(slot.shape));
+      if (slot.param.grad().defined()) slot.param.mutable_grad() = at::Tensor();
+      if (fp.requires_grad) {
+        slot.grad_accumulator = torch::autograd::impl::grad_accumulator(slot.param);
+        slot.hook_key = slot.grad_accumulator->add_post_hook(
+            std::make_unique<internal::PostBackwardHook>(alive_, flat_index, s));
+      }
+      owned_params_.emplace_back(slot.param.unsafeGetTensorImpl(), slot.name);
+    }
+    fp.slots = std::move(slots);
+    register_parameter(fp.requires_grad ? "flat_param" : "flat_param_frozen", fp.shard,
+                       fp.requires_grad);
+    if (sharded()) internal::FreeStorage(fp.full);
+  }
+
+  std::vector<at::Tensor> distinct_buffers;
+  for (const auto& [name, b] : buffers) {
+    bool seen = false;
+    for (const at::Tensor& d : distinct_buffers) seen = seen || d.is_same(b);
+    if (!seen && b.defined()) distinct_buffers.push_back(b);
+  }
+  broadcast_buffers(distinct_buffers);
+}
+
+void FullyShardedDataParallelImpl::broadcast_buffers(const std::vector<at::Tensor>& buffers) {
+  if (world_ == 1) return;
+  std::vector<comm::Work> works;
+  for (const at::Tensor& b : buffers) {
+    works.push_back(comm_->Broadcast(internal::Buf(b, label() + ": buffer broadcast"), 0));
+  }
+  ThrowIfError(comm::WaitAll(works.data(), works.size()), label() + ": buffer broadcast");
+}
+
+void FullyShardedDataParallelImpl::register_nested() {
+  for (const Nested& n : nested_) {
+    std::vector<std::string> parts = absl::StrSplit(n.path, '.');
+    torch::nn::Module* parent = this;
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      const auto children = parent->named_children();
+      const auto* existing = children.find(parts[i]);
+      std::shared_ptr<torch::nn::Module> next;
+      if (existing != nullptr) {
+        next = *existing;
+      } else {
+        next = std::make_shared<internal::PathModule>();
+        if (parent == this) {
+          register_module(parts[i], next);
+        } else {
+          static_cast<internal::PathModule*>(parent)->add(parts[i], next);
+        }
+      }
+      parent = next.get();
+    }
+    if (parent == this) {
+      register_module(parts.back(), n.unit);
+    } else {
+      static_cast<internal::PathModule*>(parent)->add(parts.back(), n.unit);
+    }
+  }
+}
+
+std::vector<FullyShardedDataParallelImpl*> FullyShardedDataParallelImpl::fsdp_units() {
+  std::vector<FullyShardedDataParallelImpl*> out{this};
+  for (const Nested& n : nested_) {
+    for (FullyShardedDataParallelImpl* u : n.unit->fsdp_units()) out.push_back(u);
+  }
+  return out;
+}
+
+std::vector<FlatParamInfo> FullyShardedDataParallelImpl::flat_param_info() const {
+  std::vector<FlatParamInfo> out;
+  for (const FlatParam& fp : flats_) {
+    FlatParamInfo info;
+    info.name = fp.requires_grad ? "flat_param" : "flat_param_frozen";
+    info.requires_grad = fp.requires_grad;
+    info.numel = fp.numel;
+    info.padded_numel = fp.padded_numel;
+    info.shard_numel = fp.shard_numel;
+    info.shard_offset = fp.shard_offset;
+    for (const ParamSlot& slot : fp.slots) {
+      FlatParamInfo::Entry e;
+      e.name = prefix_ + slot.name;
+      for (const std::string& a : slot.aliases) e.aliases.push_back(prefix_ + a);
+      e.shape = slot.shape;
+      e.offset = slot.offset;
+      e.numel = slot.numel;
+      info.params.push_back(std::move(e));
+    }
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+void FullyShardedDataParallelImpl::train(bool on) {
+  torch::nn::Module::train(on);
+  module_->train(on);
+}
+
+void FullyShardedDataParallelImpl::pretty_print(std::ostream& stream) const {
+  int64_t numel = 0;
+  for (const FlatParam& fp : flats_) numel += fp.numel;
+  stream << "fairscale::fsdp::FullyShardedDataParallel(module=" << module_->name()
+         << ", strategy=" << ShardingStrategyName(options_.sharding_strategy())
+         << ", world_size=" << world_ << ", numel=" << numel << ")";
+}
+
+// ---- forward -------------------------------------------------------------------------------
+
+void FullyShardedDataParallelImpl::init_root() {
+  auto state = std::make_shared<internal::RootState>();
+  state->root = this;
+  std::function<void(FullyShardedDataParallelImpl*, const std::string&)> visit =
+      [&](FullyShardedDataParallelImpl* unit, const std::string& prefix) {
+        TORCH_CHECK(!unit->state_ || !unit->state_->backward_active, unit->label(),
+                    ": becomes part of a new root while its backward is running");
+        unit->state_ = state;
+        unit->prefix_ = prefix;
+        unit->forward_index_ = unit->backward_index_ = -1;
+        state->units.push_back(unit);
+        for (const Nested& n : unit->nested_) visit(n.unit.get(), prefix + n.path + ".");
+      };
+  visit(this, prefix_);
+}
+
+void FullyShardedDataParallelImpl::pre_forward() {
+  if (!state_) init_root();
+  internal::RootState& st = *state_;
+  if (!st.forward_order_done &&
+      std::find(st.forward_order.begin(), st.forward_order.end(), this) ==
+          st.forward_order.end()) {
+    forward_index_ = static_cast<int>(st.forward_order.size());
+    st.forward_order.push_back(this);
+  }
+  issue_gathers();
+  if (st.forward_order_done && options_.forward_prefetch() && forward_index_ >= 0 &&
+      forward_index_ + 1 < static_cast<int>(st.forward_order.size())) {
+    st.forward_order[forward_index_ + 1]->issue_gathers();
+  }
+  wait_gathers();
+}
+
+void FullyShardedDataParallelImpl::post_forward(const std::vector<at::Tensor>& outputs) {
+  internal::RootState& st = *state_;
+  bool needs_backward = false;
+  if (c10::GradMode::is_enabled()) {
+    std::weak_ptr<FullyShardedDataParallelImpl*> alive = alive_;
+    for (const at::Tensor& t : outputs) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      needs_backward = true;
+      t.register_hook([alive](const at::Tensor&) {
+        if (auto unit = alive.lock()) (*unit)->pre_backward();
+      });
+    }
+  }
+  if (needs_backward) forwarded_ = true;
+  const bool keep = is_root() && options_.disable_reshard_on_root();
+  if (options_.sharding_strategy() == ShardingStrategy::kFullShard && !keep) reshard();
+  if (is_root()) {
+    if (!st.forward_order.empty()) st.forward_order_done = true;
+    // No backward will use the full parameters of this forward: nothing stays gathered, so no
+    // unit can compute with a copy that an optimizer step makes stale.
+    if (!needs_backward && !st.backward_active) {
+      for (FullyShardedDataParallelImpl* u : st.units) {
+        if (!u->forwarded_) u->reshard();
+      }
+    }
+  }
+}
+
+void FullyShardedDataParallelImpl::forward_failed() {
+  if (state_ && is_root()) {
+    for (FullyShardedDataParallelImpl* u : state_->units) {
+      if (!u->forwarded_) u->reshard();
+    }
+  }
+}
+
+// ---- communication -------------------------------------------------------------------------
+
+void FullyShardedDataParallelImpl::issue_gathers() {
+  if (!sharded()) return;
+  for (FlatParam& fp : flats_) {
+    if (fp.gather_pending || internal::HasStorage(fp.full)) continue;
+    internal::AllocateStorage(fp.full);
+    const std::string context = label() + ": all_gather of the flat parameter";
+    fp.gather_work = comm_->AllGather(internal::Buf(fp.shard.detach(), context),
+                                      internal::Buf(fp.full, context));
+    fp.gather_pending = true;
+  }
+}
+
+void FullyShardedDataParallelImpl::wait_gathers() {
+  for (FlatParam& fp : flats_) {
+    if (!fp.gather_pending) continue;
+    fp.gather_pending = false;
+    ThrowIfError(fp.gather_work.Wait(), label() + ": all_gather of the flat parameter");
+  }
+}
+
+void FullyShardedDataParallelImpl::reshard() {
+  if (!sharded()) return;
+  wait_gathers();
+  for (FlatParam& fp : flats_) {
+    if (internal::HasStorage(fp.full) && fp.full.numel() > 0) internal::FreeStorage(fp.full);
+  }
+}
+
+void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
+  FlatParam& fp = flats_[flat];
+  fp.reduced = true;
+  at::Tensor send = fp.full_grad;
+  fp.full_grad = at::Tensor();
+  c10::NoGradGuard no_grad;
+  if (!send.defined()) send = at::zeros({fp.padded_numel}, fp.shard.options());
+  double pre = options_.gradient_predivide_factor();
+  if (pre <= 0) pre = 1.0;
+  if (pre != 1.0) send.div_(pre);
+  internal::PendingReduce p{this, flat, comm::Work(), send, at::Tensor()};
+  const std::string context = label() + ": gradient reduction";
+  if (sharded()) {
+    p.recv = at::empty({fp.shard_numel}, send.options());
+    p.work = comm_->ReduceScatter(internal::Buf(send, context), internal::Buf(p.recv, context),
+                                  comm::ReduceOp::kSum);
+  } else {
+    p.recv = send;
+    comm::Buffer b = internal::Buf(send, context);
+    p.work = comm_->AllReduce(b, b, comm::ReduceOp::kSum);
+  }
+  state_->pending.push_back(std::move(p));
+}
+
+// ---- backward ------------------------------------------------------------------------------
+
+void FullyShardedDataParallelImpl::begin_backward() {
+  internal::RootState& st = *state_;
+  if (st.backward_active) return;
+  st.backward_active = true;
+  std::weak_ptr<FullyShardedDataParallelImpl*> alive = alive_;
+  torch::autograd::Engine::get_default_engine().queue_callback([alive] {
+    if (auto root = alive.lock()) (*root)->finalize_backward();
+  });
+}
+
+void FullyShardedDataParallelImpl::pre_backward() {
+  TORCH_CHECK(state_ != nullptr, label(), ": backward before the first forward");
+  internal::RootState& st = *state_;
+  st.root->begin_backward();
+  if (pre_backward_done_) return;
+  pre_backward_done_ = true;
+  if (!st.backward_order_done) {
+    backward_index_ = static_cast<int>(st.backward_order.size());
+    st.backward_order.push_back(this);
+  }
+  issue_gathers();
+  if (st.backward_order_done && options_.backward_prefetch() && backward_index_ >= 0 &&
+      backward_index_ + 1 < static_cast<int>(st.backward_order.size())) {
+    st.backward_order[backward_index_ + 1]->issue_gathers();
+  }
+  wait_gathers();
+}
+
+void FullyShardedDataParallelImpl::on_param_grad(size_t flat, size_t slot_index) {
+  TORCH_CHECK(state_ != nullptr, label(), ": backward before the first forward");
+  state_->root->begin_backward();
+  FlatParam& fp = flats_[flat];
+  ParamSlot& slot = fp.slots[slot_index];
+  at::Tensor& grad = slot.param.mutable_grad();
+  if (!grad.defined()) return;
+  c10::NoGradGuard no_grad;
+  if (!fp.full_grad.defined()) fp.full_grad = at::zeros({fp.padded_numel}, fp.shard.options());
+  fp.full_grad.narrow(0, slot.offset, slot.numel).add_(grad.reshape({-1}));
+  grad = at::Tensor();
+  ++fp.grads_ready;
+  if (fp.grads_ready == static_cast<int>(fp.slots.size()) && !fp.reduced) {
+    issue_reduce(flat);
+    // Every use of this flat parameter in backward is done: free it now rather than at the end.
+    if (sharded() && fp.requires_grad && flats_.size() == 1) reshard();
+  }
+}
+
+void FullyShardedDataParallelImpl::finalize_backward() {
+  internal::RootState& st = *state_;
+  auto reset = [&] {
+    for (FullyShardedDataParallelImpl* u : st.units) {
+      u->forwarded_ = false;
+      u->pre_backward_done_ = false;
+      for (FlatParam& fp : u->flats_) {
+        fp.grads_ready = 0;
+        fp.reduced = false;
+      }
+    }
+    st.pending.clear();
+    st.backward_active = false;
+  };
+  try {
+    // Units whose gradients did not all arrive (unused parameters) reduce now, in the same
+    // order on every rank.
+    for (FullyShardedDataParallelImpl* u : st.units) {
+      for (size_t f = 0; f < u->flats_.size(); ++f) {
+        FlatParam& fp = u->flats_[f];
+        if (fp.requires_grad && !fp.reduced && (u->forwarded_ || fp.full_grad.defined())) {
+          u->issue_reduce(f);
+        }
+      }
+    }
+    c10::NoGradGuard no_grad;
+    for (internal::PendingReduce& p : st.pending) {
+      FullyShardedDataParallelImpl* u = p.unit;
+      ThrowIfError(p.work.Wait(), u->label() + ": gradient reduction");
+      double pre = u->options_.gradient_predivide_factor();
+      if (pre <= 0) pre = 1.0;
+      double post = u->options_.gradient_postdivide_factor();
+      if (post <= 0) post = u->world_ / pre;
+      if (post != 1.0) p.recv.div_(post);
+      at::Tensor& grad = u->flats_[p.flat].shard.mutable_grad();
+      if (grad.defined()) {
+        grad.add_(p.recv);
+      } else {
+        grad = p.recv;
+      }
+    }
+    for (FullyShardedDataParallelImpl* u : st.units) u->reshard();
+    if (!st.backward_order.empty()) st.backward_order_done = true;
+  } catch (...) {
+    reset();
+    throw;
+  }
+  reset();
+}
+
+}  // namespace fairscale::fsdp

@@ -1,0 +1,232 @@
+// fsdp::FullyShardedDataParallel: FairScale's fully sharded data parallel (ZeRO-2/3) for
+// LibTorch modules (//fsdp). Training code wraps a module (or several nested ones) and builds its
+// optimizer over the wrapper's parameters(), which are this rank's shards:
+//
+//   auto comm = ...;  // std::shared_ptr<comm::Communicator>, one per rank
+//   fsdp::FullyShardedDataParallel model(
+//       MyNet(), comm, fsdp::FsdpOptions().sharding_strategy(fsdp::ShardingStrategy::kFullShard));
+//   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+//   auto loss = model(x).pow(2).mean();   // forward(Args...) -> torch::Tensor by default
+//   loss.backward();                      // gradients are reduced into the shards' .grad()
+//   opt.step();
+//
+// Every rank must construct the same model with the same initial parameters and call forward and
+// backward on the same units in the same order (like every collective). See fsdp_options.h for
+// the strategies. Nested wrapping: construct the inner FullyShardedDataParallel modules first and
+// register them in their parent module as usual; the outer one shards only what is left and
+// drives the nested ones (one root per model: the outermost wrapper whose forward is called).
+//
+// How it hooks into LibTorch (which has no module hooks): forward() all-gathers the unit's flat
+// parameter before calling the wrapped module; hooks on the outputs re-gather it when backward
+// reaches the unit; a hook on each original parameter's AccumulateGrad node collects its
+// gradient into the unit's flat gradient and issues the reduce-scatter once the unit's last
+// gradient arrived; a callback queued on the autograd engine waits for the reductions, fills the
+// shards' .grad() and frees the full parameters at the end of backward.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "fsdp/fsdp_options.h"
+#include "fsdp/internal/flat_param.h"
+
+namespace fairscale::fsdp {
+
+class FullyShardedDataParallelImpl;
+
+namespace internal {
+struct RootState;
+class PostBackwardHook;
+
+// The tensors of a forward's result, for the pre-backward hooks. Supported results: a Tensor, and
+// std::vector / std::tuple / std::pair of supported results.
+inline void CollectTensors(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
+template <typename T>
+void CollectTensors(const std::vector<T>& v, std::vector<at::Tensor>& out);
+template <typename A, typename B>
+void CollectTensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out);
+template <typename... Ts>
+void CollectTensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out);
+template <typename T>
+struct DependentFalse : std::false_type {};
+template <typename T>
+void CollectTensors(const T&, std::vector<at::Tensor>&) {
+  // Without the output tensors FSDP cannot tell when backward reaches the unit.
+  static_assert(DependentFalse<T>::value,
+                "FullyShardedDataParallel::forward<ReturnType>: ReturnType must be a Tensor or a "
+                "std::vector/std::tuple/std::pair of Tensors");
+}
+template <typename T>
+void CollectTensors(const std::vector<T>& v, std::vector<at::Tensor>& out) {
+  for (const auto& e : v) CollectTensors(e, out);
+}
+template <typename A, typename B>
+void CollectTensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
+  CollectTensors(p.first, out);
+  CollectTensors(p.second, out);
+}
+template <typename... Ts>
+void CollectTensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
+  std::apply([&](const auto&... e) { (CollectTensors(e, out), ...); }, t);
+}
+}  // namespace internal
+
+// The layout of one flat parameter, for checkpoints, tests and debugging.
+struct FlatParamInfo {
+  struct Entry {
+    std::string name;                  // relative to the root's wrapped module: "blocks.0.fc.weight"
+    std::vector<std::string> aliases;  // tied names of the same tensor
+    std::vector<int64_t> shape;
+    int64_t offset = 0;  // in the unsharded flat parameter
+    int64_t numel = 0;
+  };
+  std::string name;  // registered name: "flat_param" (trainable) or "flat_param_frozen"
+  bool requires_grad = false;
+  int64_t numel = 0;         // sum of the entries
+  int64_t padded_numel = 0;  // world_size * shard_numel (kNoShard: numel)
+  int64_t shard_numel = 0;
+  int64_t shard_offset = 0;  // where this rank's shard starts in the padded flat parameter
+  std::vector<Entry> params;
+};
+
+class FullyShardedDataParallelImpl : public torch::nn::Module {
+ public:
+  // Shards `module`'s parameters (those not owned by nested FullyShardedDataParallel modules)
+  // over `comm` and broadcasts its buffers from rank 0. Collective: every rank constructs its
+  // wrappers in the same order. Raises c10::Error on bad input (naming the parameter and rank).
+  FullyShardedDataParallelImpl(torch::nn::AnyModule module,
+                               std::shared_ptr<comm::Communicator> comm,
+                               FsdpOptions options = {});
+  template <typename M>
+  FullyShardedDataParallelImpl(torch::nn::ModuleHolder<M> module,
+                               std::shared_ptr<comm::Communicator> comm, FsdpOptions options = {})
+      : FullyShardedDataParallelImpl(torch::nn::AnyModule(std::move(module)), std::move(comm),
+                                     std::move(options)) {}
+  template <typename M, typename = std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>>>
+  FullyShardedDataParallelImpl(std::shared_ptr<M> module,
+                               std::shared_ptr<comm::Communicator> comm, FsdpOptions options = {})
+      : FullyShardedDataParallelImpl(torch::nn::AnyModule(std::move(module)), std::move(comm),
+                                     std::move(options)) {}
+  ~FullyShardedDataParallelImpl() override;
+
+  // Calls the wrapped module's forward with `args` (their types must match its signature exactly,
+  // as with torch::nn::AnyModule) and returns its result as ReturnType, e.g.
+  //   auto [a, b] = model->forward<std::tuple<torch::Tensor, torch::Tensor>>(x, y);
+  template <typename ReturnType = torch::Tensor, typename... Args>
+  ReturnType forward(Args&&... args) {
+    pre_forward();
+    std::vector<at::Tensor> outputs;
+    try {
+      ReturnType result = module_any_.forward<ReturnType>(std::forward<Args>(args)...);
+      internal::CollectTensors(result, outputs);
+      post_forward(outputs);
+      return result;
+    } catch (...) {
+      forward_failed();
+      throw;
+    }
+  }
+
+  // Also switches the wrapped module (it is not a registered child, see module()).
+  void train(bool on = true) override;
+  void pretty_print(std::ostream& stream) const override;
+
+  // The wrapped module. Its parameters are views into this unit's full flat parameter: they hold
+  // valid values only inside forward/backward and summon_full_params; between steps their
+  // storage is freed (kFullShard, kShardGradOp). It is deliberately not a registered child, so
+  // parameters() lists only the shards (and named_parameters() the names of the flat params).
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
+  const FsdpOptions& options() const { return options_; }
+  const std::shared_ptr<comm::Communicator>& communicator() const { return comm_; }
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+
+  // This unit's position in the root's wrapped module, "" for the root, "blocks.0." for a unit
+  // nested there (known once the root's first forward ran; "" before).
+  const std::string& prefix() const { return prefix_; }
+  // This unit and every unit nested in it, parents before children.
+  std::vector<FullyShardedDataParallelImpl*> fsdp_units();
+  std::vector<FlatParamInfo> flat_param_info() const;
+
+ private:
+  friend struct internal::RootState;
+  friend class internal::PostBackwardHook;
+
+  struct Nested {
+    std::string path;  // in module_: "blocks.0"
+    std::shared_ptr<FullyShardedDataParallelImpl> unit;
+  };
+
+  std::string label() const;  // "FSDP unit 'blocks.0.' (Block) rank 1/4"
+  bool is_root() const;
+  bool sharded() const { return options_.sharding_strategy() != ShardingStrategy::kNoShard; }
+
+  void collect_and_shard();
+  void broadcast_buffers(const std::vector<at::Tensor>& buffers);
+  void register_nested();
+  void init_root();
+
+  void pre_forward();
+  void post_forward(const std::vector<at::Tensor>& outputs);
+  void forward_failed();
+  void pre_backward();
+  void on_param_grad(size_t flat, size_t slot);
+  void begin_backward();     // root: queues finalize_backward on the autograd engine once
+  void finalize_backward();  // root: end of a backward pass
+
+  void issue_gathers();
+  void wait_gathers();
+  void reshard();
+  void issue_reduce(size_t flat);
+
+  torch::nn::AnyModule module_any_;
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<comm::Communicator> comm_;
+  FsdpOptions options_;
+  int rank_ = 0;
+  int world_ = 1;
+  std::string prefix_;
+
+  std::vector<internal::FlatParam> flats_;
+  std::vector<Nested> nested_;
+  // Every parameter this unit and its nested units own (tied-weight check of a parent).
+  std::vector<std::pair<const c10::TensorImpl*, std::string>> owned_params_;
+
+  // Shared by the root and every nested unit once the root's first forward ran.
+  std::shared_ptr<internal::RootState> state_;
+  // Hooks hold a weak reference: they do nothing once this unit is destroyed.
+  std::shared_ptr<FullyShardedDataParallelImpl*> alive_;
+
+  int forward_index_ = -1;   // position in the recorded forward order
+  int backward_index_ = -1;  // position in the recorded backward order
+  bool forwarded_ = false;   // ran a forward whose backward is still to come
+  bool pre_backward_done_ = false;
+};
+
+// The ModuleHolder, as TORCH_MODULE would write it, plus a call operator: ModuleHolder's own
+// cannot see a forward() that is a template. `model(x)` returns a Tensor;
+// `model.operator()<ReturnType>(args...)` or `model->forward<ReturnType>(args...)` anything else.
+// Because forward() is a template, a FullyShardedDataParallel cannot be stored in a
+// torch::nn::AnyModule (nor a Sequential): call it from your module's forward.
+class FullyShardedDataParallel : public torch::nn::ModuleHolder<FullyShardedDataParallelImpl> {
+ public:
+  using torch::nn::ModuleHolder<FullyShardedDataParallelImpl>::ModuleHolder;
+  using Impl = FullyShardedDataParallelImpl;
+
+  template <typename ReturnType = torch::Tensor, typename... Args>
+  ReturnType operator()(Args&&... args) {
+    return get()->template forward<ReturnType>(std::forward<Args>(args)...);
+  }
+};
+
+}  // namespace fairscale::fsdp

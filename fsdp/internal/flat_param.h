@@ -1,0 +1,69 @@
+// FlatParam: the storage layout of one FSDP unit's parameters (//fsdp, internal).
+//
+// The unit's original parameters (of one requires_grad kind) are laid out back to back in a
+// padded 1-D buffer `full` of world * shard_numel elements; each rank keeps the contiguous slice
+// [rank * shard_numel, (rank + 1) * shard_numel) as `shard`, the tensor the optimizer sees. The
+// original parameter tensors (the ones the wrapped module's forward uses) are re-pointed, once,
+// at their slice of `full` with set_data, so gathering or freeing the full parameter only
+// changes what `full`'s storage holds: the parameters keep their identity, shape and autograd
+// accumulator, and tensors autograd saved in forward see the re-gathered data in backward.
+// Used by fully_sharded_data_parallel.cc only.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/work.h"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace fairscale::fsdp::internal {
+
+// One original parameter inside a FlatParam.
+struct ParamSlot {
+  std::string name;                  // relative to the unit's wrapped module: "fc1.weight"
+  std::vector<std::string> aliases;  // further names of the same tensor (tied weights)
+  at::Tensor param;                  // the wrapped module's parameter (same TensorImpl)
+  std::vector<int64_t> shape;
+  int64_t offset = 0;  // in `full`
+  int64_t numel = 0;
+  // The parameter's AccumulateGrad node, kept alive so the post-backward hook stays attached.
+  std::shared_ptr<torch::autograd::Node> grad_accumulator;
+  uintptr_t hook_key = 0;
+};
+
+struct FlatParam {
+  std::vector<ParamSlot> slots;
+  bool requires_grad = false;
+  int64_t numel = 0;         // sum of the slots' numels
+  int64_t padded_numel = 0;  // world * shard_numel (kNoShard: numel)
+  int64_t shard_numel = 0;
+  int64_t shard_offset = 0;  // rank * shard_numel (kNoShard: 0)
+  at::Tensor shard;          // the registered parameter (kNoShard: the same tensor as `full`)
+  at::Tensor full;           // storage freed while resharded (never for kNoShard)
+
+  // All-gather into `full` that is issued but not yet waited for (prefetch).
+  bool gather_pending = false;
+  comm::Work gather_work;
+
+  // Backward bookkeeping, reset at the end of every backward pass.
+  at::Tensor full_grad;  // padded full gradient being assembled from the slots' grads
+  int grads_ready = 0;   // slots whose AccumulateGrad fired in this backward
+  bool reduced = false;  // the reduction of this backward is issued
+};
+
+// Whether `t`'s storage currently holds memory (false after FreeStorage).
+bool HasStorage(const at::Tensor& t);
+// Gives the storage back to its allocator; `t` and every view of it keep their metadata and must
+// not be read until AllocateStorage.
+void FreeStorage(const at::Tensor& t);
+// Re-allocates the storage (uninitialized) at the size `t` needs.
+void AllocateStorage(const at::Tensor& t);
+
+}  // namespace fairscale::fsdp::internal

@@ -1,0 +1,153 @@
+#include "fsdp/test_util.h"
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/cos.h>
+#include <ATen/ops/sin.h>
+#include <ATen/ops/tanh.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace fairscale::fsdp::testing {
+
+const char* OptimizerName(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kSgdMomentum:
+      return "SgdMomentum";
+    case OptimizerKind::kAdam:
+      return "Adam";
+    case OptimizerKind::kAdamW:
+      return "AdamW";
+  }
+  return "?";
+}
+
+std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(OptimizerKind kind,
+                                                       std::vector<at::Tensor> params) {
+  switch (kind) {
+    case OptimizerKind::kSgdMomentum:
+      return std::make_unique<torch::optim::SGD>(params,
+                                                 torch::optim::SGDOptions(0.1).momentum(0.9));
+    case OptimizerKind::kAdam:
+      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
+    case OptimizerKind::kAdamW:
+      return std::make_unique<torch::optim::AdamW>(
+          params, torch::optim::AdamWOptions(0.01).weight_decay(0.1));
+  }
+  return nullptr;
+}
+
+void InitDeterministic(torch::nn::Module& m, const std::string& prefix) {
+  c10::NoGradGuard no_grad;
+  for (const auto& item : m.named_parameters()) {
+    const std::string name = prefix + item.key();
+    double phase = 0;
+    for (char c : name) phase = std::fmod(phase * 31 + static_cast<unsigned char>(c), 997.0);
+    at::Tensor p = item.value();
+    at::Tensor v = at::sin(at::arange(p.numel(), p.options()) * 0.731 + phase * 0.1) * 0.4;
+    p.copy_(v.view(p.sizes()));
+  }
+}
+
+BlockImpl::BlockImpl(int64_t dim, int64_t hidden)
+    : fc1(register_module("fc1", torch::nn::Linear(dim, hidden))),
+      fc2(register_module("fc2", torch::nn::Linear(hidden, dim))) {}
+
+torch::Tensor BlockImpl::forward(torch::Tensor x) { return x + fc2(at::tanh(fc1(x))); }
+
+NetImpl::NetImpl(std::shared_ptr<comm::Communicator> nested_comm, FsdpOptions nested_options) {
+  fc_in_ = register_module("fc_in", torch::nn::Linear(5, 7));
+  InitDeterministic(*fc_in_, "fc_in.");
+  for (int i = 0; i < 2; ++i) {
+    const std::string name = absl::StrCat("block", i);
+    Block block(7, 9);
+    InitDeterministic(*block, name + ".");
+    if (nested_comm) {
+      FullyShardedDataParallel unit(block, nested_comm, nested_options);
+      register_module(name, unit);
+      blocks_.push_back([unit](torch::Tensor x) mutable { return unit(x); });
+    } else {
+      register_module(name, block);
+      blocks_.push_back([block](torch::Tensor x) mutable { return block(x); });
+    }
+  }
+  fc_out_ = register_module("fc_out", torch::nn::Linear(7, 3));
+  InitDeterministic(*fc_out_, "fc_out.");
+}
+
+torch::Tensor NetImpl::forward(torch::Tensor x) {
+  x = at::tanh(fc_in_(x));
+  for (auto& block : blocks_) x = block(x);
+  return fc_out_(x);
+}
+
+Batch GlobalBatch(int step) {
+  at::Tensor i = at::arange(kBatchRows * 5, at::kFloat).view({kBatchRows, 5});
+  at::Tensor j = at::arange(kBatchRows * 3, at::kFloat).view({kBatchRows, 3});
+  return {at::sin(i * 0.37 + step * 0.5), at::cos(j * 0.23 - step * 0.3) * 0.5};
+}
+
+at::Tensor RankRows(const at::Tensor& t, int rank, int world) {
+  const int64_t rows = t.size(0) / world;
+  return t.narrow(0, rank * rows, rows);
+}
+
+at::Tensor Mse(const at::Tensor& output, const at::Tensor& target) {
+  return (output - target).pow(2).mean();
+}
+
+std::vector<ReferenceStep> RunReference(OptimizerKind kind, int steps) {
+  Net net;
+  auto opt = MakeOptimizer(kind, net->parameters());
+  std::vector<ReferenceStep> out;
+  for (int step = 0; step < steps; ++step) {
+    opt->zero_grad();
+    Batch b = GlobalBatch(step);
+    ReferenceStep r;
+    at::Tensor output = net(b.x);
+    Mse(output, b.y).backward();
+    r.output = output.detach();
+    for (const auto& item : net->named_parameters()) {
+      r.grads[item.key()] = item.value().grad().clone();
+    }
+    opt->step();
+    for (const auto& item : net->named_parameters()) {
+      r.params[item.key()] = item.value().detach().clone();
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+at::Tensor ShardOf(const FlatParamInfo& info, const std::map<std::string, at::Tensor>& named) {
+  at::Tensor flat = at::zeros({info.padded_numel});
+  for (const FlatParamInfo::Entry& e : info.params) {
+    auto it = named.find(e.name);
+    TORCH_CHECK(it != named.end(), "no reference tensor named '", e.name, "'");
+    flat.narrow(0, e.offset, e.numel).copy_(it->second.reshape({-1}));
+  }
+  return flat.narrow(0, info.shard_offset, info.shard_numel);
+}
+
+absl::Status ExpectClose(const std::string& what, const at::Tensor& actual,
+                         const at::Tensor& expected, double rtol) {
+  if (!actual.defined()) return absl::InternalError(absl::StrCat(what, ": undefined tensor"));
+  if (actual.sizes() != expected.sizes()) {
+    return absl::InternalError(absl::StrCat(what, ": shape mismatch"));
+  }
+  const double diff = (actual.detach().to(at::kDouble) - expected.to(at::kDouble)).norm().item<double>();
+  const double ref = expected.to(at::kDouble).norm().item<double>();
+  if (diff <= rtol * ref || (ref < 1e-12 && diff < 1e-9)) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": relative error ", diff / std::max(ref, 1e-30),
+                                          " > ", rtol, " (|expected| = ", ref, ")"));
+}
+
+}  // namespace fairscale::fsdp::testing
