@@ -1,0 +1,227 @@
+// Exact accounting of what FullyShardedDataParallel communicates and keeps per rank.
+// * Communication per training step, counted by a CountingCommunicator around inproc, equals the
+//   theory: FULL_SHARD 3x the (padded) parameter bytes (all-gather in forward, again in backward,
+//   reduce-scatter of the gradient), 2x for the root that keeps its parameters
+//   (disable_reshard_on_root), SHARD_GRAD_OP 2x, NO_SHARD one all-reduce of the gradient.
+// * Memory after a step: parameters + gradients + optimizer state held by each rank are exactly
+//   1/N of the padded unsharded sizes, and the full parameters and their gradients are freed.
+#include <tuple>
+
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "base/status_matchers.h"
+#include "comm/registry.h"
+#include "comm/testing/rank_runner.h"
+#include "fsdp/fully_sharded_data_parallel.h"
+#include "fsdp/test_util.h"
+#include "fsdp/testing/counting_communicator.h"
+#include "gtest/gtest.h"
+
+namespace fairscale::fsdp {
+namespace {
+
+using base::testing::IsOk;
+using testing::CountingCommunicator;
+
+absl::Status Check(bool ok, const std::string& message) {
+  return ok ? absl::OkStatus() : absl::InternalError(message);
+}
+
+template <typename Body>
+void RunAllWorlds(Body body) {
+  for (int world = 1; world <= 4; ++world) {
+    std::vector<absl::Status> statuses = comm::testing::RunThreads(
+        world,
+        [&](int rank) -> absl::Status {
+          try {
+            FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> inner,
+                                comm::CreateCommunicator(
+                                    "inproc", comm::testing::RankConfig(absl::Seconds(30))));
+            return body(rank, world, std::make_shared<CountingCommunicator>(inner));
+          } catch (const std::exception& e) {
+            return absl::InternalError(e.what());
+          }
+        },
+        absl::Seconds(50));
+    for (int r = 0; r < world; ++r) {
+      EXPECT_THAT(statuses[r], IsOk()) << "world " << world << " rank " << r;
+    }
+  }
+}
+
+// One forward/backward of the test model on this rank's rows of the global batch.
+void TrainStep(FullyShardedDataParallel& model, torch::optim::Optimizer& opt, int step, int rank,
+               int world) {
+  opt.zero_grad();
+  testing::Batch b = testing::GlobalBatch(step);
+  testing::Mse(model(testing::RankRows(b.x, rank, world)), testing::RankRows(b.y, rank, world))
+      .backward();
+  opt.step();
+}
+
+using VolumeParam = std::tuple<ShardingStrategy, bool /*nested*/, bool /*reshard root*/>;
+class CommVolumeTest : public ::testing::TestWithParam<VolumeParam> {};
+
+TEST_P(CommVolumeTest, StepMovesTheTheoreticalBytes) {
+  const auto [strategy, nested, reshard_root] = GetParam();
+  RunAllWorlds([&, strategy = strategy, nested = nested, reshard_root = reshard_root](
+                   int rank, int world,
+                   std::shared_ptr<CountingCommunicator> counting) -> absl::Status {
+    const auto opts =
+        FsdpOptions().sharding_strategy(strategy).disable_reshard_on_root(!reshard_root);
+    FullyShardedDataParallel model(testing::Net(nested ? counting : nullptr, opts), counting,
+                                   opts);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    TrainStep(model, opt, 0, rank, world);  // first step: records the order, prefetches nothing
+
+    // Theory, from the layout: every flat parameter is gathered before forward, again before
+    // backward unless it is kept, and its gradient reduced once.
+    int64_t gather_bytes = 0, gather_ops = 0, rs_bytes = 0, rs_ops = 0, ar_bytes = 0, ar_ops = 0;
+    for (FullyShardedDataParallelImpl* unit : model->fsdp_units()) {
+      const bool root = unit == model.get();
+      for (const FlatParamInfo& info : unit->flat_param_info()) {
+        const int64_t bytes = info.padded_numel * 4;
+        if (strategy == ShardingStrategy::kNoShard) {
+          ar_bytes += bytes;
+          ++ar_ops;
+          continue;
+        }
+        const int gathers =
+            strategy == ShardingStrategy::kFullShard && (!root || reshard_root) ? 2 : 1;
+        gather_bytes += gathers * bytes;
+        gather_ops += gathers;
+        rs_bytes += bytes;
+        ++rs_ops;
+      }
+    }
+    for (int step = 1; step <= 3; ++step) {
+      counting->Reset();
+      TrainStep(model, opt, step, rank, world);
+      const auto ag = counting->count(comm::OpType::kAllGather);
+      const auto rs = counting->count(comm::OpType::kReduceScatter);
+      const auto ar = counting->count(comm::OpType::kAllReduce);
+      const std::string at = absl::StrCat("step ", step, " rank ", rank, "/", world, ": ");
+      FS_RETURN_IF_ERROR(Check(ag.bytes == gather_bytes && ag.ops == gather_ops,
+                               absl::StrCat(at, "all_gather ", ag.ops, " ops ", ag.bytes,
+                                            " bytes, expected ", gather_ops, " ops ",
+                                            gather_bytes, " bytes")));
+      FS_RETURN_IF_ERROR(Check(rs.bytes == rs_bytes && rs.ops == rs_ops,
+                               absl::StrCat(at, "reduce_scatter ", rs.ops, " ops ", rs.bytes,
+                                            " bytes, expected ", rs_ops, " ops ", rs_bytes)));
+      FS_RETURN_IF_ERROR(Check(ar.bytes == ar_bytes && ar.ops == ar_ops,
+                               absl::StrCat(at, "all_reduce ", ar.ops, " ops ", ar.bytes,
+                                            " bytes, expected ", ar_ops, " ops ", ar_bytes)));
+    }
+    // The theory in terms of the parameter bytes P (padded): 3P, 2P or one all-reduce of P.
+    if (!nested && strategy != ShardingStrategy::kNoShard) {
+      const int64_t p = model->flat_param_info()[0].padded_numel * 4;
+      const int64_t factor =
+          strategy == ShardingStrategy::kFullShard && reshard_root ? 3 : 2;
+      FS_RETURN_IF_ERROR(Check(gather_bytes + rs_bytes == factor * p, "theory"));
+    }
+    return absl::OkStatus();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, CommVolumeTest,
+    ::testing::Combine(::testing::Values(ShardingStrategy::kFullShard,
+                                         ShardingStrategy::kShardGradOp,
+                                         ShardingStrategy::kNoShard),
+                       ::testing::Bool(), ::testing::Bool()),
+    [](const ::testing::TestParamInfo<VolumeParam>& info) {
+      return absl::StrCat(ShardingStrategyName(std::get<0>(info.param)),
+                          std::get<1>(info.param) ? "_Nested" : "_Flat",
+                          std::get<2>(info.param) ? "_ReshardRoot" : "_KeepRoot");
+    });
+
+class MemoryTest : public ::testing::TestWithParam<std::tuple<ShardingStrategy, bool>> {};
+
+TEST_P(MemoryTest, EachRankHoldsOneNthOfParamsGradsAndAdamState) {
+  const auto [strategy, nested] = GetParam();
+  RunAllWorlds([&, strategy = strategy, nested = nested](
+                   int rank, int world,
+                   std::shared_ptr<CountingCommunicator> counting) -> absl::Status {
+    const auto opts = FsdpOptions().sharding_strategy(strategy);
+    FullyShardedDataParallel model(testing::Net(nested ? counting : nullptr, opts), counting,
+                                   opts);
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
+    // 350 parameters in 1 unit, or 66 + 142 + 142 in 3 units; padded to a multiple of N each.
+    int64_t padded = 0;
+    int64_t unsharded = 0;
+    for (FullyShardedDataParallelImpl* unit : model->fsdp_units()) {
+      for (const FlatParamInfo& info : unit->flat_param_info()) {
+        padded += info.padded_numel;
+        unsharded += info.numel;
+        const int64_t n = strategy == ShardingStrategy::kNoShard ? 1 : world;
+        FS_RETURN_IF_ERROR(Check(info.padded_numel % n == 0 &&
+                                     info.padded_numel - info.numel < n &&
+                                     info.shard_numel * n == info.padded_numel,
+                                 "padding of " + info.name));
+      }
+    }
+    FS_RETURN_IF_ERROR(Check(unsharded == 350, absl::StrCat("unsharded numel ", unsharded)));
+    const int64_t per_rank = strategy == ShardingStrategy::kNoShard ? padded : padded / world;
+
+    for (int step = 0; step < 3; ++step) {
+      TrainStep(model, opt, step, rank, world);
+      int64_t param_bytes = 0, grad_bytes = 0, state_bytes = 0;
+      for (const at::Tensor& p : model->parameters()) {
+        param_bytes += p.numel() * p.element_size();
+        if (p.grad().defined()) grad_bytes += p.grad().numel() * p.grad().element_size();
+      }
+      for (const auto& [key, state] : opt.state()) {
+        const auto& s = static_cast<const torch::optim::AdamParamState&>(*state);
+        state_bytes += s.exp_avg().numel() * 4 + s.exp_avg_sq().numel() * 4;
+      }
+      const std::string at = absl::StrCat("step ", step, " rank ", rank, "/", world, ": ");
+      FS_RETURN_IF_ERROR(Check(param_bytes == per_rank * 4 && grad_bytes == per_rank * 4 &&
+                                   state_bytes == 2 * per_rank * 4,
+                               absl::StrCat(at, "params ", param_bytes, " grads ", grad_bytes,
+                                            " adam state ", state_bytes, " bytes; expected ",
+                                            per_rank * 4, ", ", per_rank * 4, ", ",
+                                            2 * per_rank * 4)));
+      // Nothing else: the original parameters hold no memory of their own between steps (they
+      // view the freed full flat parameter, or the shard itself for NO_SHARD) and no gradient.
+      for (FullyShardedDataParallelImpl* unit : model->fsdp_units()) {
+        const auto shards = unit->parameters(/*recurse=*/false);
+        for (const auto& item : unit->module()->named_parameters()) {
+          bool is_shard = false;
+          for (FullyShardedDataParallelImpl* u : model->fsdp_units()) {
+            for (const at::Tensor& s : u->parameters(false)) is_shard |= s.is_same(item.value());
+          }
+          if (is_shard) continue;
+          const at::Tensor& p = item.value();
+          const size_t held = p.storage().nbytes();
+          const bool ok = strategy == ShardingStrategy::kNoShard
+                              ? p.storage().is_alias_of(shards[0].storage()) ||
+                                    (shards.size() > 1 &&
+                                     p.storage().is_alias_of(shards[1].storage()))
+                              : held == 0;
+          FS_RETURN_IF_ERROR(Check(ok && !p.grad().defined(),
+                                   absl::StrCat(at, "parameter '", unit->prefix(), item.key(),
+                                                "' holds ", held, " bytes",
+                                                p.grad().defined() ? " and a gradient" : "")));
+        }
+      }
+    }
+    return absl::OkStatus();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(All, MemoryTest,
+                         ::testing::Combine(::testing::Values(ShardingStrategy::kFullShard,
+                                                              ShardingStrategy::kShardGradOp,
+                                                              ShardingStrategy::kNoShard),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<ShardingStrategy, bool>>&
+                                info) {
+                           return absl::StrCat(ShardingStrategyName(std::get<0>(info.param)),
+                                               std::get<1>(info.param) ? "_Nested" : "_Flat");
+                         });
+
+}  // namespace
+}  // namespace fairscale::fsdp
