@@ -1,0 +1,382 @@
+// Collectives benchmark: our tcp backend vs Gloo (Debian's libgloo, TCP transport) in the same
+// binary and the same run, with single-core memcpy bandwidth as the ceiling.
+//
+//   ./bazelw run //comm/bench:collectives -- --ranks=2,4 --max_bytes=268435456
+//
+// The parent process spawns `n` copies of itself per world size (real processes on 127.0.0.1);
+// each copy builds both communicators (ours through the registry, Gloo's full mesh through its
+// own FileStore), then for every op and size runs rounds that alternate ours and Gloo and keeps
+// the best round of each (the machine is shared and noisy). Time per op is the slowest rank's
+// mean over the round's iterations. Rank 0 writes the rows; the parent prints the table.
+//
+// Bandwidth follows nccl-tests: algbw = S / t, busbw = algbw * factor, with S the full buffer
+// (all_reduce, broadcast: the buffer; reduce_scatter: the send buffer; all_gather: the recv
+// buffer) and factor 2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter and all_gather, 1 for
+// broadcast.
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "comm/communicator.h"
+#include "comm/registry.h"
+#include "comm/store/file_store.h"
+#include "gloo/allgather.h"
+#include "gloo/allreduce.h"
+#include "gloo/broadcast.h"
+#include "gloo/math.h"
+#include "gloo/reduce_scatter.h"
+#include "gloo/rendezvous/context.h"
+#include "gloo/rendezvous/file_store.h"
+#include "gloo/transport/tcp/device.h"
+
+extern char** environ;
+
+ABSL_FLAG(std::string, ranks, "2,4", "world sizes to run");
+ABSL_FLAG(int64_t, min_bytes, 4, "smallest message in bytes");
+ABSL_FLAG(int64_t, max_bytes, 256 << 20, "largest message in bytes");
+ABSL_FLAG(std::string, ops, "all_reduce,reduce_scatter,all_gather,broadcast", "ops to run");
+ABSL_FLAG(int, rounds, 3, "alternating rounds per backend; the best is kept");
+ABSL_FLAG(int64_t, bytes_per_round, 32 << 20, "iterations per round = this / size, in [3, 200]");
+ABSL_FLAG(std::string, backend, "tcp", "our backend to measure");
+ABSL_FLAG(std::string, out, "", "also write the markdown table here");
+
+namespace fairscale::comm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Row {
+  std::string op;
+  int n;
+  int64_t bytes;
+  double ours_us, gloo_us;
+};
+
+double BusFactor(const std::string& op, int n) {
+  if (op == "all_reduce") return 2.0 * (n - 1) / n;
+  if (op == "broadcast") return 1.0;
+  return static_cast<double>(n - 1) / n;
+}
+
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "collectives: %s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+// Elements of f32 per buffer for an op whose full buffer is `bytes`; reduce_scatter and
+// all_gather split it in n blocks, so there it is rounded up to a multiple of n.
+size_t Elements(const std::string& op, int64_t bytes, int n) {
+  size_t e = std::max<int64_t>(bytes / 4, 1);
+  if (op == "reduce_scatter" || op == "all_gather") e = (e + n - 1) / n * n;
+  return e;
+}
+
+class RankBench {
+ public:
+  RankBench(int rank, int n, const std::string& dir) : rank_(rank), n_(n) {
+    CommConfig config;
+    config.rank = rank;
+    config.size = n;
+    config.timeout = absl::Minutes(2);
+    auto store = FileStore::Create(dir + "/ours");
+    Check(store.status(), "file store");
+    config.store = std::shared_ptr<Store>(*std::move(store));
+    auto comm = CreateCommunicator(absl::GetFlag(FLAGS_backend), config);
+    Check(comm.status(), "create our communicator");
+    ours_ = *std::move(comm);
+
+    gloo::transport::tcp::attr attr;
+    attr.hostname = "127.0.0.1";
+    auto dev = gloo::transport::tcp::CreateDevice(attr);
+    gloo::rendezvous::FileStore gloo_store(dir + "/gloo");
+    gloo_ = std::make_shared<gloo::rendezvous::Context>(rank, n);
+    gloo_->setTimeout(std::chrono::minutes(2));
+    gloo_->connectFullMesh(gloo_store, dev);
+  }
+
+  // Seconds per op, max over ranks, for one round of `iters` iterations.
+  double TimeOurs(const std::string& op, size_t elems, int iters) {
+    Prepare(elems);
+    auto run = [&]() -> absl::Status {
+      const size_t block = elems / n_;
+      if (op == "all_reduce") {
+        return ours_->AllReduce(MakeConstBuffer(a_.data(), elems), MakeBuffer(b_.data(), elems),
+                                ReduceOp::kSum).Wait();
+      } else if (op == "reduce_scatter") {
+        return ours_->ReduceScatter(MakeConstBuffer(a_.data(), elems),
+                                    MakeBuffer(b_.data(), block), ReduceOp::kSum).Wait();
+      } else if (op == "all_gather") {
+        return ours_->AllGather(MakeConstBuffer(a_.data(), block), MakeBuffer(b_.data(), elems))
+            .Wait();
+      } else {
+        return ours_->Broadcast(MakeBuffer(a_.data(), elems), 0).Wait();
+      }
+    };
+    Check(run(), "warm-up");
+    Check(ours_->Barrier().Wait(), "barrier");
+    auto t0 = Clock::now();
+    for (int i = 0; i < iters; ++i) Check(run(), op.c_str());
+    return MaxOverRanks(std::chrono::duration<double>(Clock::now() - t0).count() / iters);
+  }
+
+  double TimeGloo(const std::string& op, size_t elems, int iters) {
+    Prepare(elems);
+    const size_t block = elems / n_;
+    std::unique_ptr<gloo::ReduceScatterHalvingDoubling<float>> rs;
+    if (op == "reduce_scatter") {
+      std::vector<int> recv(n_, static_cast<int>(block));
+      rs = std::make_unique<gloo::ReduceScatterHalvingDoubling<float>>(
+          gloo_, std::vector<float*>{a_.data()}, static_cast<int>(elems), recv);
+    }
+    uint32_t tag = 0;
+    auto run = [&]() {
+      ++tag;
+      if (op == "all_reduce") {
+        gloo::AllreduceOptions opts(gloo_);
+        opts.setInput(a_.data(), elems);
+        opts.setOutput(b_.data(), elems);
+        opts.setTag(tag);
+        opts.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(
+            &gloo::sum<float>));
+        gloo::allreduce(opts);
+      } else if (op == "reduce_scatter") {
+        rs->run();
+      } else if (op == "all_gather") {
+        gloo::AllgatherOptions opts(gloo_);
+        opts.setInput(a_.data(), block);
+        opts.setOutput(b_.data(), elems);
+        opts.setTag(tag);
+        gloo::allgather(opts);
+      } else {
+        gloo::BroadcastOptions opts(gloo_);
+        opts.setOutput(a_.data(), elems);
+        opts.setRoot(0);
+        opts.setTag(tag);
+        gloo::broadcast(opts);
+      }
+    };
+    run();
+    Check(ours_->Barrier().Wait(), "barrier");
+    auto t0 = Clock::now();
+    for (int i = 0; i < iters; ++i) run();
+    return MaxOverRanks(std::chrono::duration<double>(Clock::now() - t0).count() / iters);
+  }
+
+ private:
+  void Prepare(size_t elems) {
+    if (a_.size() < elems) {
+      a_.assign(elems, 1.0f + rank_);
+      b_.assign(elems, 0.0f);
+    }
+  }
+
+  double MaxOverRanks(double v) {
+    Check(ours_->AllReduce(MakeConstBuffer(&v, 1), MakeBuffer(&v, 1), ReduceOp::kMax).Wait(),
+          "max over ranks");
+    return v;
+  }
+
+  const int rank_, n_;
+  std::shared_ptr<Communicator> ours_;
+  std::shared_ptr<gloo::rendezvous::Context> gloo_;
+  std::vector<float> a_, b_;
+};
+
+std::vector<int64_t> Sizes() {
+  std::vector<int64_t> sizes;
+  for (int64_t s = absl::GetFlag(FLAGS_min_bytes); s <= absl::GetFlag(FLAGS_max_bytes); s *= 4) {
+    sizes.push_back(s);
+  }
+  return sizes;
+}
+
+int RunRank(int rank, int n, const std::string& dir) {
+  RankBench bench(rank, n, dir);
+  std::vector<std::string> ops = absl::StrSplit(absl::GetFlag(FLAGS_ops), ',');
+  std::ofstream out;
+  if (rank == 0) out.open(dir + "/rows.tsv");
+  const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
+  for (const std::string& op : ops) {
+    for (int64_t bytes : Sizes()) {
+      const size_t elems = Elements(op, bytes, n);
+      const int iters = static_cast<int>(std::clamp<int64_t>(
+          absl::GetFlag(FLAGS_bytes_per_round) / std::max<int64_t>(bytes, 1), 3, 200));
+      double ours = 1e30, gloo = 1e30;
+      for (int r = 0; r < rounds; ++r) {
+        // Alternate who goes first so neither always runs on a warmer machine.
+        if (r % 2 == 0) {
+          ours = std::min(ours, bench.TimeOurs(op, elems, iters));
+          gloo = std::min(gloo, bench.TimeGloo(op, elems, iters));
+        } else {
+          gloo = std::min(gloo, bench.TimeGloo(op, elems, iters));
+          ours = std::min(ours, bench.TimeOurs(op, elems, iters));
+        }
+      }
+      if (rank == 0) {
+        out << op << "\t" << n << "\t" << elems * 4 << "\t" << ours * 1e6 << "\t" << gloo * 1e6
+            << "\n";
+        out.flush();
+        std::fprintf(stderr, "  %-14s n=%d %10zu B  ours %10.1f us  gloo %10.1f us\n",
+                     op.c_str(), n, elems * 4, ours * 1e6, gloo * 1e6);
+      }
+    }
+  }
+  return 0;
+}
+
+// Single-core memcpy bandwidth (GB/s) for `bytes`, best of a few runs.
+double MemcpyGBps(int64_t bytes) {
+  std::vector<char> src(bytes, 1), dst(bytes, 0);
+  const int iters = static_cast<int>(std::clamp<int64_t>((64 << 20) / bytes, 3, 10000));
+  double best = 1e30;
+  for (int r = 0; r < 3; ++r) {
+    auto t0 = Clock::now();
+    for (int i = 0; i < iters; ++i) {
+      std::memcpy(dst.data(), src.data(), bytes);
+      asm volatile("" : : "r"(dst.data()) : "memory");
+    }
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count() / iters);
+  }
+  return bytes / best / 1e9;
+}
+
+int RunWorld(int n, const char* self, std::vector<Row>* rows) {
+  std::string base = std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp";
+  std::string dir_template = base + "/fs_bench_XXXXXX";
+  std::vector<char> buf(dir_template.begin(), dir_template.end());
+  buf.push_back('\0');
+  if (mkdtemp(buf.data()) == nullptr) return 1;
+  std::string dir = buf.data();
+  if (mkdir((dir + "/gloo").c_str(), 0700) != 0) {
+    std::perror("mkdir");
+    return 1;
+  }
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e; ++e) env_strings.push_back(*e);
+    env_strings.push_back(absl::StrCat("FS_BENCH_RANK=", r));
+    env_strings.push_back(absl::StrCat("FS_BENCH_SIZE=", n));
+    env_strings.push_back(absl::StrCat("FS_BENCH_DIR=", dir));
+    std::vector<char*> envp;
+    for (auto& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> args = {self,
+                                     absl::StrCat("--min_bytes=", absl::GetFlag(FLAGS_min_bytes)),
+                                     absl::StrCat("--max_bytes=", absl::GetFlag(FLAGS_max_bytes)),
+                                     absl::StrCat("--ops=", absl::GetFlag(FLAGS_ops)),
+                                     absl::StrCat("--rounds=", absl::GetFlag(FLAGS_rounds)),
+                                     absl::StrCat("--bytes_per_round=",
+                                                  absl::GetFlag(FLAGS_bytes_per_round)),
+                                     absl::StrCat("--backend=", absl::GetFlag(FLAGS_backend))};
+    std::vector<char*> argv;
+    for (auto& s : args) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    pid_t pid;
+    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data()) != 0) {
+      std::perror("posix_spawn");
+      return 1;
+    }
+    pids.push_back(pid);
+  }
+  int failed = 0;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
+  }
+  if (failed) {
+    std::fprintf(stderr, "collectives: %d of %d ranks failed\n", failed, n);
+    return 1;
+  }
+  std::ifstream in(dir + "/rows.tsv");
+  std::string line;
+  while (std::getline(in, line)) {
+    std::vector<std::string> f = absl::StrSplit(line, '\t');
+    if (f.size() != 5) continue;
+    Row row;
+    row.op = f[0];
+    (void)absl::SimpleAtoi(f[1], &row.n);
+    (void)absl::SimpleAtoi(f[2], &row.bytes);
+    (void)absl::SimpleAtod(f[3], &row.ours_us);
+    (void)absl::SimpleAtod(f[4], &row.gloo_us);
+    rows->push_back(row);
+  }
+  return 0;
+}
+
+std::string HumanBytes(int64_t b) {
+  if (b >= (1 << 20)) return absl::StrCat(b >> 20, " MiB");
+  if (b >= (1 << 10)) return absl::StrCat(b >> 10, " KiB");
+  return absl::StrCat(b, " B");
+}
+
+int Main(const char* self) {
+  std::vector<Row> rows;
+  for (absl::string_view r : absl::StrSplit(absl::GetFlag(FLAGS_ranks), ',')) {
+    int n = 0;
+    if (!absl::SimpleAtoi(r, &n) || n < 1) {
+      std::fprintf(stderr, "collectives: bad --ranks entry '%s'\n", std::string(r).c_str());
+      return 2;
+    }
+    std::fprintf(stderr, "world size %d:\n", n);
+    if (RunWorld(n, self, &rows) != 0) return 1;
+  }
+  std::map<int64_t, double> memcpy_gbps;
+  for (const Row& row : rows) {
+    if (!memcpy_gbps.count(row.bytes)) memcpy_gbps[row.bytes] = MemcpyGBps(row.bytes);
+  }
+  std::string table =
+      "| op | ranks | size | ours us | gloo us | ours busbw GB/s | gloo busbw GB/s | "
+      "ours/gloo busbw | memcpy GB/s |\n|---|---|---|---|---|---|---|---|---|\n";
+  for (const Row& row : rows) {
+    const double f = BusFactor(row.op, row.n);
+    const double ours_bw = row.bytes / (row.ours_us * 1e-6) / 1e9 * f;
+    const double gloo_bw = row.bytes / (row.gloo_us * 1e-6) / 1e9 * f;
+    absl::StrAppend(&table, absl::StrFormat("| %s | %d | %s | %.1f | %.1f | %.3f | %.3f | %.2f | %.2f |\n",
+                                            row.op, row.n, HumanBytes(row.bytes), row.ours_us,
+                                            row.gloo_us, ours_bw, gloo_bw,
+                                            row.gloo_us / row.ours_us,
+                                            memcpy_gbps[row.bytes]));
+  }
+  std::fputs(table.c_str(), stdout);
+  if (!absl::GetFlag(FLAGS_out).empty()) std::ofstream(absl::GetFlag(FLAGS_out)) << table;
+  return 0;
+}
+
+}  // namespace
+}  // namespace fairscale::comm
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const char* rank = std::getenv("FS_BENCH_RANK");
+  if (rank != nullptr) {
+    return fairscale::comm::RunRank(std::atoi(rank), std::atoi(std::getenv("FS_BENCH_SIZE")),
+                                    std::getenv("FS_BENCH_DIR"));
+  }
+  return fairscale::comm::Main(argv[0]);
+}

@@ -1,0 +1,199 @@
+// The demo job: N ranks as real processes on 127.0.0.1 under the torchrun environment contract.
+//
+//   ./bazelw run //examples:demo                  # 4 ranks, tcp backend
+//   ./bazelw run //examples:demo -- --ranks=3 --count=1000000
+//
+// Without RANK in the environment the binary is its own small launcher: it hosts the TCPStore
+// (as torchrun's agent does, TORCHELASTIC_USE_AGENT_STORE=True), spawns one copy of itself per
+// rank with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, and exits non-zero if
+// any rank fails. Each rank creates its communicator with CreateCommunicatorFromEnv() and runs
+// every collective once, checking each result against the value computed locally.
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "base/logging.h"
+#include "base/status_macros.h"
+#include "comm/communicator.h"
+#include "comm/registry.h"
+#include "comm/store/tcp_store.h"
+
+extern char** environ;
+
+ABSL_FLAG(int, ranks, 4, "number of ranks to launch");
+ABSL_FLAG(int64_t, count, 1 << 20, "f32 elements per rank");
+
+namespace fairscale::examples {
+namespace {
+
+using comm::MakeBuffer;
+using comm::MakeConstBuffer;
+using comm::ReduceOp;
+
+absl::Status Expect(bool ok, absl::string_view what) {
+  if (ok) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("wrong result: ", what));
+}
+
+absl::Status RunRank() {
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> comm, comm::CreateCommunicatorFromEnv());
+  const int r = comm->rank(), n = comm->size();
+  base::SetLogRank(r, n);
+  const size_t count = static_cast<size_t>(absl::GetFlag(FLAGS_count)) / n * n;
+  const size_t block = count / n;
+
+  // all_reduce: element i of rank r is r + i % 7; the sum is n(n-1)/2 + n (i % 7).
+  std::vector<float> x(count), y(count);
+  for (size_t i = 0; i < count; ++i) x[i] = static_cast<float>(r + i % 7);
+  absl::Time t0 = absl::Now();
+  FS_RETURN_IF_ERROR(
+      comm->AllReduce(MakeConstBuffer(x.data(), count), MakeBuffer(y.data(), count), ReduceOp::kSum)
+          .Wait());
+  absl::Duration all_reduce_time = absl::Now() - t0;
+  for (size_t i = 0; i < count; ++i) {
+    FS_RETURN_IF_ERROR(Expect(y[i] == n * (n - 1) / 2.0f + n * static_cast<float>(i % 7),
+                              "all_reduce"));
+  }
+
+  // reduce_scatter of the same input: block r of the sum.
+  std::vector<float> mine(block);
+  FS_RETURN_IF_ERROR(comm->ReduceScatter(MakeConstBuffer(x.data(), count),
+                                         MakeBuffer(mine.data(), block), ReduceOp::kSum)
+                         .Wait());
+  for (size_t i = 0; i < block; ++i) {
+    FS_RETURN_IF_ERROR(Expect(mine[i] == y[r * block + i], "reduce_scatter"));
+  }
+
+  // all_gather puts the blocks back together: equal to the all_reduce result.
+  std::vector<float> whole(count);
+  FS_RETURN_IF_ERROR(
+      comm->AllGather(MakeConstBuffer(mine.data(), block), MakeBuffer(whole.data(), count)).Wait());
+  FS_RETURN_IF_ERROR(Expect(whole == y, "all_gather"));
+
+  // broadcast from the last rank.
+  std::vector<int64_t> b(5, r == n - 1 ? 42 : -1);
+  FS_RETURN_IF_ERROR(comm->Broadcast(MakeBuffer(b.data(), b.size()), n - 1).Wait());
+  FS_RETURN_IF_ERROR(Expect(b == std::vector<int64_t>(5, 42), "broadcast"));
+
+  // reduce (max) to rank 0.
+  int32_t v = 10 * r, out = -1;
+  FS_RETURN_IF_ERROR(
+      comm->Reduce(MakeConstBuffer(&v, 1), MakeBuffer(&out, 1), ReduceOp::kMax, 0).Wait());
+  if (r == 0) FS_RETURN_IF_ERROR(Expect(out == 10 * (n - 1), "reduce"));
+
+  // all_to_all: send j*100 + r to rank j; receive from i: r*100 + i.
+  std::vector<int32_t> s(n), recv(n);
+  for (int j = 0; j < n; ++j) s[j] = j * 100 + r;
+  FS_RETURN_IF_ERROR(
+      comm->AllToAll(MakeConstBuffer(s.data(), n), MakeBuffer(recv.data(), n)).Wait());
+  for (int i = 0; i < n; ++i) FS_RETURN_IF_ERROR(Expect(recv[i] == r * 100 + i, "all_to_all"));
+
+  // send/recv around a ring, as one batch (every rank sends and receives at once).
+  if (n > 1) {
+    double token = r, got = -1;
+    FS_RETURN_IF_ERROR(comm->BatchP2P({comm::P2POp::Send(MakeConstBuffer(&token, 1), (r + 1) % n),
+                                       comm::P2POp::Recv(MakeBuffer(&got, 1), (r + n - 1) % n)})
+                           .Wait());
+    FS_RETURN_IF_ERROR(Expect(got == (r + n - 1) % n, "send/recv"));
+  }
+
+  // Split into even and odd ranks; each half sums its ranks.
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> half, comm->Split(r % 2, r));
+  int64_t mine_r = r, half_sum = 0;
+  FS_RETURN_IF_ERROR(
+      half->AllReduce(MakeConstBuffer(&mine_r, 1), MakeBuffer(&half_sum, 1), ReduceOp::kSum)
+          .Wait());
+  int64_t expect = 0;
+  for (int i = r % 2; i < n; i += 2) expect += i;
+  FS_RETURN_IF_ERROR(Expect(half_sum == expect, "split all_reduce"));
+
+  FS_RETURN_IF_ERROR(comm->Barrier().Wait());
+  FS_LOG(INFO) << "all collectives correct; all_reduce of " << count * 4 / 1024 << " KiB took "
+               << absl::FormatDuration(all_reduce_time) << " [" << comm->backend() << "]";
+  std::printf("[rank %d/%d] OK: all_reduce, reduce_scatter, all_gather, broadcast, reduce, "
+              "all_to_all, send/recv, split, barrier\n", r, n);
+  return absl::OkStatus();
+}
+
+int Launch(const char* self) {
+  const int n = absl::GetFlag(FLAGS_ranks);
+  if (n < 1) {
+    std::fprintf(stderr, "demo: --ranks must be >= 1\n");
+    return 2;
+  }
+  comm::TCPStoreOptions opts;
+  opts.is_server = true;
+  opts.timeout = absl::Seconds(60);
+  auto store = comm::TCPStore::Create(opts);
+  if (!store.ok()) {
+    std::fprintf(stderr, "demo: cannot start the TCPStore: %s\n", store.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("demo: launching %d ranks, store at 127.0.0.1:%d\n", n, (*store)->port());
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e; ++e) env.emplace_back(*e);
+    env.push_back(absl::StrCat("RANK=", r));
+    env.push_back(absl::StrCat("LOCAL_RANK=", r));
+    env.push_back(absl::StrCat("WORLD_SIZE=", n));
+    env.push_back("MASTER_ADDR=127.0.0.1");
+    env.push_back(absl::StrCat("MASTER_PORT=", (*store)->port()));
+    env.push_back("TORCHELASTIC_USE_AGENT_STORE=True");
+    if (std::getenv("FS_COMM_TIMEOUT_S") == nullptr) env.push_back("FS_COMM_TIMEOUT_S=60");
+    std::vector<char*> envp;
+    for (auto& s : env) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::string count = absl::StrCat("--count=", absl::GetFlag(FLAGS_count));
+    char* argv[] = {const_cast<char*>(self), count.data(), nullptr};
+    pid_t pid;
+    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, envp.data()) != 0) {
+      std::perror("demo: posix_spawn");
+      for (pid_t p : pids) kill(p, SIGKILL);
+      return 1;
+    }
+    pids.push_back(pid);
+  }
+  int failed = 0;
+  for (int r = 0; r < n; ++r) {
+    int status = 0;
+    waitpid(pids[r], &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      std::fprintf(stderr, "demo: rank %d failed (%s %d)\n", r,
+                   WIFEXITED(status) ? "exit code" : "signal",
+                   WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+      ++failed;
+    }
+  }
+  std::printf(failed ? "demo: FAILED\n" : "demo: all %d ranks OK\n", n);
+  return failed ? 1 : 0;
+}
+
+}  // namespace
+}  // namespace fairscale::examples
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+  if (std::getenv("RANK") == nullptr) return fairscale::examples::Launch(argv[0]);
+  absl::Status s = fairscale::examples::RunRank();
+  if (!s.ok()) {
+    std::fprintf(stderr, "[rank %s] %s\n", std::getenv("RANK"), s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
