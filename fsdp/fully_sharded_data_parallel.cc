@@ -1,6 +1,7 @@
 #include "fsdp/fully_sharded_data_parallel.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/engine.h>
@@ -9,6 +10,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <map>
 #include <ostream>
@@ -54,6 +56,7 @@ struct RootState {
   bool forward_order_done = false;
   bool backward_order_done = false;
   bool backward_active = false;  // finalize_backward is queued on the engine
+  bool no_sync = false;
   std::vector<PendingReduce> pending;
 };
 
@@ -359,7 +362,9 @@ void FullyShardedDataParallelImpl::init_root() {
 }
 
 void FullyShardedDataParallelImpl::pre_forward() {
+  TORCH_CHECK(!summoned_, label(), ": forward inside summon_full_params");
   if (!state_) init_root();
+  in_forward_ = true;
   internal::RootState& st = *state_;
   if (!st.forward_order_done &&
       std::find(st.forward_order.begin(), st.forward_order.end(), this) ==
@@ -377,6 +382,7 @@ void FullyShardedDataParallelImpl::pre_forward() {
 
 void FullyShardedDataParallelImpl::post_forward(const std::vector<at::Tensor>& outputs) {
   internal::RootState& st = *state_;
+  in_forward_ = false;
   bool needs_backward = false;
   if (c10::GradMode::is_enabled()) {
     std::weak_ptr<FullyShardedDataParallelImpl*> alive = alive_;
@@ -404,6 +410,7 @@ void FullyShardedDataParallelImpl::post_forward(const std::vector<at::Tensor>& o
 }
 
 void FullyShardedDataParallelImpl::forward_failed() {
+  in_forward_ = false;
   if (state_ && is_root()) {
     for (FullyShardedDataParallelImpl* u : state_->units) {
       if (!u->forwarded_) u->reshard();
@@ -507,7 +514,7 @@ void FullyShardedDataParallelImpl::on_param_grad(size_t flat, size_t slot_index)
   fp.full_grad.narrow(0, slot.offset, slot.numel).add_(grad.reshape({-1}));
   grad = at::Tensor();
   ++fp.grads_ready;
-  if (fp.grads_ready == static_cast<int>(fp.slots.size()) && !fp.reduced) {
+  if (fp.grads_ready == static_cast<int>(fp.slots.size()) && !fp.reduced && !state_->no_sync) {
     issue_reduce(flat);
     // Every use of this flat parameter in backward is done: free it now rather than at the end.
     if (sharded() && fp.requires_grad && flats_.size() == 1) reshard();
@@ -532,7 +539,7 @@ void FullyShardedDataParallelImpl::finalize_backward() {
     // Units whose gradients did not all arrive (unused parameters) reduce now, in the same
     // order on every rank.
     for (FullyShardedDataParallelImpl* u : st.units) {
-      for (size_t f = 0; f < u->flats_.size(); ++f) {
+      for (size_t f = 0; f < u->flats_.size() && !st.no_sync; ++f) {
         FlatParam& fp = u->flats_[f];
         if (fp.requires_grad && !fp.reduced && (u->forwarded_ || fp.full_grad.defined())) {
           u->issue_reduce(f);
@@ -562,6 +569,97 @@ void FullyShardedDataParallelImpl::finalize_backward() {
     throw;
   }
   reset();
+}
+
+// ---- no_sync, clip_grad_norm_, summon_full_params ------------------------------------------
+
+FullyShardedDataParallelImpl::NoSyncGuard FullyShardedDataParallelImpl::no_sync() {
+  if (!state_) init_root();
+  TORCH_CHECK(is_root(), label(), ": no_sync() is for the root unit");
+  TORCH_CHECK(!state_->backward_active, label(), ": no_sync() inside backward");
+  const bool previous = state_->no_sync;
+  state_->no_sync = true;
+  return NoSyncGuard(this, previous);
+}
+
+FullyShardedDataParallelImpl::NoSyncGuard::~NoSyncGuard() {
+  if (root_->state_) root_->state_->no_sync = previous_;
+}
+
+at::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double norm_type) {
+  if (!state_) init_root();
+  internal::RootState& st = *state_;
+  TORCH_CHECK(is_root(), label(), ": clip_grad_norm_() is for the root unit");
+  TORCH_CHECK(!st.backward_active, label(), ": clip_grad_norm_() inside backward");
+  TORCH_CHECK(!st.no_sync, label(),
+              ": clip_grad_norm_() inside no_sync(): the gradients are not reduced yet");
+  TORCH_CHECK(norm_type > 0, label(), ": clip_grad_norm_() needs norm_type > 0, got ",
+              norm_type);
+  const bool inf = std::isinf(norm_type);
+  c10::NoGradGuard no_grad;
+  double local = 0;
+  std::vector<at::Tensor> grads;
+  for (FullyShardedDataParallelImpl* u : st.units) {
+    for (FlatParam& fp : u->flats_) {
+      const at::Tensor& g = fp.shard.grad();
+      if (!fp.requires_grad || !g.defined()) continue;
+      grads.push_back(g);
+      // Unsharded units hold the same gradient on every rank: count it once.
+      if (!u->sharded() && !inf && rank_ != 0) continue;
+      const double n = g.to(at::kDouble).norm(norm_type).item<double>();
+      local = inf ? std::max(local, n) : local + std::pow(n, norm_type);
+    }
+  }
+  double total = local;
+  if (world_ > 1) {
+    const std::string context = label() + ": clip_grad_norm_ all_reduce";
+    ThrowIfError(comm_->AllReduce(comm::MakeConstBuffer(&local, 1), comm::MakeBuffer(&total, 1),
+                                  inf ? comm::ReduceOp::kMax : comm::ReduceOp::kSum)
+                     .Wait(),
+                 context);
+  }
+  if (!inf) total = std::pow(total, 1.0 / norm_type);
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1) {
+    for (at::Tensor& g : grads) g.mul_(coef);
+  }
+  return at::scalar_tensor(total, at::kFloat);
+}
+
+FullyShardedDataParallelImpl::FullParamsGuard FullyShardedDataParallelImpl::summon_full_params(
+    bool writeback) {
+  std::vector<FullyShardedDataParallelImpl*> units = fsdp_units();
+  for (FullyShardedDataParallelImpl* u : units) {
+    TORCH_CHECK(!u->summoned_, u->label(), ": summon_full_params() is already active");
+    TORCH_CHECK(!u->in_forward_ && !(u->state_ && u->state_->backward_active), u->label(),
+                ": summon_full_params() inside forward or backward");
+  }
+  for (FullyShardedDataParallelImpl* u : units) u->issue_gathers();
+  std::vector<at::Tensor> snapshots;
+  for (FullyShardedDataParallelImpl* u : units) {
+    u->wait_gathers();
+    u->summoned_ = true;
+    for (FlatParam& fp : u->flats_) {
+      if (!u->sharded() && !writeback) snapshots.push_back(fp.shard.detach().clone());
+    }
+  }
+  return FullParamsGuard(std::move(units), writeback, std::move(snapshots));
+}
+
+FullyShardedDataParallelImpl::FullParamsGuard::~FullParamsGuard() {
+  c10::NoGradGuard no_grad;
+  size_t next_snapshot = 0;
+  for (FullyShardedDataParallelImpl* u : units_) {
+    for (FlatParam& fp : u->flats_) {
+      if (u->sharded()) {
+        if (writeback_) fp.shard.detach().copy_(fp.full.narrow(0, fp.shard_offset, fp.shard_numel));
+      } else if (!writeback_) {
+        fp.shard.detach().copy_(snapshots_[next_snapshot++]);
+      }
+    }
+    u->summoned_ = false;
+    u->reshard();
+  }
 }
 
 }  // namespace fairscale::fsdp

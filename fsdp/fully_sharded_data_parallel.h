@@ -151,6 +151,55 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   int rank() const { return rank_; }
   int world_size() const { return world_; }
 
+  // Gradient accumulation without communication, FairScale's no_sync(): while the returned
+  // guard lives, backward passes accumulate full (unsharded) gradients on each rank and reduce
+  // nothing; the first backward after the guard is gone reduces everything accumulated.
+  // Costs a full gradient per unit of memory. Root only, outside forward/backward.
+  class NoSyncGuard {
+   public:
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+    ~NoSyncGuard();
+
+   private:
+    friend class FullyShardedDataParallelImpl;
+    NoSyncGuard(FullyShardedDataParallelImpl* root, bool previous)
+        : root_(root), previous_(previous) {}
+    FullyShardedDataParallelImpl* root_;
+    bool previous_;
+  };
+  NoSyncGuard no_sync();
+
+  // Scales the gradients of every unit so that their global norm (over all shards of all ranks,
+  // computed exactly: each rank's partial sum, then one all-reduce) is at most `max_norm`, like
+  // torch::nn::utils::clip_grad_norm_; `norm_type` may be any p > 0 or infinity. Returns the
+  // norm before clipping. Collective; root only, after backward and outside no_sync.
+  at::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0);
+
+  // Makes the full parameters of this unit and its nested units available in module() while
+  // the returned guard lives (e.g. for evaluation, inspection or initialization after wrapping).
+  // With `writeback`, each rank copies its slice of the (possibly modified) full parameters
+  // back into its shard when the guard goes; without, changes are discarded (also for
+  // kNoShard, whose parameters are the shard itself). Collective; not inside forward/backward,
+  // and forward may not run while it lives. Between a forward and its backward it is allowed
+  // (backward gathers again), but a writeback there makes the gradients those of the old values.
+  class FullParamsGuard {
+   public:
+    FullParamsGuard(const FullParamsGuard&) = delete;
+    FullParamsGuard& operator=(const FullParamsGuard&) = delete;
+    ~FullParamsGuard();
+
+   private:
+    friend class FullyShardedDataParallelImpl;
+    FullParamsGuard(std::vector<FullyShardedDataParallelImpl*> units, bool writeback,
+                    std::vector<at::Tensor> snapshots)
+        : units_(std::move(units)), writeback_(writeback), snapshots_(std::move(snapshots)) {}
+    std::vector<FullyShardedDataParallelImpl*> units_;
+    bool writeback_;
+    std::vector<at::Tensor> snapshots_;  // kNoShard shards, restored when !writeback
+  };
+  FullParamsGuard summon_full_params(bool writeback = true);
+
   // This unit's position in the root's wrapped module, "" for the root, "blocks.0." for a unit
   // nested there (known once the root's first forward ran; "" before).
   const std::string& prefix() const { return prefix_; }
@@ -211,6 +260,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   int backward_index_ = -1;  // position in the recorded backward order
   bool forwarded_ = false;   // ran a forward whose backward is still to come
   bool pre_backward_done_ = false;
+  bool summoned_ = false;  // inside summon_full_params
+  bool in_forward_ = false;
 };
 
 // The ModuleHolder, as TORCH_MODULE would write it, plus a call operator: ModuleHolder's own

@@ -15,6 +15,8 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "comm/registry.h"
+#include "comm/testing/rank_runner.h"
 
 namespace fairscale::fsdp::testing {
 
@@ -63,13 +65,28 @@ BlockImpl::BlockImpl(int64_t dim, int64_t hidden)
 
 torch::Tensor BlockImpl::forward(torch::Tensor x) { return x + fc2(at::tanh(fc1(x))); }
 
-NetImpl::NetImpl(std::shared_ptr<comm::Communicator> nested_comm, FsdpOptions nested_options) {
+namespace {
+void Freeze(torch::nn::Module& m, const std::string& prefix, const std::set<std::string>& names) {
+  for (auto& item : m.named_parameters()) {
+    if (names.count(prefix + item.key())) item.value().set_requires_grad(false);
+  }
+}
+}  // namespace
+
+NetImpl::NetImpl(std::shared_ptr<comm::Communicator> nested_comm, FsdpOptions nested_options,
+                 NetConfig config) {
   fc_in_ = register_module("fc_in", torch::nn::Linear(5, 7));
   InitDeterministic(*fc_in_, "fc_in.");
+  Freeze(*fc_in_, "fc_in.", config.frozen);
+  if (config.with_unused) {
+    auto unused = register_module("unused", torch::nn::Linear(2, 2));
+    InitDeterministic(*unused, "unused.");
+  }
   for (int i = 0; i < 2; ++i) {
     const std::string name = absl::StrCat("block", i);
     Block block(7, 9);
     InitDeterministic(*block, name + ".");
+    Freeze(*block, name + ".", config.frozen);
     if (nested_comm) {
       FullyShardedDataParallel unit(block, nested_comm, nested_options);
       register_module(name, unit);
@@ -85,7 +102,9 @@ NetImpl::NetImpl(std::shared_ptr<comm::Communicator> nested_comm, FsdpOptions ne
 
 torch::Tensor NetImpl::forward(torch::Tensor x) {
   x = at::tanh(fc_in_(x));
-  for (auto& block : blocks_) x = block(x);
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    if (static_cast<int>(i) != skip_block) x = blocks_[i](x);
+  }
   return fc_out_(x);
 }
 
@@ -106,7 +125,7 @@ at::Tensor Mse(const at::Tensor& output, const at::Tensor& target) {
 
 std::vector<ReferenceStep> RunReference(OptimizerKind kind, int steps) {
   Net net;
-  auto opt = MakeOptimizer(kind, net->parameters());
+  auto opt = MakeOptimizer(kind, DistinctParameters(*net));
   std::vector<ReferenceStep> out;
   for (int step = 0; step < steps; ++step) {
     opt->zero_grad();
@@ -135,6 +154,53 @@ at::Tensor ShardOf(const FlatParamInfo& info, const std::map<std::string, at::Te
     flat.narrow(0, e.offset, e.numel).copy_(it->second.reshape({-1}));
   }
   return flat.narrow(0, info.shard_offset, info.shard_numel);
+}
+
+std::vector<at::Tensor> DistinctParameters(torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& p : m.parameters()) {
+    bool seen = false;
+    for (const at::Tensor& q : out) seen = seen || q.is_same(p);
+    if (!seen) out.push_back(p);
+  }
+  return out;
+}
+
+absl::Status CheckShards(FullyShardedDataParallel& model,
+                         const std::map<std::string, at::Tensor>& expected, bool grads,
+                         const std::string& what, double rtol) {
+  for (FullyShardedDataParallelImpl* unit : model->fsdp_units()) {
+    const auto params = unit->named_parameters(/*recurse=*/false);
+    for (const FlatParamInfo& info : unit->flat_param_info()) {
+      if (grads && !info.requires_grad) continue;
+      const at::Tensor& shard = params[info.name];
+      at::Tensor actual = grads ? shard.grad() : shard.detach();
+      if (grads && !actual.defined()) actual = at::zeros_like(shard);
+      absl::Status s = ExpectClose(absl::StrCat(what, " of unit '", unit->prefix(), "' ",
+                                                info.name),
+                                   actual, ShardOf(info, expected), rtol);
+      if (!s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<absl::Status> RunRanks(
+    int world,
+    std::function<absl::Status(int rank, int world, std::shared_ptr<comm::Communicator>)> body) {
+  return comm::testing::RunThreads(
+      world,
+      [&](int rank) -> absl::Status {
+        try {
+          absl::StatusOr<std::shared_ptr<comm::Communicator>> comm = comm::CreateCommunicator(
+              "inproc", comm::testing::RankConfig(absl::Seconds(30)));
+          if (!comm.ok()) return comm.status();
+          return body(rank, world, *comm);
+        } catch (const std::exception& e) {
+          return absl::InternalError(e.what());
+        }
+      },
+      absl::Seconds(50));
 }
 
 absl::Status ExpectClose(const std::string& what, const at::Tensor& actual,
