@@ -1,0 +1,414 @@
+#include "comm/tcp/internal/mesh.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/logging.h"
+#include "comm/tcp/internal/wire.h"
+
+namespace fairscale::comm::tcp_internal {
+namespace {
+
+constexpr absl::Duration kFirstBackoff = absl::Milliseconds(10);
+constexpr absl::Duration kMaxBackoff = absl::Seconds(1);
+
+std::string AddressKey(int rank) { return absl::StrCat("addr/", rank); }
+
+enum class State { kRetryWait, kConnecting, kSending, kReceiving, kDone, kDropped };
+
+// One connection being set up. Outgoing ones go kConnecting -> kSending (our Hello) ->
+// kReceiving (the reply) -> kDone and return to kRetryWait on any socket error. Incoming ones go
+// kReceiving (their Hello) -> kSending (our reply) -> kDone, or kDropped.
+struct Conn {
+  UniqueFd fd;
+  bool outgoing = false;
+  int peer = -1;  // outgoing: the target; incoming: known once its Hello arrived
+  std::string address;
+  std::vector<SocketAddress> targets;  // outgoing: the resolved published address
+  size_t next_target = 0;
+  State state = State::kRetryWait;
+  Hello out{};
+  size_t out_done = 0;
+  Hello in{};
+  size_t in_done = 0;
+  absl::Time retry_at = absl::InfinitePast();
+  absl::Duration backoff = kFirstBackoff;
+  int attempts = 0;
+  std::string last_error;
+  // Incoming: a real peer that disagrees with us; answered first so that it reports it too.
+  absl::Status fail_after_reply;
+};
+
+class MeshBuilder {
+ public:
+  MeshBuilder(Store& store, int rank, int size, const MeshOptions& options)
+      : store_(store),
+        rank_(rank),
+        size_(size),
+        options_(options),
+        deadline_(absl::Now() + options.timeout),
+        peers_(size) {}
+
+  absl::StatusOr<std::vector<MeshPeer>> Run();
+
+ private:
+  std::string Prefix() const { return absl::StrCat("tcp rendezvous rank ", rank_, "/", size_); }
+  absl::Status Error(absl::StatusCode code, absl::string_view message) const {
+    return absl::Status(code, absl::StrCat(Prefix(), ": ", message));
+  }
+  Hello MakeHello(int to_rank) const {
+    return Hello{kHandshakeMagic, kProtocolVersion, rank_, to_rank, size_, 0};
+  }
+  int Connected() const {
+    return static_cast<int>(std::count_if(peers_.begin(), peers_.end(),
+                                          [](const MeshPeer& p) { return p.fd.valid(); }));
+  }
+
+  void StartConnect(Conn& c);
+  void Retry(Conn& c, std::string error);
+  absl::Status Step(Conn& c, short revents);
+  absl::Status OnHello(Conn& c);
+  absl::Status OnReply(Conn& c);
+  absl::Status AcceptAll();
+  absl::Status DeadlineError() const;
+
+  Store& store_;
+  const int rank_;
+  const int size_;
+  const MeshOptions options_;
+  const absl::Time deadline_;
+  std::vector<MeshPeer> peers_;
+  std::vector<std::unique_ptr<Conn>> conns_;
+  Listener listener_;
+  int strays_ = 0;
+};
+
+absl::StatusOr<std::vector<MeshPeer>> MeshBuilder::Run() {
+  if (size_ == 1) return std::move(peers_);
+  // Ranks above us connect to us: publish where before looking up anyone else. (The last rank
+  // publishes too, so every rank's address is in the store for whoever debugs a job.)
+  auto listener = Listen(options_.bind_address, SOMAXCONN);
+  if (!listener.ok()) return Error(listener.status().code(), listener.status().message());
+  listener_ = *std::move(listener);
+  if (absl::Status s = store_.Set(AddressKey(rank_), listener_.address); !s.ok()) {
+    return Error(s.code(), absl::StrCat("cannot publish this rank's address in the store: ",
+                                        s.message()));
+  }
+  if (rank_ == size_ - 1) listener_.fd.Reset();  // nobody connects to the last rank
+  for (int peer = 0; peer < rank_; ++peer) {
+    auto address = store_.Get(AddressKey(peer), std::max(deadline_ - absl::Now(),
+                                                         absl::ZeroDuration()));
+    if (!address.ok()) {
+      return Error(address.status().code(),
+                   absl::StrCat("rank ", peer, " did not publish its address (store key '",
+                                AddressKey(peer), "'): ", address.status().message()));
+    }
+    auto targets = ResolveHostPort(*address);
+    if (!targets.ok()) {
+      return Error(absl::StatusCode::kInvalidArgument,
+                   absl::StrCat("rank ", peer, " published the address '", *address,
+                                "': ", targets.status().message()));
+    }
+    auto c = std::make_unique<Conn>();
+    c->outgoing = true;
+    c->peer = peer;
+    c->address = *address;
+    c->targets = *std::move(targets);
+    c->out = MakeHello(peer);
+    conns_.push_back(std::move(c));
+  }
+
+  std::vector<pollfd> fds;
+  std::vector<Conn*> polled;
+  while (Connected() < size_ - 1) {
+    absl::Time now = absl::Now();
+    if (now >= deadline_) return DeadlineError();
+    absl::Time wake = deadline_;
+    for (auto& c : conns_) {
+      if (c->state == State::kRetryWait) {
+        if (c->retry_at <= now) {
+          StartConnect(*c);
+        }
+        if (c->state == State::kRetryWait) wake = std::min(wake, c->retry_at);
+      }
+    }
+    fds.clear();
+    polled.clear();
+    const bool accepting = listener_.fd.valid();
+    if (accepting) fds.push_back({listener_.fd.get(), POLLIN, 0});
+    for (auto& c : conns_) {
+      short events = 0;
+      if (c->state == State::kConnecting || c->state == State::kSending) events = POLLOUT;
+      if (c->state == State::kReceiving) events = POLLIN;
+      if (events == 0) continue;
+      fds.push_back({c->fd.get(), events, 0});
+      polled.push_back(c.get());
+    }
+    const int64_t wait_ms = std::max<int64_t>(
+        0, absl::ToInt64Milliseconds(absl::Ceil(wake - now, absl::Milliseconds(1))));
+    const int n = ::poll(fds.data(), fds.size(), static_cast<int>(std::min<int64_t>(
+                                                     wait_ms, 1 << 30)));
+    if (n < 0 && errno != EINTR) {
+      return Error(absl::StatusCode::kInternal, absl::StrCat("poll: ", ErrnoString(errno)));
+    }
+    if (n <= 0) continue;
+    const size_t first = accepting ? 1 : 0;
+    for (size_t i = 0; i < polled.size(); ++i) {
+      if (fds[first + i].revents != 0) {
+        if (absl::Status s = Step(*polled[i], fds[first + i].revents); !s.ok()) return s;
+      }
+    }
+    if (accepting && (fds[0].revents & POLLIN)) {
+      if (absl::Status s = AcceptAll(); !s.ok()) return s;
+    }
+    conns_.erase(std::remove_if(conns_.begin(), conns_.end(),
+                                [](const std::unique_ptr<Conn>& c) {
+                                  return c->state == State::kDone ||
+                                         c->state == State::kDropped;
+                                }),
+                 conns_.end());
+    // Every rank above us has connected: nobody else may use the listener.
+    if (listener_.fd.valid()) {
+      bool all_above = true;
+      for (int peer = rank_ + 1; peer < size_; ++peer) all_above &= peers_[peer].fd.valid();
+      if (all_above) listener_.fd.Reset();
+    }
+  }
+  if (strays_ > 0) {
+    FS_LOG(WARNING) << Prefix() << ": rejected " << strays_
+                    << " connection(s) that did not speak the fairscale tcp handshake";
+  }
+  return std::move(peers_);
+}
+
+void MeshBuilder::StartConnect(Conn& c) {
+  ++c.attempts;
+  const SocketAddress& target = c.targets[c.next_target++ % c.targets.size()];
+  c.fd.Reset(::socket(target.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!c.fd.valid()) return Retry(c, absl::StrCat("socket: ", ErrnoString(errno)));
+  if (absl::Status s = ConfigureStreamSocket(c.fd.get(), options_.send_buffer_bytes,
+                                             options_.recv_buffer_bytes);
+      !s.ok()) {
+    return Retry(c, std::string(s.message()));
+  }
+  c.out_done = 0;
+  c.in_done = 0;
+  if (::connect(c.fd.get(), reinterpret_cast<const sockaddr*>(&target.storage), target.length) ==
+      0) {
+    c.state = State::kSending;
+  } else if (errno == EINPROGRESS || errno == EINTR) {
+    c.state = State::kConnecting;
+  } else {
+    Retry(c, absl::StrCat("connect: ", ErrnoString(errno)));
+  }
+}
+
+void MeshBuilder::Retry(Conn& c, std::string error) {
+  c.fd.Reset();
+  c.last_error = std::move(error);
+  c.state = State::kRetryWait;
+  c.retry_at = absl::Now() + c.backoff;
+  c.backoff = std::min(c.backoff * 2, kMaxBackoff);
+}
+
+absl::Status MeshBuilder::Step(Conn& c, short revents) {
+  const auto drop = [&](absl::string_view why) {
+    FS_VLOG(1) << Prefix() << ": dropped incoming connection from " << c.address << ": " << why;
+    c.state = State::kDropped;
+    c.fd.Reset();
+    return absl::OkStatus();
+  };
+  if (c.state == State::kConnecting) {
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (::getsockopt(c.fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+    if (err == EINPROGRESS || err == EALREADY) return absl::OkStatus();
+    if (err != 0) {
+      Retry(c, absl::StrCat("connect: ", ErrnoString(err)));
+      return absl::OkStatus();
+    }
+    c.state = State::kSending;
+  }
+  if (c.state == State::kSending) {
+    const ssize_t n = ::send(c.fd.get(), reinterpret_cast<const char*>(&c.out) + c.out_done,
+                             sizeof(Hello) - c.out_done, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return absl::OkStatus();
+      if (!c.outgoing) return drop(ErrnoString(errno));
+      Retry(c, absl::StrCat("sending the handshake: ", ErrnoString(errno)));
+      return absl::OkStatus();
+    }
+    c.out_done += n;
+    if (c.out_done < sizeof(Hello)) return absl::OkStatus();
+    if (c.outgoing) {
+      c.state = State::kReceiving;
+      return absl::OkStatus();  // the reply cannot be there yet
+    }
+    if (!c.fail_after_reply.ok()) return c.fail_after_reply;
+    peers_[c.peer].fd = std::move(c.fd);
+    peers_[c.peer].address = c.address;
+    c.state = State::kDone;
+    return absl::OkStatus();
+  }
+  if (c.state == State::kReceiving) {
+    // Read exactly one Hello: the peer may send data frames right behind it.
+    const ssize_t n = ::recv(c.fd.get(), reinterpret_cast<char*>(&c.in) + c.in_done,
+                             sizeof(Hello) - c.in_done, 0);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      return absl::OkStatus();
+    }
+    if (n <= 0) {
+      const std::string why = n == 0 ? "closed the connection during the handshake"
+                                     : absl::StrCat("handshake failed: ", ErrnoString(errno));
+      if (!c.outgoing) return drop(why);
+      Retry(c, why);
+      return absl::OkStatus();
+    }
+    c.in_done += n;
+    if (c.in_done < sizeof(Hello)) return absl::OkStatus();
+    return c.outgoing ? OnReply(c) : OnHello(c);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MeshBuilder::OnHello(Conn& c) {
+  const Hello& h = c.in;
+  if (h.magic != kHandshakeMagic) {
+    // Not one of ours (or the other byte order): never trust it, never answer it.
+    ++strays_;
+    c.state = State::kDropped;
+    c.fd.Reset();
+    return absl::OkStatus();
+  }
+  const std::string who = absl::StrCat("peer ", h.from_rank, " at ", c.address);
+  if (h.version != kProtocolVersion) {
+    c.fail_after_reply = Error(absl::StatusCode::kInvalidArgument,
+                               absl::StrCat(who, " speaks tcp protocol version ", h.version,
+                                            " but this rank speaks ", kProtocolVersion));
+  } else if (h.size != size_) {
+    c.fail_after_reply = Error(absl::StatusCode::kInvalidArgument,
+                               absl::StrCat(who, " has world size ", h.size,
+                                            " but this rank has world size ", size_));
+  } else if (h.to_rank != rank_ || h.from_rank <= rank_ || h.from_rank >= size_) {
+    c.fail_after_reply = Error(
+        absl::StatusCode::kInvalidArgument,
+        absl::StrCat(who, " believes it is connecting to rank ", h.to_rank,
+                     "; this is rank ", rank_, ", which accepts ranks ", rank_ + 1, "..",
+                     size_ - 1, " (mixed-up store namespaces or stale addresses?)"));
+  } else if (peers_[h.from_rank].fd.valid() ||
+             std::any_of(conns_.begin(), conns_.end(), [&](const std::unique_ptr<Conn>& o) {
+               return o.get() != &c && !o->outgoing && o->peer == h.from_rank;
+             })) {
+    c.fail_after_reply =
+        Error(absl::StatusCode::kInvalidArgument,
+              absl::StrCat("two connections claim to be rank ", h.from_rank,
+                           " (the second from ", c.address, ")"));
+  }
+  c.peer = h.from_rank;
+  c.out = MakeHello(h.from_rank);
+  c.state = State::kSending;
+  // The socket is freshly connected, so our 24 bytes fit at once; Step() sends them.
+  absl::Status s = Step(c, POLLOUT);
+  if (!c.fail_after_reply.ok()) return c.fail_after_reply;
+  return s;
+}
+
+absl::Status MeshBuilder::OnReply(Conn& c) {
+  const Hello& h = c.in;
+  const std::string who = absl::StrCat("peer ", c.peer, " at ", c.address);
+  if (h.magic != kHandshakeMagic) {
+    return Error(absl::StatusCode::kInvalidArgument,
+                 absl::StrCat(who, " is not a fairscale tcp endpoint (bad handshake magic)"));
+  }
+  if (h.version != kProtocolVersion) {
+    return Error(absl::StatusCode::kInvalidArgument,
+                 absl::StrCat(who, " speaks tcp protocol version ", h.version,
+                              " but this rank speaks ", kProtocolVersion));
+  }
+  if (h.size != size_) {
+    return Error(absl::StatusCode::kInvalidArgument,
+                 absl::StrCat(who, " has world size ", h.size, " but this rank has world size ",
+                              size_));
+  }
+  if (h.from_rank != c.peer || h.to_rank != rank_) {
+    return Error(absl::StatusCode::kInvalidArgument,
+                 absl::StrCat(who, " answered as rank ", h.from_rank, " talking to rank ",
+                              h.to_rank, " (mixed-up store namespaces or stale addresses?)"));
+  }
+  peers_[c.peer].fd = std::move(c.fd);
+  peers_[c.peer].address = c.address;
+  c.state = State::kDone;
+  return absl::OkStatus();
+}
+
+absl::Status MeshBuilder::AcceptAll() {
+  while (true) {
+    UniqueFd fd(::accept4(listener_.fd.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    if (!fd.valid()) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) {
+        return absl::OkStatus();
+      }
+      return Error(absl::StatusCode::kInternal,
+                   absl::StrCat("accept on ", listener_.address, ": ", ErrnoString(errno)));
+    }
+    if (absl::Status s = ConfigureStreamSocket(fd.get(), options_.send_buffer_bytes,
+                                               options_.recv_buffer_bytes);
+        !s.ok()) {
+      return Error(s.code(), s.message());
+    }
+    auto c = std::make_unique<Conn>();
+    c->address = PeerAddressOf(fd.get());
+    c->fd = std::move(fd);
+    c->state = State::kReceiving;
+    conns_.push_back(std::move(c));
+  }
+}
+
+absl::Status MeshBuilder::DeadlineError() const {
+  std::vector<std::string> missing;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_ || peers_[peer].fd.valid()) continue;
+    if (peer > rank_) {
+      missing.push_back(absl::StrCat("rank ", peer, " never completed a connection to this rank (",
+                                     listener_.address, ")"));
+      continue;
+    }
+    for (const auto& c : conns_) {
+      if (!c->outgoing || c->peer != peer) continue;
+      std::string what = c->last_error.empty() ? "no answer" : c->last_error;
+      if (c->state == State::kReceiving) what = "no answer to the handshake";
+      missing.push_back(absl::StrCat("rank ", peer, " at ", c->address, ": ", what, " (",
+                                     c->attempts, " attempt", c->attempts == 1 ? "" : "s", ")"));
+    }
+  }
+  std::string stray;
+  if (strays_ > 0) {
+    stray = absl::StrCat("; rejected ", strays_, " stray connection(s) without the handshake");
+  }
+  return Error(absl::StatusCode::kDeadlineExceeded,
+               absl::StrCat("connecting the full mesh timed out after ",
+                            absl::FormatDuration(options_.timeout), "; missing ",
+                            absl::StrJoin(missing, "; "), stray));
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<MeshPeer>> ConnectMesh(Store& store, int rank, int size,
+                                                  const MeshOptions& options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tcp rendezvous: invalid rank ", rank, " for size ", size));
+  }
+  MeshBuilder builder(store, rank, size, options);
+  return builder.Run();
+}
+
+}  // namespace fairscale::comm::tcp_internal

@@ -1,0 +1,42 @@
+// Full-mesh connection setup of the tcp backend (internal to //comm/tcp; TcpTransport::Create
+// calls it once per communicator).
+//
+// Every rank listens on `bind_address` with an OS-assigned port and publishes
+// "addr/<rank>" = "host:port" in the (communicator-private) store. Rank r connects to
+// every rank below it and accepts every rank above it; both sides of each connection exchange
+// and validate a Hello (magic, protocol version, ranks, world size). All connects, retries and
+// handshakes run concurrently in one poll loop, bounded by `timeout`. A connection that does not
+// open with the magic (a port scanner, a stale client) is closed and ignored; a real peer whose
+// rank, size or version disagree is kInvalidArgument naming it. The listener is closed on return.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "comm/store/store.h"
+#include "comm/tcp/internal/socket.h"
+
+namespace fairscale::comm::tcp_internal {
+
+struct MeshOptions {
+  std::string bind_address = "127.0.0.1";
+  absl::Duration timeout = absl::Minutes(1);
+  // SO_SNDBUF / SO_RCVBUF of every connection; 0 keeps the kernel's autotuning.
+  int send_buffer_bytes = 0;
+  int recv_buffer_bytes = 0;
+};
+
+struct MeshPeer {
+  UniqueFd fd;          // connected, non-blocking, TCP_NODELAY; invalid at index `rank`
+  std::string address;  // the peer's "host:port", for error messages
+};
+
+// Returns one connection per rank (indexed by rank). Errors are prefixed with
+// "tcp rendezvous rank r/n".
+absl::StatusOr<std::vector<MeshPeer>> ConnectMesh(Store& store, int rank, int size,
+                                                  const MeshOptions& options);
+
+}  // namespace fairscale::comm::tcp_internal

@@ -1,0 +1,171 @@
+// Full-mesh setup: handshake validation, stray connections, stale addresses and deadlines.
+#include "comm/tcp/internal/mesh.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "base/status_matchers.h"
+#include "comm/store/hash_store.h"
+#include "comm/tcp/internal/wire.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace fairscale::comm::tcp_internal {
+namespace {
+
+using ::fairscale::base::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+MeshOptions Options(absl::Duration timeout = absl::Seconds(20)) {
+  MeshOptions options;
+  options.timeout = timeout;
+  return options;
+}
+
+// Runs ConnectMesh for ranks [0, sizes.size()) with the given claimed world sizes.
+std::vector<absl::StatusOr<std::vector<MeshPeer>>> Connect(std::shared_ptr<Store> store,
+                                                            std::vector<int> sizes,
+                                                            absl::Duration timeout) {
+  std::vector<absl::StatusOr<std::vector<MeshPeer>>> out(sizes.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < sizes.size(); ++r) {
+    threads.emplace_back([&, r] {
+      out[r] = ConnectMesh(*store, static_cast<int>(r), sizes[r], Options(timeout));
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+UniqueFd ConnectTo(const std::string& address) {
+  auto targets = ResolveHostPort(address);
+  EXPECT_OK(targets.status());
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  const SocketAddress& a = targets->front();
+  EXPECT_EQ(::connect(fd.get(), reinterpret_cast<const sockaddr*>(&a.storage), a.length), 0);
+  return fd;
+}
+
+TEST(Mesh, FourRanksConnectEveryPair) {
+  auto results = Connect(std::make_shared<HashStore>(), {4, 4, 4, 4}, absl::Seconds(20));
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_OK(results[r].status());
+    for (int p = 0; p < 4; ++p) {
+      EXPECT_EQ((*results[r])[p].fd.valid(), p != r) << r << "->" << p;
+      if (p != r) {
+        EXPECT_THAT((*results[r])[p].address, HasSubstr("127.0.0.1:"));
+      }
+    }
+  }
+  // Each pair shares one connection: a byte written on one end arrives on the other.
+  char c = 'x';
+  ASSERT_EQ(::send((*results[3])[1].fd.get(), &c, 1, 0), 1);
+  char got = 0;
+  for (int i = 0; i < 1000 && ::recv((*results[1])[3].fd.get(), &got, 1, 0) != 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(got, 'x');
+}
+
+TEST(Mesh, StrayConnectionsAreRejectedAndIgnored) {
+  auto store = std::make_shared<HashStore>();
+  absl::StatusOr<std::vector<MeshPeer>> rank0;
+  std::thread t0([&] { rank0 = ConnectMesh(*store, 0, 2, Options()); });
+  auto address = store->Get("addr/0", absl::Seconds(20));
+  ASSERT_OK(address.status());
+  // One stray speaks garbage, one connects and says nothing at all.
+  UniqueFd garbage = ConnectTo(*address);
+  const char junk[sizeof(Hello)] = "GET / HTTP/1.0\r\n\r\n";
+  ASSERT_EQ(::send(garbage.get(), junk, sizeof(junk), 0), static_cast<ssize_t>(sizeof(junk)));
+  UniqueFd silent = ConnectTo(*address);
+  absl::SleepFor(absl::Milliseconds(50));
+  auto rank1 = ConnectMesh(*store, 1, 2, Options());
+  t0.join();
+  ASSERT_OK(rank0.status());
+  ASSERT_OK(rank1.status());
+  // The stray got no answer: its connection was closed.
+  char buf[64];
+  EXPECT_EQ(::recv(garbage.get(), buf, sizeof(buf), 0), 0);
+}
+
+TEST(Mesh, WorldSizeMismatchIsInvalidArgumentOnBothSides) {
+  auto results = Connect(std::make_shared<HashStore>(), {2, 3}, absl::Seconds(20));
+  EXPECT_THAT(results[0].status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tcp rendezvous rank 0/2"), HasSubstr("peer 1 at "),
+                             HasSubstr("world size 3 but this rank has world size 2"))));
+  EXPECT_THAT(results[1].status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tcp rendezvous rank 1/3"), HasSubstr("peer 0 at "),
+                             HasSubstr("world size 2 but this rank has world size 3"))));
+}
+
+TEST(Mesh, HandshakeFromTheWrongRankIsInvalidArgument) {
+  auto store = std::make_shared<HashStore>();
+  absl::StatusOr<std::vector<MeshPeer>> rank0;
+  std::thread t0([&] { rank0 = ConnectMesh(*store, 0, 3, Options()); });
+  auto address = store->Get("addr/0", absl::Seconds(20));
+  ASSERT_OK(address.status());
+  UniqueFd fake = ConnectTo(*address);
+  const Hello hello{kHandshakeMagic, kProtocolVersion, /*from_rank=*/2, /*to_rank=*/1, 3};
+  ASSERT_EQ(::send(fake.get(), &hello, sizeof(hello), 0), static_cast<ssize_t>(sizeof(hello)));
+  t0.join();
+  EXPECT_THAT(rank0.status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("peer 2 at 127.0.0.1:"),
+                             HasSubstr("believes it is connecting to rank 1"))));
+  // It was answered (so a real peer could report the mismatch too).
+  Hello reply{};
+  EXPECT_EQ(::recv(fake.get(), &reply, sizeof(reply), MSG_WAITALL),
+            static_cast<ssize_t>(sizeof(reply)));
+  EXPECT_EQ(reply.from_rank, 0);
+}
+
+TEST(Mesh, StaleAddressRetriesUntilTheDeadlineAndNamesIt) {
+  auto store = std::make_shared<HashStore>();
+  // A port nobody listens on: take one from the kernel and close it.
+  std::string stale;
+  {
+    auto listener = Listen("127.0.0.1", 1);
+    ASSERT_OK(listener.status());
+    stale = listener->address;
+  }
+  ASSERT_OK(store->Set("addr/0", stale));
+  const absl::Time start = absl::Now();
+  auto rank1 = ConnectMesh(*store, 1, 2, Options(absl::Milliseconds(400)));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_THAT(rank1.status(),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       AllOf(HasSubstr("tcp rendezvous rank 1/2"),
+                             HasSubstr("rank 0 at " + stale + ": connect: Connection refused"),
+                             HasSubstr("attempts"))));
+}
+
+TEST(Mesh, MissingRankTimesOutNamingTheStoreKey) {
+  auto store = std::make_shared<HashStore>();
+  auto rank1 = ConnectMesh(*store, 1, 2, Options(absl::Milliseconds(200)));
+  EXPECT_THAT(rank1.status(), StatusIs(absl::StatusCode::kDeadlineExceeded,
+                                       AllOf(HasSubstr("rank 0 did not publish its address"),
+                                             HasSubstr("addr/0"))));
+  auto rank0 = ConnectMesh(*store, 0, 2, Options(absl::Milliseconds(200)));
+  EXPECT_THAT(rank0.status(), StatusIs(absl::StatusCode::kDeadlineExceeded,
+                                       HasSubstr("rank 1 never completed a connection")));
+}
+
+TEST(Mesh, BadBindAddressIsReported) {
+  auto store = std::make_shared<HashStore>();
+  MeshOptions options = Options();
+  options.bind_address = "not an address";
+  EXPECT_THAT(ConnectMesh(*store, 0, 2, options).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not an address")));
+}
+
+}  // namespace
+}  // namespace fairscale::comm::tcp_internal

@@ -1,0 +1,478 @@
+// TcpTransport with 2-4 ranks as threads of this process, sharing a HashStore: data movement,
+// mismatches, deadlines, Cancel, and peers that fail, shut down or vanish mid-message.
+#include "comm/tcp/tcp_transport.h"
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "base/status_macros.h"
+#include "base/status_matchers.h"
+#include "comm/store/hash_store.h"
+#include "comm/tcp/internal/mesh.h"
+#include "comm/tcp/internal/wire.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace fairscale::comm {
+namespace {
+
+using ::fairscale::base::testing::IsOk;
+using ::fairscale::base::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr absl::Duration kTimeout = absl::Seconds(20);
+
+absl::Time Deadline() { return absl::Now() + kTimeout; }
+
+CommConfig Config() {
+  CommConfig config;
+  config.timeout = kTimeout;
+  return config;
+}
+
+using Mesh = std::vector<std::unique_ptr<TcpTransport>>;
+
+Mesh MakeMesh(int n, std::shared_ptr<Store> store = std::make_shared<HashStore>()) {
+  Mesh mesh(n);
+  std::vector<absl::Status> status(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      auto t = TcpTransport::Create(store, r, n, Config());
+      status[r] = t.status();
+      if (t.ok()) mesh[r] = *std::move(t);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) EXPECT_OK(status[r]) << "rank " << r;
+  return mesh;
+}
+
+// Runs fn(rank, transport) on one thread per rank; returns each rank's status.
+std::vector<absl::Status> RunRanks(Mesh& mesh,
+                                   const std::function<absl::Status(int, Transport&)>& fn) {
+  std::vector<absl::Status> status(mesh.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < mesh.size(); ++r) {
+    threads.emplace_back([&, r] { status[r] = fn(static_cast<int>(r), *mesh[r]); });
+  }
+  for (auto& t : threads) t.join();
+  return status;
+}
+
+std::vector<uint8_t> Pattern(size_t bytes, int seed) {
+  std::vector<uint8_t> v(bytes);
+  for (size_t i = 0; i < bytes; ++i) v[i] = static_cast<uint8_t>(i * 131 + seed * 7 + (i >> 12));
+  return v;
+}
+
+uint64_t Tag(uint64_t seq) { return MakeTag(OpType::kAllReduce, seq); }
+
+TEST(TcpTransport, SingleRankNeedsNoPeers) {
+  Mesh mesh = MakeMesh(1);
+  ASSERT_NE(mesh[0], nullptr);
+  EXPECT_OK(mesh[0]->Wait({}, Deadline()));
+  EXPECT_OK(mesh[0]->Poll());
+}
+
+TEST(TcpTransport, PingPongAllSizes) {
+  Mesh mesh = MakeMesh(2);
+  const std::vector<size_t> sizes = {0, 1, 7, 8, 4096, 65537, 1 << 20, 5 << 20};
+  auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
+    uint64_t seq = 0;
+    for (size_t bytes : sizes) {
+      for (int iter = 0; iter < 5; ++iter) {
+        ++seq;
+        std::vector<uint8_t> out = Pattern(bytes, static_cast<int>(seq)), in(bytes);
+        if (rank == 0) {
+          auto s = t.Isend(1, Tag(seq), out.data(), bytes);
+          auto r = t.Irecv(1, Tag(seq), in.data(), bytes);
+          FS_RETURN_IF_ERROR(t.Wait({s, r}, Deadline()));
+        } else {
+          auto r = t.Irecv(0, Tag(seq), in.data(), bytes);
+          FS_RETURN_IF_ERROR(t.Wait({r}, Deadline()));
+          auto s = t.Isend(0, Tag(seq), in.data(), bytes);
+          FS_RETURN_IF_ERROR(t.Wait({s}, Deadline()));
+        }
+        if (rank == 0 && in != out) return absl::DataLossError(absl::StrCat("bytes ", bytes));
+      }
+    }
+    return absl::OkStatus();
+  });
+  for (const auto& s : statuses) EXPECT_OK(s);
+}
+
+TEST(TcpTransport, ZeroByteMessagesWithNullBuffers) {
+  Mesh mesh = MakeMesh(3);
+  auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
+    std::vector<Transport::Request> reqs;
+    for (int round = 1; round <= 50; ++round) {
+      for (int p = 0; p < 3; ++p) {
+        if (p == rank) continue;
+        reqs.push_back(t.Isend(p, MakeTag(OpType::kBarrier, round), nullptr, 0));
+        reqs.push_back(t.Irecv(p, MakeTag(OpType::kBarrier, round), nullptr, 0));
+      }
+    }
+    return t.Wait(reqs, Deadline());
+  });
+  for (const auto& s : statuses) EXPECT_OK(s);
+}
+
+// Every rank posts many sends of assorted sizes to every other rank before any receive, then
+// all receives, then waits for everything at once.
+TEST(TcpTransport, ManyMessagesAllDirectionsAtOnce) {
+  constexpr int kRanks = 4;
+  constexpr int kMessages = 150;
+  Mesh mesh = MakeMesh(kRanks);
+  auto size_of = [](int from, int to, int i) {
+    return static_cast<size_t>((i * 977 + from * 31 + to * 17) % 70000);
+  };
+  auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
+    std::vector<std::vector<uint8_t>> out, in;
+    std::vector<Transport::Request> reqs;
+    for (int p = 0; p < kRanks; ++p) {
+      if (p == rank) continue;
+      for (int i = 0; i < kMessages; ++i) {
+        out.push_back(Pattern(size_of(rank, p, i), rank * 1000 + i));
+        reqs.push_back(t.Isend(p, Tag(i), out.back().data(), out.back().size()));
+      }
+    }
+    in.reserve(kRanks * kMessages);
+    for (int p = 0; p < kRanks; ++p) {
+      if (p == rank) continue;
+      for (int i = 0; i < kMessages; ++i) {
+        in.emplace_back(size_of(p, rank, i));
+        reqs.push_back(t.Irecv(p, Tag(i), in.back().data(), in.back().size()));
+      }
+    }
+    FS_RETURN_IF_ERROR(t.Wait(reqs, Deadline()));
+    size_t k = 0;
+    for (int p = 0; p < kRanks; ++p) {
+      if (p == rank) continue;
+      for (int i = 0; i < kMessages; ++i, ++k) {
+        if (in[k] != Pattern(size_of(p, rank, i), p * 1000 + i)) {
+          return absl::DataLossError(absl::StrCat("message ", i, " from ", p));
+        }
+      }
+    }
+    return absl::OkStatus();
+  });
+  for (const auto& s : statuses) EXPECT_OK(s);
+}
+
+// Both sides send 64 MiB before either receives: progress must interleave reads and writes.
+TEST(TcpTransport, FullDuplexLargeMessagesDoNotDeadlock) {
+  constexpr size_t kBytes = 64 << 20;
+  Mesh mesh = MakeMesh(2);
+  auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
+    std::vector<uint8_t> out = Pattern(kBytes, rank), in(kBytes);
+    const int peer = 1 - rank;
+    auto s = t.Isend(peer, Tag(1), out.data(), kBytes);
+    auto r = t.Irecv(peer, Tag(1), in.data(), kBytes);
+    FS_RETURN_IF_ERROR(t.Wait({s}, Deadline()));
+    FS_RETURN_IF_ERROR(t.Wait({r}, Deadline()));
+    if (in != Pattern(kBytes, peer)) return absl::DataLossError("payload differs");
+    return absl::OkStatus();
+  });
+  for (const auto& s : statuses) EXPECT_OK(s);
+}
+
+TEST(TcpTransport, SizeMismatchNamesPeerTagsAndSizes) {
+  Mesh mesh = MakeMesh(2);
+  std::vector<uint8_t> out(40), in(80);
+  auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
+    if (rank == 1) return t.Wait({t.Isend(0, Tag(3), out.data(), 40)}, Deadline());
+    return t.Wait({t.Irecv(1, Tag(3), in.data(), 80)}, Deadline());
+  });
+  EXPECT_OK(statuses[1]);
+  EXPECT_THAT(statuses[0],
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "peer 1 sent all_reduce #3 with 40 bytes but this rank expects "
+                       "all_reduce #3 with 80 bytes"));
+  // Broken for good: later calls fail with the first error.
+  std::vector<uint8_t> more(8);
+  auto r = mesh[0]->Irecv(1, Tag(4), more.data(), 8);
+  EXPECT_THAT(mesh[0]->Wait({r}, Deadline()), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                       HasSubstr("with 40 bytes")));
+  EXPECT_THAT(mesh[0]->Poll(), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(TcpTransport, TagMismatchNamesBothTags) {
+  Mesh mesh = MakeMesh(2);
+  std::vector<uint8_t> buf(16);
+  auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
+    if (rank == 0) {
+      return t.Wait({t.Isend(1, MakeTag(OpType::kBroadcast, 7), buf.data(), 16)}, Deadline());
+    }
+    return t.Wait({t.Irecv(0, MakeTag(OpType::kAllGather, 7), buf.data(), 16)}, Deadline());
+  });
+  EXPECT_THAT(statuses[1],
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "peer 0 sent broadcast #7 with 16 bytes but this rank expects "
+                       "all_gather #7 with 16 bytes"));
+}
+
+TEST(TcpTransport, DeadlineListsWhatIsPending) {
+  Mesh mesh = MakeMesh(3);
+  std::vector<uint8_t> buf(4096);
+  Transport& t = *mesh[2];
+  auto r = t.Irecv(1, Tag(3), buf.data(), buf.size());
+  const absl::Time start = absl::Now();
+  const absl::Status s = t.Wait({r}, absl::Now() + absl::Milliseconds(200));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded,
+                          HasSubstr("waiting for peer 1: received 0/4096 bytes of all_reduce #3")));
+  EXPECT_THAT(t.Poll(), StatusIs(absl::StatusCode::kDeadlineExceeded));
+}
+
+// A send that the peer never receives stays in the kernel (the receiver reads nothing it was
+// not asked for), so the sender's deadline reports how far it got.
+TEST(TcpTransport, UnreceivedDataStaysInTheKernel) {
+  constexpr size_t kBytes = 64 << 20;
+  Mesh mesh = MakeMesh(2);
+  std::vector<uint8_t> big(kBytes);
+  auto s = mesh[0]->Isend(1, Tag(1), big.data(), kBytes);
+  EXPECT_OK(mesh[1]->Poll());  // health check only: must not consume the message
+  const absl::Status status = mesh[0]->Wait({s}, absl::Now() + absl::Milliseconds(200));
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kDeadlineExceeded,
+                               HasSubstr(" bytes of all_reduce #1")));
+  EXPECT_THAT(std::string(status.message()), HasSubstr(absl::StrCat("/", kBytes, " bytes")));
+  EXPECT_OK(mesh[1]->Poll());
+}
+
+TEST(TcpTransport, CancelFromAnotherThreadWakesWaitPromptly) {
+  Mesh mesh = MakeMesh(2);
+  std::vector<uint8_t> buf(8);
+  auto r = mesh[0]->Irecv(1, Tag(1), buf.data(), 8);
+  absl::Time cancelled_at;
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    cancelled_at = absl::Now();
+    mesh[0]->Cancel(absl::AbortedError("stop now"));
+  });
+  const absl::Status s = mesh[0]->Wait({r}, Deadline());
+  const absl::Time returned_at = absl::Now();
+  canceller.join();
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kAborted, "stop now"));
+  EXPECT_LT(returned_at - cancelled_at, absl::Milliseconds(300));  // ~immediate; slack for load
+  // Also the next Wait, and an OK reason becomes kAborted.
+  EXPECT_THAT(mesh[0]->Wait({}, Deadline()), StatusIs(absl::StatusCode::kAborted));
+  mesh[1]->Cancel(absl::OkStatus());
+  EXPECT_THAT(mesh[1]->Poll(), StatusIs(absl::StatusCode::kAborted));
+}
+
+TEST(TcpTransport, PeerShutdownWithErrorFailsWaitersWithItsReason) {
+  Mesh mesh = MakeMesh(3);
+  std::vector<uint8_t> buf(1024);
+  auto r = mesh[1]->Irecv(0, Tag(5), buf.data(), buf.size());
+  std::thread killer([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    mesh[0]->Shutdown(absl::InternalError("all_reduce #5 rank 0/3 [tcp]: out of memory"));
+  });
+  const absl::Status s = mesh[1]->Wait({r}, Deadline());
+  killer.join();
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable,
+                          "peer 0 failed: all_reduce #5 rank 0/3 [tcp]: out of memory"));
+  // Rank 2 had nothing posted to rank 0: its idle health check notices too.
+  absl::Status idle;
+  for (int i = 0; i < 200 && idle.ok(); ++i) {
+    idle = mesh[2]->Poll();
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_THAT(idle, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("peer 0 failed: ")));
+  // The shut-down side itself is broken with its own reason.
+  EXPECT_THAT(mesh[0]->Poll(), StatusIs(absl::StatusCode::kInternal));
+}
+
+// Rank 1 fails halfway through writing a large message while rank 0 streams to it and nobody
+// reads rank 0's bytes on rank 1: the shutdown completes the half-written frame, so the reason
+// still reaches rank 0 behind it.
+TEST(TcpTransport, PeerShutdownMidStreamStillDeliversTheReason) {
+  constexpr size_t kBytes = 32 << 20;
+  Mesh mesh = MakeMesh(2);
+  std::vector<uint8_t> a(kBytes), b(kBytes), c(kBytes);
+  auto s = mesh[0]->Isend(1, Tag(1), a.data(), kBytes);
+  auto r = mesh[0]->Irecv(1, Tag(1), b.data(), kBytes);
+  auto s1 = mesh[1]->Isend(0, Tag(1), c.data(), kBytes);  // partly written, then queued
+  std::thread killer([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    mesh[1]->Shutdown(absl::CancelledError("watchdog fired"));
+  });
+  const absl::Status status = mesh[0]->Wait({s, r}, Deadline());
+  killer.join();
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kUnavailable, "peer 1 failed: watchdog fired"));
+  EXPECT_THAT(mesh[1]->Wait({s1}, Deadline()), StatusIs(absl::StatusCode::kCancelled));
+}
+
+TEST(TcpTransport, PeerShutdownOkIsAClosedConnection) {
+  Mesh mesh = MakeMesh(2);
+  std::vector<uint8_t> buf(100);
+  // A message sent before the shutdown is still delivered.
+  auto s = mesh[0]->Isend(1, Tag(1), buf.data(), 100);
+  EXPECT_OK(mesh[0]->Wait({s}, Deadline()));
+  mesh[0]->Shutdown(absl::OkStatus());
+  EXPECT_OK(mesh[1]->Wait({mesh[1]->Irecv(0, Tag(1), buf.data(), 100)}, Deadline()));
+  auto r = mesh[1]->Irecv(0, Tag(2), buf.data(), 100);
+  EXPECT_THAT(mesh[1]->Wait({r}, Deadline()),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("peer 0 shut down")));
+  EXPECT_THAT(mesh[0]->Poll(), StatusIs(absl::StatusCode::kAborted));
+}
+
+// Ranks finish at different times: a peer that shut down cleanly after sending still delivers
+// what it sent, even when this rank noticed the close before posting the receives.
+TEST(TcpTransport, CleanShutdownStillDeliversWhatThePeerSent) {
+  Mesh mesh = MakeMesh(3);
+  std::vector<uint8_t> a = Pattern(100, 1), b = Pattern(32 << 10, 2);
+  std::vector<Transport::Request> sends = {mesh[0]->Isend(1, Tag(1), a.data(), a.size()),
+                                           mesh[0]->Isend(1, Tag(2), b.data(), b.size()),
+                                           mesh[0]->Isend(1, Tag(3), nullptr, 0)};
+  ASSERT_OK(mesh[0]->Wait(sends, Deadline()));
+  mesh[0]->Shutdown(absl::OkStatus());
+  // Rank 1's idle health checks see the close; a clean one is not an error.
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_OK(mesh[1]->Poll());
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  std::vector<uint8_t> ra(100), rb(32 << 10);
+  EXPECT_OK(mesh[1]->Wait({mesh[1]->Irecv(0, Tag(1), ra.data(), ra.size()),
+                           mesh[1]->Irecv(0, Tag(2), rb.data(), rb.size()),
+                           mesh[1]->Irecv(0, Tag(3), nullptr, 0)},
+                          Deadline()));
+  EXPECT_EQ(ra, a);
+  EXPECT_EQ(rb, b);
+  // Rank 1 and rank 2 still talk to each other.
+  EXPECT_OK(mesh[1]->Wait({mesh[1]->Isend(2, Tag(1), a.data(), a.size())}, Deadline()));
+  EXPECT_OK(mesh[2]->Wait({mesh[2]->Irecv(1, Tag(1), ra.data(), ra.size())}, Deadline()));
+  // Asking the departed peer for more is an error.
+  std::vector<uint8_t> more(8);
+  EXPECT_THAT(mesh[1]->Wait({mesh[1]->Irecv(0, Tag(4), more.data(), 8)}, Deadline()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       "peer 0 shut down and closed the connection after 0/8 bytes of "
+                       "all_reduce #4"));
+  // So is sending to it.
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_OK(mesh[2]->Poll());
+  EXPECT_THAT(mesh[2]->Wait({mesh[2]->Isend(0, Tag(9), more.data(), 8)}, Deadline()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("peer 0 shut down and closed the connection while this rank "
+                                 "was sending all_reduce #9")));
+}
+
+TEST(TcpTransport, DestroyedPeerIsAClosedConnection) {
+  Mesh mesh = MakeMesh(2);
+  std::vector<uint8_t> buf(100);
+  auto r = mesh[1]->Irecv(0, Tag(9), buf.data(), 100);
+  mesh[0].reset();
+  EXPECT_THAT(mesh[1]->Wait({r}, Deadline()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       "peer 0 closed the connection after 0/100 bytes of all_reduce #9"));
+}
+
+TEST(TcpTransport, SendToClosedPeerFailsWithoutSigpipe) {
+  Mesh mesh = MakeMesh(2);
+  mesh[1].reset();
+  std::vector<uint8_t> buf(1 << 20);
+  absl::Status s;
+  for (int i = 1; i <= 20 && s.ok(); ++i) {
+    s = mesh[0]->Wait({mesh[0]->Isend(1, Tag(i), buf.data(), buf.size())},
+                      absl::Now() + absl::Seconds(5));
+  }
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("peer 1 closed the connection")));
+}
+
+// Rank 0 is a hand-rolled peer that writes part of a message and hangs up.
+TEST(TcpTransport, PeerClosingMidMessageReportsByteCount) {
+  auto store = std::make_shared<HashStore>();
+  std::unique_ptr<TcpTransport> rank1;
+  absl::Status rank1_status;
+  std::thread t1([&] {
+    auto t = TcpTransport::Create(store, 1, 2, Config());
+    rank1_status = t.status();
+    if (t.ok()) rank1 = *std::move(t);
+  });
+  tcp_internal::MeshOptions options;
+  options.timeout = kTimeout;
+  auto raw = tcp_internal::ConnectMesh(*store, 0, 2, options);
+  t1.join();
+  ASSERT_OK(raw.status());
+  ASSERT_OK(rank1_status);
+  const uint64_t tag = Tag(12);
+  tcp_internal::FrameHeader h{static_cast<uint32_t>(tcp_internal::FrameKind::kData), 0, tag,
+                              8192};
+  std::vector<char> half(4096, 'x');
+  iovec iov[2] = {{&h, sizeof(h)}, {half.data(), half.size()}};
+  ASSERT_EQ(::writev((*raw)[1].fd.get(), iov, 2), static_cast<ssize_t>(sizeof(h) + 4096));
+  std::vector<char> buf(8192);
+  auto r = rank1->Irecv(0, tag, buf.data(), buf.size());
+  std::thread closer([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    (*raw)[1].fd.Reset();
+  });
+  EXPECT_THAT(rank1->Wait({r}, Deadline()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       "peer 0 closed the connection after 4096/8192 bytes of all_reduce #12"));
+  closer.join();
+}
+
+TEST(TcpTransport, UnknownOptionIsInvalidArgument) {
+  CommConfig config = Config();
+  config.options["tcp.nagle"] = "1";
+  EXPECT_THAT(ParseTcpOptions(config),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tcp.nagle")));
+  config.options.clear();
+  config.options["algo.chunk_bytes"] = "4096";
+  ASSERT_OK_AND_ASSIGN(TcpOptions defaults, ParseTcpOptions(config));
+  EXPECT_EQ(defaults.send_buffer_bytes, 512 << 10);
+  EXPECT_EQ(defaults.recv_buffer_bytes, 0);
+  config.options["tcp.send_buffer_bytes"] = "0";
+  config.options["tcp.recv_buffer_bytes"] = "4194304";
+  ASSERT_OK_AND_ASSIGN(TcpOptions options, ParseTcpOptions(config));
+  EXPECT_EQ(options.send_buffer_bytes, 0);
+  EXPECT_EQ(options.recv_buffer_bytes, 4194304);
+  config.options["tcp.send_buffer_bytes"] = "lots";
+  EXPECT_THAT(ParseTcpOptions(config), StatusIs(absl::StatusCode::kInvalidArgument));
+  config.options["tcp.send_buffer_bytes"] = "0";
+  config.options["tcp.recv_buffer_bytes"] = "4096";
+  EXPECT_THAT(ParseTcpOptions(config),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("below the minimum")));
+}
+
+TEST(TcpTransport, TinySocketBuffersStillMoveData) {
+  auto store = std::make_shared<HashStore>();
+  Mesh mesh(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      CommConfig config = Config();
+      // Small buffers: every message moves in many partial writes and reads.
+      config.options["tcp.send_buffer_bytes"] = "4096";
+      config.options["tcp.recv_buffer_bytes"] = "65536";
+      auto t = TcpTransport::Create(store, r, 2, config);
+      if (t.ok()) mesh[r] = *std::move(t);
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(mesh[0] && mesh[1]);
+  auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
+    std::vector<uint8_t> out = Pattern(3 << 20, rank), in(3 << 20);
+    auto s = t.Isend(1 - rank, Tag(1), out.data(), out.size());
+    auto r = t.Irecv(1 - rank, Tag(1), in.data(), in.size());
+    FS_RETURN_IF_ERROR(t.Wait({s, r}, Deadline()));
+    return in == Pattern(3 << 20, 1 - rank) ? absl::OkStatus() : absl::DataLossError("differs");
+  });
+  for (const auto& s : statuses) EXPECT_OK(s);
+}
+
+}  // namespace
+}  // namespace fairscale::comm
