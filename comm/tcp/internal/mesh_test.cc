@@ -159,6 +159,24 @@ TEST(Mesh, MissingRankTimesOutNamingTheStoreKey) {
                                        HasSubstr("rank 1 never completed a connection")));
 }
 
+TEST(Mesh, Ipv6Loopback) {
+  if (!Listen("::1", 1).ok()) GTEST_SKIP() << "no IPv6 loopback here";
+  auto store = std::make_shared<HashStore>();
+  std::vector<absl::StatusOr<std::vector<MeshPeer>>> out(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      MeshOptions options = Options();
+      options.bind_address = "::1";
+      out[r] = ConnectMesh(*store, r, 2, options);
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_OK(out[0].status());
+  ASSERT_OK(out[1].status());
+  EXPECT_THAT((*out[1])[0].address, HasSubstr("[::1]:"));
+}
+
 TEST(Mesh, BadBindAddressIsReported) {
   auto store = std::make_shared<HashStore>();
   MeshOptions options = Options();
