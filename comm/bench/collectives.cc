@@ -221,8 +221,11 @@ int RunRank(int rank, int n, const std::string& dir) {
   if (rank == 0) out.open(dir + "/rows.tsv");
   const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
   for (const std::string& op : ops) {
+    size_t previous_elems = 0;
     for (int64_t bytes : Sizes()) {
       const size_t elems = Elements(op, bytes, n);
+      if (elems == previous_elems) continue;  // rounded up to the same size as the last one
+      previous_elems = elems;
       const int iters = static_cast<int>(std::clamp<int64_t>(
           absl::GetFlag(FLAGS_bytes_per_round) / std::max<int64_t>(bytes, 1), 3, 200));
       double ours = 1e30, gloo = 1e30;
