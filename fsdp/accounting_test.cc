@@ -5,10 +5,10 @@
 //   (disable_reshard_on_root), SHARD_GRAD_OP 2x, NO_SHARD one all-reduce of the gradient.
 // * Memory after a step: parameters + gradients + optimizer state held by each rank are exactly
 //   1/N of the padded unsharded sizes, and the full parameters and their gradients are freed.
-#include <tuple>
-
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
+
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -37,9 +37,9 @@ void RunAllWorlds(Body body) {
         world,
         [&](int rank) -> absl::Status {
           try {
-            FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> inner,
-                                comm::CreateCommunicator(
-                                    "inproc", comm::testing::RankConfig(absl::Seconds(30))));
+            FS_ASSIGN_OR_RETURN(
+                std::shared_ptr<comm::Communicator> inner,
+                comm::CreateCommunicator("inproc", comm::testing::RankConfig(absl::Seconds(30))));
             return body(rank, world, std::make_shared<CountingCommunicator>(inner));
           } catch (const std::exception& e) {
             return absl::InternalError(e.what());
@@ -72,8 +72,7 @@ TEST_P(CommVolumeTest, StepMovesTheTheoreticalBytes) {
                    std::shared_ptr<CountingCommunicator> counting) -> absl::Status {
     const auto opts =
         FsdpOptions().sharding_strategy(strategy).disable_reshard_on_root(!reshard_root);
-    FullyShardedDataParallel model(testing::Net(nested ? counting : nullptr, opts), counting,
-                                   opts);
+    FullyShardedDataParallel model(testing::Net(nested ? counting : nullptr, opts), counting, opts);
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     TrainStep(model, opt, 0, rank, world);  // first step: records the order, prefetches nothing
 
@@ -104,10 +103,10 @@ TEST_P(CommVolumeTest, StepMovesTheTheoreticalBytes) {
       const auto rs = counting->count(comm::OpType::kReduceScatter);
       const auto ar = counting->count(comm::OpType::kAllReduce);
       const std::string at = absl::StrCat("step ", step, " rank ", rank, "/", world, ": ");
-      FS_RETURN_IF_ERROR(Check(ag.bytes == gather_bytes && ag.ops == gather_ops,
-                               absl::StrCat(at, "all_gather ", ag.ops, " ops ", ag.bytes,
-                                            " bytes, expected ", gather_ops, " ops ",
-                                            gather_bytes, " bytes")));
+      FS_RETURN_IF_ERROR(
+          Check(ag.bytes == gather_bytes && ag.ops == gather_ops,
+                absl::StrCat(at, "all_gather ", ag.ops, " ops ", ag.bytes, " bytes, expected ",
+                             gather_ops, " ops ", gather_bytes, " bytes")));
       FS_RETURN_IF_ERROR(Check(rs.bytes == rs_bytes && rs.ops == rs_ops,
                                absl::StrCat(at, "reduce_scatter ", rs.ops, " ops ", rs.bytes,
                                             " bytes, expected ", rs_ops, " ops ", rs_bytes)));
@@ -118,25 +117,24 @@ TEST_P(CommVolumeTest, StepMovesTheTheoreticalBytes) {
     // The theory in terms of the parameter bytes P (padded): 3P, 2P or one all-reduce of P.
     if (!nested && strategy != ShardingStrategy::kNoShard) {
       const int64_t p = model->flat_param_info()[0].padded_numel * 4;
-      const int64_t factor =
-          strategy == ShardingStrategy::kFullShard && reshard_root ? 3 : 2;
+      const int64_t factor = strategy == ShardingStrategy::kFullShard && reshard_root ? 3 : 2;
       FS_RETURN_IF_ERROR(Check(gather_bytes + rs_bytes == factor * p, "theory"));
     }
     return absl::OkStatus();
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, CommVolumeTest,
-    ::testing::Combine(::testing::Values(ShardingStrategy::kFullShard,
-                                         ShardingStrategy::kShardGradOp,
-                                         ShardingStrategy::kNoShard),
-                       ::testing::Bool(), ::testing::Bool()),
-    [](const ::testing::TestParamInfo<VolumeParam>& info) {
-      return absl::StrCat(ShardingStrategyName(std::get<0>(info.param)),
-                          std::get<1>(info.param) ? "_Nested" : "_Flat",
-                          std::get<2>(info.param) ? "_ReshardRoot" : "_KeepRoot");
-    });
+INSTANTIATE_TEST_SUITE_P(All, CommVolumeTest,
+                         ::testing::Combine(::testing::Values(ShardingStrategy::kFullShard,
+                                                              ShardingStrategy::kShardGradOp,
+                                                              ShardingStrategy::kNoShard),
+                                            ::testing::Bool(), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<VolumeParam>& info) {
+                           return absl::StrCat(
+                               ShardingStrategyName(std::get<0>(info.param)),
+                               std::get<1>(info.param) ? "_Nested" : "_Flat",
+                               std::get<2>(info.param) ? "_ReshardRoot" : "_KeepRoot");
+                         });
 
 class MemoryTest : public ::testing::TestWithParam<std::tuple<ShardingStrategy, bool>> {};
 
@@ -146,8 +144,7 @@ TEST_P(MemoryTest, EachRankHoldsOneNthOfParamsGradsAndAdamState) {
                    int rank, int world,
                    std::shared_ptr<CountingCommunicator> counting) -> absl::Status {
     const auto opts = FsdpOptions().sharding_strategy(strategy);
-    FullyShardedDataParallel model(testing::Net(nested ? counting : nullptr, opts), counting,
-                                   opts);
+    FullyShardedDataParallel model(testing::Net(nested ? counting : nullptr, opts), counting, opts);
     torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
     // 350 parameters in 1 unit, or 66 + 142 + 142 in 3 units; padded to a multiple of N each.
     int64_t padded = 0;
@@ -157,8 +154,7 @@ TEST_P(MemoryTest, EachRankHoldsOneNthOfParamsGradsAndAdamState) {
         padded += info.padded_numel;
         unsharded += info.numel;
         const int64_t n = strategy == ShardingStrategy::kNoShard ? 1 : world;
-        FS_RETURN_IF_ERROR(Check(info.padded_numel % n == 0 &&
-                                     info.padded_numel - info.numel < n &&
+        FS_RETURN_IF_ERROR(Check(info.padded_numel % n == 0 && info.padded_numel - info.numel < n &&
                                      info.shard_numel * n == info.padded_numel,
                                  "padding of " + info.name));
       }
@@ -178,12 +174,12 @@ TEST_P(MemoryTest, EachRankHoldsOneNthOfParamsGradsAndAdamState) {
         state_bytes += s.exp_avg().numel() * 4 + s.exp_avg_sq().numel() * 4;
       }
       const std::string at = absl::StrCat("step ", step, " rank ", rank, "/", world, ": ");
-      FS_RETURN_IF_ERROR(Check(param_bytes == per_rank * 4 && grad_bytes == per_rank * 4 &&
-                                   state_bytes == 2 * per_rank * 4,
-                               absl::StrCat(at, "params ", param_bytes, " grads ", grad_bytes,
-                                            " adam state ", state_bytes, " bytes; expected ",
-                                            per_rank * 4, ", ", per_rank * 4, ", ",
-                                            2 * per_rank * 4)));
+      FS_RETURN_IF_ERROR(
+          Check(param_bytes == per_rank * 4 && grad_bytes == per_rank * 4 &&
+                    state_bytes == 2 * per_rank * 4,
+                absl::StrCat(at, "params ", param_bytes, " grads ", grad_bytes, " adam state ",
+                             state_bytes, " bytes; expected ", per_rank * 4, ", ", per_rank * 4,
+                             ", ", 2 * per_rank * 4)));
       // Nothing else: the original parameters hold no memory of their own between steps (they
       // view the freed full flat parameter, or the shard itself for NO_SHARD) and no gradient.
       for (FullyShardedDataParallelImpl* unit : model->fsdp_units()) {
@@ -196,15 +192,15 @@ TEST_P(MemoryTest, EachRankHoldsOneNthOfParamsGradsAndAdamState) {
           if (is_shard) continue;
           const at::Tensor& p = item.value();
           const size_t held = p.storage().nbytes();
-          const bool ok = strategy == ShardingStrategy::kNoShard
-                              ? p.storage().is_alias_of(shards[0].storage()) ||
-                                    (shards.size() > 1 &&
-                                     p.storage().is_alias_of(shards[1].storage()))
-                              : held == 0;
-          FS_RETURN_IF_ERROR(Check(ok && !p.grad().defined(),
-                                   absl::StrCat(at, "parameter '", unit->prefix(), item.key(),
-                                                "' holds ", held, " bytes",
-                                                p.grad().defined() ? " and a gradient" : "")));
+          const bool ok =
+              strategy == ShardingStrategy::kNoShard
+                  ? p.storage().is_alias_of(shards[0].storage()) ||
+                        (shards.size() > 1 && p.storage().is_alias_of(shards[1].storage()))
+                  : held == 0;
+          FS_RETURN_IF_ERROR(
+              Check(ok && !p.grad().defined(),
+                    absl::StrCat(at, "parameter '", unit->prefix(), item.key(), "' holds ", held,
+                                 " bytes", p.grad().defined() ? " and a gradient" : "")));
         }
       }
     }
@@ -212,16 +208,16 @@ TEST_P(MemoryTest, EachRankHoldsOneNthOfParamsGradsAndAdamState) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(All, MemoryTest,
-                         ::testing::Combine(::testing::Values(ShardingStrategy::kFullShard,
-                                                              ShardingStrategy::kShardGradOp,
-                                                              ShardingStrategy::kNoShard),
-                                            ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<std::tuple<ShardingStrategy, bool>>&
-                                info) {
-                           return absl::StrCat(ShardingStrategyName(std::get<0>(info.param)),
-                                               std::get<1>(info.param) ? "_Nested" : "_Flat");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    All, MemoryTest,
+    ::testing::Combine(::testing::Values(ShardingStrategy::kFullShard,
+                                         ShardingStrategy::kShardGradOp,
+                                         ShardingStrategy::kNoShard),
+                       ::testing::Bool()),
+    [](const ::testing::TestParamInfo<std::tuple<ShardingStrategy, bool>>& info) {
+      return absl::StrCat(ShardingStrategyName(std::get<0>(info.param)),
+                          std::get<1>(info.param) ? "_Nested" : "_Flat");
+    });
 
 }  // namespace
 }  // namespace fairscale::fsdp

@@ -9,9 +9,8 @@
 #include <vector>
 
 // Not self-contained: needs torch/types.h and <vector> first.
-#include <torch/nn/utils/clip_grad.h>
-
 #include <ATen/ops/tanh.h>
+#include <torch/nn/utils/clip_grad.h>
 
 #include <cmath>
 #include <limits>
@@ -32,9 +31,8 @@ namespace {
 using base::testing::IsOk;
 using testing::OptimizerKind;
 
-constexpr ShardingStrategy kStrategies[] = {ShardingStrategy::kFullShard,
-                                            ShardingStrategy::kShardGradOp,
-                                            ShardingStrategy::kNoShard};
+constexpr ShardingStrategy kStrategies[] = {
+    ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard};
 constexpr int kSteps = 4;
 
 absl::Status Check(bool ok, const std::string& message) {
@@ -61,20 +59,21 @@ struct MseStep {
 // Runs the parity harness for every world size, strategy and (if `nest`) nesting.
 template <typename MakeFn, typename StepFn>
 void ExpectParity(const std::string& what, MakeFn make, StepFn step_fn, OptimizerKind kind,
-                  bool nest, std::vector<int> worlds = {1, 2, 3, 4}) {
+                  bool nest, FsdpOptions base = {}, double rtol = 1e-5) {
+  const std::vector<int> worlds = {1, 2, 3, 4};
   const auto ref = testing::RunReferenceWith(make, step_fn, kind, kSteps);
   for (ShardingStrategy strategy : kStrategies) {
     for (bool nested : nest ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
       for (int world : worlds) {
-        ExpectAllOk(testing::RunRanks(world,
-                                      [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
-                                        return testing::RunParityRank(
-                                            make, step_fn, kind, ref,
-                                            FsdpOptions().sharding_strategy(strategy), nested,
-                                            rank, w, comm);
-                                      }),
-                    absl::StrCat(what, " ", ShardingStrategyName(strategy),
-                                 nested ? " nested" : " flat"));
+        ExpectAllOk(
+            testing::RunRanks(world,
+                              [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
+                                FsdpOptions opts = base;
+                                opts.sharding_strategy(strategy);
+                                return testing::RunParityRank(make, step_fn, kind, ref, opts,
+                                                              nested, rank, w, comm, rtol);
+                              }),
+            absl::StrCat(what, " ", ShardingStrategyName(strategy), nested ? " nested" : " flat"));
       }
     }
   }
@@ -145,9 +144,7 @@ class TiedImpl : public torch::nn::Module {
       sub_ = register_module("sub", sub);
     }
   }
-  torch::Tensor forward(torch::Tensor x) {
-    return sub_(at::tanh(x.narrow(1, 0, 4).matmul(w_)));
-  }
+  torch::Tensor forward(torch::Tensor x) { return sub_(at::tanh(x.narrow(1, 0, 4).matmul(w_))); }
 
  private:
   at::Tensor w_;
@@ -168,23 +165,23 @@ TEST(FsdpEdgeCases, TiedWeightsInsideOneUnit) {
 }
 
 TEST(FsdpEdgeCases, TiedWeightsAcrossUnitsAreAClearError) {
-  ExpectAllOk(testing::RunRanks(2,
-                                [](int rank, int world, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-                                  try {
-                                    FullyShardedDataParallel model(Tied(comm, FsdpOptions()), comm);
-                                  } catch (const c10::Error& e) {
-                                    const std::string msg = e.what();
-                                    return Check(
-                                        msg.find("parameter 'w' is the same tensor as "
-                                                 "'sub.w'") != std::string::npos &&
-                                            msg.find(absl::StrCat("rank ", rank, "/2")) !=
-                                                std::string::npos &&
-                                            msg.find("Tied weights") != std::string::npos,
-                                        "unexpected message: " + msg);
-                                  }
-                                  return absl::InternalError("no error");
-                                }),
-              "tied across units");
+  ExpectAllOk(
+      testing::RunRanks(
+          2,
+          [](int rank, int world, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+            try {
+              FullyShardedDataParallel model(Tied(comm, FsdpOptions()), comm);
+            } catch (const c10::Error& e) {
+              const std::string msg = e.what();
+              return Check(msg.find("parameter 'w' is the same tensor as "
+                                    "'sub.w'") != std::string::npos &&
+                               msg.find(absl::StrCat("rank ", rank, "/2")) != std::string::npos &&
+                               msg.find("Tied weights") != std::string::npos,
+                           "unexpected message: " + msg);
+            }
+            return absl::InternalError("no error");
+          }),
+      "tied across units");
 }
 
 // 3 elements (weight [3]) over up to 4 ranks: rank 3 holds padding only.
@@ -220,14 +217,15 @@ TORCH_MODULE(WithBuffer);
 
 TEST(FsdpEdgeCases, BuffersAreBroadcastFromRankZero) {
   for (int world = 1; world <= 4; ++world) {
-    ExpectAllOk(testing::RunRanks(world,
-                                  [](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-                                    WithBuffer m;
-                                    m->stat_.fill_(rank + 1.0);
-                                    FullyShardedDataParallel model(m, comm);
-                                    return Check(m->stat_.eq(1.0).all().item<bool>(),
-                                                 "buffer not broadcast from rank 0");
-                                  }),
+    ExpectAllOk(testing::RunRanks(
+                    world,
+                    [](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+                      WithBuffer m;
+                      m->stat_.fill_(rank + 1.0);
+                      FullyShardedDataParallel model(m, comm);
+                      return Check(m->stat_.eq(1.0).all().item<bool>(),
+                                   "buffer not broadcast from rank 0");
+                    }),
                 "buffers");
   }
 }
@@ -273,8 +271,7 @@ TEST(FsdpMethods, NoSyncAccumulatesLocallyThenReducesOnce) {
     at::Tensor x = testing::RankRows(b.x, rank, world);
     at::Tensor y = testing::RankRows(b.y, rank, world);
     if constexpr (testing::IsFsdp<decltype(model)>()) {
-      auto* counting =
-          dynamic_cast<testing::CountingCommunicator*>(model->communicator().get());
+      auto* counting = dynamic_cast<testing::CountingCommunicator*>(model->communicator().get());
       counting->Reset();
       {
         auto guard = model->no_sync();
@@ -293,15 +290,14 @@ TEST(FsdpMethods, NoSyncAccumulatesLocallyThenReducesOnce) {
   for (ShardingStrategy strategy : kStrategies) {
     for (bool nested : {false, true}) {
       for (int world = 1; world <= 4; ++world) {
-        ExpectAllOk(testing::RunRanks(world,
-                                      [&](int rank, int w, std::shared_ptr<comm::Communicator> inner) {
-                                        auto comm =
-                                            std::make_shared<testing::CountingCommunicator>(inner);
-                                        return testing::RunParityRank(
-                                            make, step_fn, OptimizerKind::kSgdMomentum, ref,
-                                            FsdpOptions().sharding_strategy(strategy), nested,
-                                            rank, w, comm);
-                                      }),
+        ExpectAllOk(testing::RunRanks(
+                        world,
+                        [&](int rank, int w, std::shared_ptr<comm::Communicator> inner) {
+                          auto comm = std::make_shared<testing::CountingCommunicator>(inner);
+                          return testing::RunParityRank(
+                              make, step_fn, OptimizerKind::kSgdMomentum, ref,
+                              FsdpOptions().sharding_strategy(strategy), nested, rank, w, comm);
+                        }),
                     absl::StrCat("no_sync ", ShardingStrategyName(strategy)));
       }
     }
@@ -322,6 +318,50 @@ TEST(FsdpMethods, ClipGradNormMatchesTheGlobalNorm) {
     ExpectParity(absl::StrCat("clip p=", p), MakeNet(), step_fn, OptimizerKind::kSgdMomentum,
                  /*nest=*/true);
   }
+}
+
+// bf16 compute and all-gathers over an f32 master shard, gradients reduced in f32 or bf16,
+// against the f32 reference: within kMixedRtol relative (L2 over each shard). bf16 keeps 8 bits
+// of mantissa (0.4%); the small per-rank gradients of this model lose more to cancellation in
+// the bf16 matmuls (measured up to ~4% on a 0.03-norm shard, ~1% on larger ones), while the f32
+// master copy keeps the parameters themselves much closer.
+constexpr double kMixedRtol = 6e-2;
+
+TEST(FsdpMixedPrecision, Bf16ComputeWithF32MasterTracksTheReference) {
+  for (at::ScalarType reduce : {at::kFloat, at::kBFloat16}) {
+    ExpectParity(absl::StrCat("mixed reduce=", c10::toString(reduce)), MakeNet(), MseStep(),
+                 OptimizerKind::kAdamW, /*nest=*/true,
+                 FsdpOptions().mixed_precision(MixedPrecision()
+                                                   .param_dtype(at::kBFloat16)
+                                                   .reduce_dtype(reduce)
+                                                   .buffer_dtype(at::kBFloat16)),
+                 kMixedRtol);
+  }
+}
+
+TEST(FsdpMixedPrecision, WritebackSummonIsAnError) {
+  ExpectAllOk(testing::RunRanks(
+                  2,
+                  [](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+                    FullyShardedDataParallel model(
+                        testing::Net(), comm,
+                        FsdpOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
+                    try {
+                      auto guard = model->summon_full_params(true);
+                    } catch (const c10::Error& e) {
+                      return Check(
+                          std::string(e.what()).find("round the master") != std::string::npos,
+                          e.what());
+                    }
+                    return absl::InternalError("no error");
+                  }),
+              "mixed summon");
+}
+
+// Dividing by 2 before the sum and by N/2 after gives the same mean.
+TEST(FsdpOptionsTest, GradientDivideFactors) {
+  ExpectParity("divide", MakeNet(), MseStep(), OptimizerKind::kSgdMomentum, /*nest=*/true,
+               FsdpOptions().gradient_predivide_factor(2.0), 1e-5);
 }
 
 TEST(FsdpMethods, SummonFullParamsReadsAndWritesBack) {
@@ -352,8 +392,8 @@ TEST(FsdpMethods, SummonFullParamsReadsAndWritesBack) {
                   FS_RETURN_IF_ERROR(Check(full.size() == plain->named_parameters().size(),
                                            absl::StrCat(full.size(), " full parameters")));
                   for (const auto& item : plain->named_parameters()) {
-                    FS_RETURN_IF_ERROR(testing::ExpectClose(item.key(), full[item.key()],
-                                                            item.value(), 0));
+                    FS_RETURN_IF_ERROR(
+                        testing::ExpectClose(item.key(), full[item.key()], item.value(), 0));
                     full[item.key()].detach().fill_(7.0);  // discarded
                   }
                 }
@@ -366,8 +406,8 @@ TEST(FsdpMethods, SummonFullParamsReadsAndWritesBack) {
                 }
                 for (const at::Tensor& shard : model->parameters()) {
                   // Padding stays zero; everything else was written back.
-                  FS_RETURN_IF_ERROR(Check((shard.eq(0.25) | shard.eq(0.0)).all().item<bool>(),
-                                           "writeback"));
+                  FS_RETURN_IF_ERROR(
+                      Check((shard.eq(0.25) | shard.eq(0.0)).all().item<bool>(), "writeback"));
                 }
                 at::Tensor out = model(at::ones({2, 5}));
                 FS_RETURN_IF_ERROR(Check(out.defined(), "forward after summon"));

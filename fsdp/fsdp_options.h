@@ -9,6 +9,8 @@
 // /work/shared/reference/fairscale-and-peers.md §1.1 and §4.1); the differences are stated here.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
 #include <torch/arg.h>
 
 #include <cstdint>
@@ -30,6 +32,18 @@ enum class ShardingStrategy {
 
 const char* ShardingStrategyName(ShardingStrategy strategy);  // "FULL_SHARD", ...
 
+// Mixed precision (FairScale's mixed_precision + compute_dtype + buffer_dtype +
+// fp32_reduce_scatter, in PyTorch FSDP's shape). The shard the optimizer steps stays in the
+// parameters' own dtype (the f32 master copy); the full parameters, the computation and the
+// all-gathers use `param_dtype`; gradients are reduced in `reduce_dtype` and added to the f32
+// shard's grad. Floating-point tensor arguments of forward are cast to `param_dtype`; outputs
+// stay in it. Unset fields: no mixed precision / reduce in param_dtype / buffers untouched.
+struct MixedPrecision {
+  TORCH_ARG(c10::optional<c10::ScalarType>, param_dtype) = c10::nullopt;
+  TORCH_ARG(c10::optional<c10::ScalarType>, reduce_dtype) = c10::nullopt;
+  TORCH_ARG(c10::optional<c10::ScalarType>, buffer_dtype) = c10::nullopt;
+};
+
 struct FsdpOptions {
   // See ShardingStrategy. Default: kFullShard (FairScale's reshard_after_forward=True).
   TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
@@ -50,6 +64,9 @@ struct FsdpOptions {
   // that comes next (in the order recorded during the first iteration) is already running.
   // Both assume every rank runs the same units in the same order, as all collectives do.
   TORCH_ARG(bool, forward_prefetch) = true;
+
+  // See MixedPrecision. Default: everything in the parameters' dtype.
+  TORCH_ARG(MixedPrecision, mixed_precision) = {};
   TORCH_ARG(bool, backward_prefetch) = true;
 };
 

@@ -100,8 +100,9 @@ using internal::FlatParam;
 using internal::ParamSlot;
 using internal::ThrowIfError;
 
-FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
-    torch::nn::AnyModule module, std::shared_ptr<comm::Communicator> comm, FsdpOptions options)
+FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule module,
+                                                           std::shared_ptr<comm::Communicator> comm,
+                                                           FsdpOptions options)
     : torch::nn::Module("fairscale::fsdp::FullyShardedDataParallel"),
       module_any_(std::move(module)),
       comm_(std::move(comm)),
@@ -212,12 +213,11 @@ void FullyShardedDataParallelImpl::collect_and_shard() {
     FlatParam& fp = flats_.emplace_back();
     fp.requires_grad = kind == 0;
     for (ParamSlot& slot : slots) {
-      TORCH_CHECK(slot.param.scalar_type() == first.scalar_type() &&
-                      slot.param.device() == first.device(),
-                  label(), ": parameter '", slot.name, "' is ", slot.param.scalar_type(), " on ",
-                  slot.param.device(), " but '", slots.front().name, "' is ",
-                  first.scalar_type(), " on ", first.device(),
-                  "; a unit's parameters are flattened into one tensor and must agree");
+      TORCH_CHECK(
+          slot.param.scalar_type() == first.scalar_type() && slot.param.device() == first.device(),
+          label(), ": parameter '", slot.name, "' is ", slot.param.scalar_type(), " on ",
+          slot.param.device(), " but '", slots.front().name, "' is ", first.scalar_type(), " on ",
+          first.device(), "; a unit's parameters are flattened into one tensor and must agree");
       slot.offset = fp.numel;
       fp.numel += slot.numel;
     }
@@ -228,11 +228,17 @@ void FullyShardedDataParallelImpl::collect_and_shard() {
     } else {
       fp.shard_numel = fp.padded_numel = fp.numel;
     }
-    fp.full = at::zeros({fp.padded_numel}, first.options().requires_grad(false));
+    // The master values in the parameters' own dtype; `full` is the same tensor unless mixed
+    // precision computes in another dtype.
+    at::Tensor master = at::zeros({fp.padded_numel}, first.options().requires_grad(false));
     for (ParamSlot& slot : slots) {
-      fp.full.narrow(0, slot.offset, slot.numel).copy_(slot.param.detach().reshape({-1}));
+      master.narrow(0, slot.offset, slot.numel).copy_(slot.param.detach().reshape({-1}));
     }
-    fp.shard = sharded() ? fp.full.narrow(0, fp.shard_offset, fp.shard_numel).clone() : fp.full;
+    const auto& mp = options_.mixed_precision();
+    fp.mixed = mp.param_dtype().has_value() && *mp.param_dtype() != first.scalar_type();
+    fp.full = fp.mixed ? master.to(*mp.param_dtype()) : master;
+    fp.reduce_dtype = mp.reduce_dtype().value_or(fp.full.scalar_type());
+    fp.shard = sharded() ? master.narrow(0, fp.shard_offset, fp.shard_numel).clone() : master;
     const size_t flat_index = flats_.size() - 1;
     for (size_t s = 0; s < slots.size(); ++s) {
       ParamSlot& slot = slots[s];
@@ -259,6 +265,17 @@ void FullyShardedDataParallelImpl::collect_and_shard() {
     if (!seen && b.defined()) distinct_buffers.push_back(b);
   }
   broadcast_buffers(distinct_buffers);
+  if (const auto dtype = options_.mixed_precision().buffer_dtype()) {
+    for (const at::Tensor& b : distinct_buffers) {
+      if (b.is_floating_point()) at::Tensor(b).set_data(b.to(*dtype));
+    }
+  }
+}
+
+at::Tensor FullyShardedDataParallelImpl::cast_tensor(const at::Tensor& t) const {
+  const auto& dtype = options_.mixed_precision().param_dtype();
+  if (!dtype || !t.defined() || !t.is_floating_point() || t.scalar_type() == *dtype) return t;
+  return t.to(*dtype);
 }
 
 void FullyShardedDataParallelImpl::broadcast_buffers(const std::vector<at::Tensor>& buffers) {
@@ -367,8 +384,7 @@ void FullyShardedDataParallelImpl::pre_forward() {
   in_forward_ = true;
   internal::RootState& st = *state_;
   if (!st.forward_order_done &&
-      std::find(st.forward_order.begin(), st.forward_order.end(), this) ==
-          st.forward_order.end()) {
+      std::find(st.forward_order.begin(), st.forward_order.end(), this) == st.forward_order.end()) {
     forward_index_ = static_cast<int>(st.forward_order.size());
     st.forward_order.push_back(this);
   }
@@ -421,13 +437,19 @@ void FullyShardedDataParallelImpl::forward_failed() {
 // ---- communication -------------------------------------------------------------------------
 
 void FullyShardedDataParallelImpl::issue_gathers() {
-  if (!sharded()) return;
+  c10::NoGradGuard no_grad;
   for (FlatParam& fp : flats_) {
+    if (!sharded()) {
+      if (fp.stale) fp.full.copy_(fp.shard.detach());
+      fp.stale = false;
+      continue;
+    }
     if (fp.gather_pending || internal::HasStorage(fp.full)) continue;
     internal::AllocateStorage(fp.full);
     const std::string context = label() + ": all_gather of the flat parameter";
-    fp.gather_work = comm_->AllGather(internal::Buf(fp.shard.detach(), context),
-                                      internal::Buf(fp.full, context));
+    fp.gather_send = fp.mixed ? fp.shard.detach().to(fp.full.scalar_type()) : fp.shard.detach();
+    fp.gather_work =
+        comm_->AllGather(internal::Buf(fp.gather_send, context), internal::Buf(fp.full, context));
     fp.gather_pending = true;
   }
 }
@@ -436,7 +458,9 @@ void FullyShardedDataParallelImpl::wait_gathers() {
   for (FlatParam& fp : flats_) {
     if (!fp.gather_pending) continue;
     fp.gather_pending = false;
-    ThrowIfError(fp.gather_work.Wait(), label() + ": all_gather of the flat parameter");
+    absl::Status status = fp.gather_work.Wait();
+    fp.gather_send = at::Tensor();
+    ThrowIfError(status, label() + ": all_gather of the flat parameter");
   }
 }
 
@@ -454,7 +478,8 @@ void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
   at::Tensor send = fp.full_grad;
   fp.full_grad = at::Tensor();
   c10::NoGradGuard no_grad;
-  if (!send.defined()) send = at::zeros({fp.padded_numel}, fp.shard.options());
+  if (!send.defined())
+    send = at::zeros({fp.padded_numel}, fp.shard.options().dtype(fp.reduce_dtype));
   double pre = options_.gradient_predivide_factor();
   if (pre <= 0) pre = 1.0;
   if (pre != 1.0) send.div_(pre);
@@ -510,7 +535,9 @@ void FullyShardedDataParallelImpl::on_param_grad(size_t flat, size_t slot_index)
   at::Tensor& grad = slot.param.mutable_grad();
   if (!grad.defined()) return;
   c10::NoGradGuard no_grad;
-  if (!fp.full_grad.defined()) fp.full_grad = at::zeros({fp.padded_numel}, fp.shard.options());
+  if (!fp.full_grad.defined()) {
+    fp.full_grad = at::zeros({fp.padded_numel}, fp.shard.options().dtype(fp.reduce_dtype));
+  }
   fp.full_grad.narrow(0, slot.offset, slot.numel).add_(grad.reshape({-1}));
   grad = at::Tensor();
   ++fp.grads_ready;
@@ -555,14 +582,19 @@ void FullyShardedDataParallelImpl::finalize_backward() {
       double post = u->options_.gradient_postdivide_factor();
       if (post <= 0) post = u->world_ / pre;
       if (post != 1.0) p.recv.div_(post);
-      at::Tensor& grad = u->flats_[p.flat].shard.mutable_grad();
+      FlatParam& fp = u->flats_[p.flat];
+      at::Tensor& grad = fp.shard.mutable_grad();
       if (grad.defined()) {
         grad.add_(p.recv);
       } else {
-        grad = p.recv;
+        grad = p.recv.to(fp.shard.scalar_type());
       }
     }
-    for (FullyShardedDataParallelImpl* u : st.units) u->reshard();
+    for (FullyShardedDataParallelImpl* u : st.units) {
+      u->reshard();
+      // The optimizer steps next: unsharded low-precision copies must be refreshed.
+      for (FlatParam& fp : u->flats_) fp.stale = fp.mixed && !u->sharded();
+    }
     if (!st.backward_order.empty()) st.backward_order_done = true;
   } catch (...) {
     reset();
@@ -593,8 +625,7 @@ at::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double
   TORCH_CHECK(!st.backward_active, label(), ": clip_grad_norm_() inside backward");
   TORCH_CHECK(!st.no_sync, label(),
               ": clip_grad_norm_() inside no_sync(): the gradients are not reduced yet");
-  TORCH_CHECK(norm_type > 0, label(), ": clip_grad_norm_() needs norm_type > 0, got ",
-              norm_type);
+  TORCH_CHECK(norm_type > 0, label(), ": clip_grad_norm_() needs norm_type > 0, got ", norm_type);
   const bool inf = std::isinf(norm_type);
   c10::NoGradGuard no_grad;
   double local = 0;
@@ -613,8 +644,9 @@ at::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double
   double total = local;
   if (world_ > 1) {
     const std::string context = label() + ": clip_grad_norm_ all_reduce";
-    ThrowIfError(comm_->AllReduce(comm::MakeConstBuffer(&local, 1), comm::MakeBuffer(&total, 1),
-                                  inf ? comm::ReduceOp::kMax : comm::ReduceOp::kSum)
+    ThrowIfError(comm_
+                     ->AllReduce(comm::MakeConstBuffer(&local, 1), comm::MakeBuffer(&total, 1),
+                                 inf ? comm::ReduceOp::kMax : comm::ReduceOp::kSum)
                      .Wait(),
                  context);
   }
@@ -631,6 +663,13 @@ FullyShardedDataParallelImpl::FullParamsGuard FullyShardedDataParallelImpl::summ
   std::vector<FullyShardedDataParallelImpl*> units = fsdp_units();
   for (FullyShardedDataParallelImpl* u : units) {
     TORCH_CHECK(!u->summoned_, u->label(), ": summon_full_params() is already active");
+    for (const FlatParam& fp : u->flats_) {
+      // The full parameters are in the compute dtype: writing them back would round the master
+      // copy silently.
+      TORCH_CHECK(!fp.mixed || !writeback, u->label(),
+                  ": summon_full_params(writeback=true) under mixed precision would round the "
+                  "master parameters to the compute dtype; use writeback=false");
+    }
     TORCH_CHECK(!u->in_forward_ && !(u->state_ && u->state_->backward_active), u->label(),
                 ": summon_full_params() inside forward or backward");
   }
@@ -640,7 +679,9 @@ FullyShardedDataParallelImpl::FullParamsGuard FullyShardedDataParallelImpl::summ
     u->wait_gathers();
     u->summoned_ = true;
     for (FlatParam& fp : u->flats_) {
-      if (!u->sharded() && !writeback) snapshots.push_back(fp.shard.detach().clone());
+      if (!u->sharded() && !fp.mixed && !writeback) {
+        snapshots.push_back(fp.shard.detach().clone());
+      }
     }
   }
   return FullParamsGuard(std::move(units), writeback, std::move(snapshots));
@@ -653,6 +694,8 @@ FullyShardedDataParallelImpl::FullParamsGuard::~FullParamsGuard() {
     for (FlatParam& fp : u->flats_) {
       if (u->sharded()) {
         if (writeback_) fp.shard.detach().copy_(fp.full.narrow(0, fp.shard_offset, fp.shard_numel));
+      } else if (fp.mixed) {
+        fp.stale = true;  // read-only: drop changes to the low-precision copy
       } else if (!writeback_) {
         fp.shard.detach().copy_(snapshots_[next_snapshot++]);
       }

@@ -84,7 +84,7 @@ void CollectTensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
 // The layout of one flat parameter, for checkpoints, tests and debugging.
 struct FlatParamInfo {
   struct Entry {
-    std::string name;                  // relative to the root's wrapped module: "blocks.0.fc.weight"
+    std::string name;  // relative to the root's wrapped module: "blocks.0.fc.weight"
     std::vector<std::string> aliases;  // tied names of the same tensor
     std::vector<int64_t> shape;
     int64_t offset = 0;  // in the unsharded flat parameter
@@ -105,16 +105,15 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // over `comm` and broadcasts its buffers from rank 0. Collective: every rank constructs its
   // wrappers in the same order. Raises c10::Error on bad input (naming the parameter and rank).
   FullyShardedDataParallelImpl(torch::nn::AnyModule module,
-                               std::shared_ptr<comm::Communicator> comm,
-                               FsdpOptions options = {});
+                               std::shared_ptr<comm::Communicator> comm, FsdpOptions options = {});
   template <typename M>
   FullyShardedDataParallelImpl(torch::nn::ModuleHolder<M> module,
                                std::shared_ptr<comm::Communicator> comm, FsdpOptions options = {})
       : FullyShardedDataParallelImpl(torch::nn::AnyModule(std::move(module)), std::move(comm),
                                      std::move(options)) {}
   template <typename M, typename = std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>>>
-  FullyShardedDataParallelImpl(std::shared_ptr<M> module,
-                               std::shared_ptr<comm::Communicator> comm, FsdpOptions options = {})
+  FullyShardedDataParallelImpl(std::shared_ptr<M> module, std::shared_ptr<comm::Communicator> comm,
+                               FsdpOptions options = {})
       : FullyShardedDataParallelImpl(torch::nn::AnyModule(std::move(module)), std::move(comm),
                                      std::move(options)) {}
   ~FullyShardedDataParallelImpl() override;
@@ -127,7 +126,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
     pre_forward();
     std::vector<at::Tensor> outputs;
     try {
-      ReturnType result = module_any_.forward<ReturnType>(std::forward<Args>(args)...);
+      ReturnType result = module_any_.forward<ReturnType>(cast_input(std::forward<Args>(args))...);
       internal::CollectTensors(result, outputs);
       post_forward(outputs);
       return result;
@@ -217,6 +216,17 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   };
 
   std::string label() const;  // "FSDP unit 'blocks.0.' (Block) rank 1/4"
+
+  // Mixed precision: floating-point tensor arguments of forward go in the compute dtype.
+  template <typename T>
+  decltype(auto) cast_input(T&& arg) const {
+    if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+      return cast_tensor(arg);
+    } else {
+      return std::forward<T>(arg);
+    }
+  }
+  at::Tensor cast_tensor(const at::Tensor& t) const;
   bool is_root() const;
   bool sharded() const { return options_.sharding_strategy() != ShardingStrategy::kNoShard; }
 

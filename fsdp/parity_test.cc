@@ -39,9 +39,9 @@ absl::Status CheckShards(FullyShardedDataParallel& model,
     for (const FlatParamInfo& info : unit->flat_param_info()) {
       const at::Tensor& shard = params[info.name];
       const at::Tensor actual = grads ? shard.grad() : shard.detach();
-      FS_RETURN_IF_ERROR(testing::ExpectClose(
-          absl::StrCat(what, " of unit '", unit->prefix(), "' ", info.name), actual,
-          testing::ShardOf(info, expected), kRtol));
+      FS_RETURN_IF_ERROR(
+          testing::ExpectClose(absl::StrCat(what, " of unit '", unit->prefix(), "' ", info.name),
+                               actual, testing::ShardOf(info, expected), kRtol));
     }
   }
   return absl::OkStatus();
@@ -49,9 +49,9 @@ absl::Status CheckShards(FullyShardedDataParallel& model,
 
 absl::Status RunRank(int rank, int world, OptimizerKind kind, ShardingStrategy strategy,
                      bool nested) {
-  FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> comm,
-                      comm::CreateCommunicator(
-                          "inproc", comm::testing::RankConfig(absl::Seconds(30))));
+  FS_ASSIGN_OR_RETURN(
+      std::shared_ptr<comm::Communicator> comm,
+      comm::CreateCommunicator("inproc", comm::testing::RankConfig(absl::Seconds(30))));
   const auto opts = FsdpOptions().sharding_strategy(strategy);
   FullyShardedDataParallel model(testing::Net(nested ? comm : nullptr, opts), comm, opts);
   auto opt = testing::MakeOptimizer(kind, model->parameters());
@@ -96,19 +96,19 @@ TEST_P(ParityTest, MatchesSingleProcessReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, ParityTest,
-    ::testing::Combine(::testing::Values(OptimizerKind::kSgdMomentum, OptimizerKind::kAdam,
-                                         OptimizerKind::kAdamW),
-                       ::testing::Values(ShardingStrategy::kFullShard,
-                                         ShardingStrategy::kShardGradOp,
-                                         ShardingStrategy::kNoShard),
-                       ::testing::Bool()),
-    [](const ::testing::TestParamInfo<ParityParam>& info) {
-      return absl::StrCat(testing::OptimizerName(std::get<0>(info.param)), "_",
-                          ShardingStrategyName(std::get<1>(info.param)),
-                          std::get<2>(info.param) ? "_Nested" : "_Flat");
-    });
+INSTANTIATE_TEST_SUITE_P(All, ParityTest,
+                         ::testing::Combine(::testing::Values(OptimizerKind::kSgdMomentum,
+                                                              OptimizerKind::kAdam,
+                                                              OptimizerKind::kAdamW),
+                                            ::testing::Values(ShardingStrategy::kFullShard,
+                                                              ShardingStrategy::kShardGradOp,
+                                                              ShardingStrategy::kNoShard),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<ParityParam>& info) {
+                           return absl::StrCat(testing::OptimizerName(std::get<0>(info.param)), "_",
+                                               ShardingStrategyName(std::get<1>(info.param)),
+                                               std::get<2>(info.param) ? "_Nested" : "_Flat");
+                         });
 
 }  // namespace
 }  // namespace fairscale::fsdp

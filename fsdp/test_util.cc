@@ -1,9 +1,5 @@
 #include "fsdp/test_util.h"
 
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
-
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/cos.h>
@@ -11,6 +7,9 @@
 #include <ATen/ops/tanh.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 
 #include <cmath>
 
@@ -176,9 +175,9 @@ absl::Status CheckShards(FullyShardedDataParallel& model,
       const at::Tensor& shard = params[info.name];
       at::Tensor actual = grads ? shard.grad() : shard.detach();
       if (grads && !actual.defined()) actual = at::zeros_like(shard);
-      absl::Status s = ExpectClose(absl::StrCat(what, " of unit '", unit->prefix(), "' ",
-                                                info.name),
-                                   actual, ShardOf(info, expected), rtol);
+      absl::Status s =
+          ExpectClose(absl::StrCat(what, " of unit '", unit->prefix(), "' ", info.name), actual,
+                      ShardOf(info, expected), rtol);
       if (!s.ok()) return s;
     }
   }
@@ -192,8 +191,8 @@ std::vector<absl::Status> RunRanks(
       world,
       [&](int rank) -> absl::Status {
         try {
-          absl::StatusOr<std::shared_ptr<comm::Communicator>> comm = comm::CreateCommunicator(
-              "inproc", comm::testing::RankConfig(absl::Seconds(30)));
+          absl::StatusOr<std::shared_ptr<comm::Communicator>> comm =
+              comm::CreateCommunicator("inproc", comm::testing::RankConfig(absl::Seconds(30)));
           if (!comm.ok()) return comm.status();
           return body(rank, world, *comm);
         } catch (const std::exception& e) {
@@ -209,7 +208,8 @@ absl::Status ExpectClose(const std::string& what, const at::Tensor& actual,
   if (actual.sizes() != expected.sizes()) {
     return absl::InternalError(absl::StrCat(what, ": shape mismatch"));
   }
-  const double diff = (actual.detach().to(at::kDouble) - expected.to(at::kDouble)).norm().item<double>();
+  const double diff =
+      (actual.detach().to(at::kDouble) - expected.to(at::kDouble)).norm().item<double>();
   const double ref = expected.to(at::kDouble).norm().item<double>();
   if (diff <= rtol * ref || (ref < 1e-12 && diff < 1e-9)) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(what, ": relative error ", diff / std::max(ref, 1e-30),

@@ -4,19 +4,18 @@
 // bodies report through their Status, see comm/testing/rank_runner.h).
 #pragma once
 
+#include <ATen/ops/zeros_like.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/optimizer.h>
 
-#include <ATen/ops/zeros_like.h>
-
 #include <functional>
 #include <map>
+#include <memory>
 #include <set>
+#include <string>
 #include <type_traits>
 #include <utility>
-#include <memory>
-#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -79,9 +78,9 @@ at::Tensor RankRows(const at::Tensor& t, int rank, int world);
 at::Tensor Mse(const at::Tensor& output, const at::Tensor& target);
 
 struct ReferenceStep {
-  at::Tensor output;                           // of the whole global batch
-  std::map<std::string, at::Tensor> grads;     // after backward
-  std::map<std::string, at::Tensor> params;    // after the optimizer step
+  at::Tensor output;                         // of the whole global batch
+  std::map<std::string, at::Tensor> grads;   // after backward
+  std::map<std::string, at::Tensor> params;  // after the optimizer step
 };
 // Trains a plain Net on the global batches for `steps` steps.
 std::vector<ReferenceStep> RunReference(OptimizerKind kind, int steps);
@@ -143,14 +142,14 @@ std::vector<ReferenceStep> RunReferenceWith(MakeFn make, StepFn step_fn, Optimiz
 
 template <typename MakeFn, typename StepFn>
 absl::Status RunParityRank(MakeFn make, StepFn step_fn, OptimizerKind kind,
-                           const std::vector<ReferenceStep>& ref, FsdpOptions options,
-                           bool nested, int rank, int world,
-                           std::shared_ptr<comm::Communicator> comm, double rtol = 1e-5) {
+                           const std::vector<ReferenceStep>& ref, FsdpOptions options, bool nested,
+                           int rank, int world, std::shared_ptr<comm::Communicator> comm,
+                           double rtol = 1e-5) {
   FullyShardedDataParallel model(make(nested ? comm : nullptr, options), comm, options);
   auto opt = MakeOptimizer(kind, model->parameters());
   for (int step = 0; step < static_cast<int>(ref.size()); ++step) {
-    const std::string at_step = "step " + std::to_string(step) + " rank " +
-                                std::to_string(rank) + "/" + std::to_string(world);
+    const std::string at_step = "step " + std::to_string(step) + " rank " + std::to_string(rank) +
+                                "/" + std::to_string(world);
     opt->zero_grad();
     step_fn(model, step, rank, world);
     absl::Status s = CheckShards(model, ref[step].grads, true, at_step + " grad", rtol);

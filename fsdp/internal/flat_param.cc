@@ -6,9 +6,7 @@
 
 namespace fairscale::fsdp::internal {
 
-bool HasStorage(const at::Tensor& t) {
-  return t.numel() == 0 || t.storage().data() != nullptr;
-}
+bool HasStorage(const at::Tensor& t) { return t.numel() == 0 || t.storage().data() != nullptr; }
 
 void FreeStorage(const at::Tensor& t) {
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();

@@ -47,10 +47,18 @@ struct FlatParam {
   int64_t shard_offset = 0;  // rank * shard_numel (kNoShard: 0)
   at::Tensor shard;          // the registered parameter (kNoShard: the same tensor as `full`)
   at::Tensor full;           // storage freed while resharded (never for kNoShard)
+  // Mixed precision: `full` (and the parameters) are in the compute dtype, `shard` is the
+  // master copy in the parameters' original dtype.
+  bool mixed = false;
+  // kNoShard with mixed precision: `full` is a separate low-precision copy of the shard that the
+  // next forward must refresh (set at the end of backward, when the optimizer is about to step).
+  bool stale = false;
+  at::ScalarType reduce_dtype = at::kFloat;
 
   // All-gather into `full` that is issued but not yet waited for (prefetch).
   bool gather_pending = false;
   comm::Work gather_work;
+  at::Tensor gather_send;  // the low-precision copy of the shard being sent (mixed precision)
 
   // Backward bookkeeping, reset at the end of every backward pass.
   at::Tensor full_grad;  // padded full gradient being assembled from the slots' grads

@@ -32,9 +32,8 @@ comm::Work CountingCommunicator::DoAllReduce(const comm::OpContext& ctx, comm::C
   return inner_->AllReduce(send, recv, op, Options(ctx));
 }
 
-comm::Work CountingCommunicator::DoReduceScatter(const comm::OpContext& ctx,
-                                                 comm::ConstBuffer send, comm::Buffer recv,
-                                                 comm::ReduceOp op) {
+comm::Work CountingCommunicator::DoReduceScatter(const comm::OpContext& ctx, comm::ConstBuffer send,
+                                                 comm::Buffer recv, comm::ReduceOp op) {
   Add(ctx.type, send.bytes());
   return inner_->ReduceScatter(send, recv, op, Options(ctx));
 }
@@ -69,8 +68,7 @@ comm::Work CountingCommunicator::DoSend(const comm::OpContext& ctx, comm::ConstB
   return inner_->Send(buffer, peer, Options(ctx));
 }
 
-comm::Work CountingCommunicator::DoRecv(const comm::OpContext& ctx, comm::Buffer buffer,
-                                        int peer) {
+comm::Work CountingCommunicator::DoRecv(const comm::OpContext& ctx, comm::Buffer buffer, int peer) {
   Add(ctx.type, buffer.bytes());
   return inner_->Recv(buffer, peer, Options(ctx));
 }

@@ -31,15 +31,13 @@ class CountingCommunicator : public comm::Communicator {
 
   void Abort(absl::Status reason) override { inner_->Abort(std::move(reason)); }
   absl::Status status() const override { return inner_->status(); }
-  bool SupportsDevice(comm::Device device) const override {
-    return inner_->SupportsDevice(device);
-  }
+  bool SupportsDevice(comm::Device device) const override { return inner_->SupportsDevice(device); }
 
  protected:
   comm::Work DoAllReduce(const comm::OpContext& ctx, comm::ConstBuffer send, comm::Buffer recv,
                          comm::ReduceOp op) override;
-  comm::Work DoReduceScatter(const comm::OpContext& ctx, comm::ConstBuffer send,
-                             comm::Buffer recv, comm::ReduceOp op) override;
+  comm::Work DoReduceScatter(const comm::OpContext& ctx, comm::ConstBuffer send, comm::Buffer recv,
+                             comm::ReduceOp op) override;
   comm::Work DoAllGather(const comm::OpContext& ctx, comm::ConstBuffer send,
                          comm::Buffer recv) override;
   comm::Work DoBroadcast(const comm::OpContext& ctx, comm::Buffer buffer, int root) override;
@@ -51,8 +49,8 @@ class CountingCommunicator : public comm::Communicator {
   comm::Work DoRecv(const comm::OpContext& ctx, comm::Buffer buffer, int peer) override;
   comm::Work DoBarrier(const comm::OpContext& ctx) override;
   comm::Work DoBatchP2P(const comm::OpContext& ctx, std::vector<comm::P2PItem> items) override;
-  absl::StatusOr<std::shared_ptr<comm::Communicator>> DoSplit(const comm::OpContext& ctx,
-                                                              int color, int key) override;
+  absl::StatusOr<std::shared_ptr<comm::Communicator>> DoSplit(const comm::OpContext& ctx, int color,
+                                                              int key) override;
 
  private:
   void Add(comm::OpType type, size_t bytes);
