@@ -714,6 +714,20 @@ std::string CheckBroken(Communicator& comm, const absl::Status& first) {
   return problems;
 }
 
+// Connects, runs a barrier, then waits (through the store, not the backend) until every rank's
+// barrier has completed: an error of the op under test breaks the communicator, and a rank still
+// finishing the barrier would see the barrier fail too ("every pending operation fails").
+absl::StatusOr<std::shared_ptr<Communicator>> ConnectAndSync(const ConformanceParam& p,
+                                                             Store& store, int rank, int n) {
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Connect(p, kFailureTimeout));
+  FS_RETURN_IF_ERROR(Await(comm->Barrier(), "the barrier before the test", kFailureTimeout));
+  FS_RETURN_IF_ERROR(store.Set(absl::StrCat("fs_conformance/ready/", rank), "1"));
+  std::vector<std::string> keys;
+  for (int r = 0; r < n; ++r) keys.push_back(absl::StrCat("fs_conformance/ready/", r));
+  FS_RETURN_IF_ERROR(store.Wait(keys, kStoreTimeout));
+  return comm;
+}
+
 // Collects a failure test's problems on one rank and turns them into the rank's verdict.
 class Problems {
  public:
@@ -757,6 +771,39 @@ void CheckPeerCausedFailure(Problems& problems, const Observation& o, absl::stri
   if (!Names(o.status, "peer ")) problems.Add("the message does not name a peer");
 }
 
+// A rank that issues `op` after its peers failed (they timed out or aborted). That op may still
+// complete: a peer may have sent everything this rank needed before it failed, and its failure
+// notice queues behind that data. Then the next operation must fail. Either way the failure must
+// come fast, with UNAVAILABLE or ABORTED naming a peer: the peers told this rank (or closed
+// their connections); it must not wait for its own timeout.
+Observation CheckLateOp(Problems& problems, Communicator& comm, absl::string_view what,
+                        const std::function<Work()>& issue) {
+  const absl::Time start = absl::Now();
+  Observation o{issue().Wait(kFailureTimeout + kWaitSlack), absl::Duration()};
+  o.elapsed = absl::Now() - start;
+  std::string failed_op(what);
+  if (o.status.ok()) {
+    const absl::Time next = absl::Now();
+    o.status = comm.Barrier().Wait(kFailureTimeout + kWaitSlack);
+    o.elapsed = absl::Now() - next;
+    failed_op = absl::StrCat("the barrier after ", what);
+    if (o.status.ok()) {
+      problems.Add(absl::StrCat(what, " and the barrier after it both succeeded although the "
+                                      "peers had failed; they must tell this rank"));
+      return o;
+    }
+  }
+  if (!IsPeerFailureCode(o.status.code()) || o.elapsed > kFailFast ||
+      !Names(o.status, "peer ")) {
+    problems.Add(absl::StrCat(failed_op, " failed after ", Fmt(o.elapsed), " with ",
+                              o.status.ToString(), "; expected UNAVAILABLE or ABORTED naming a "
+                              "peer within ",
+                              Fmt(kFailFast)));
+  }
+  problems.Add(CheckBroken(comm, o.status));
+  return o;
+}
+
 enum class Mismatch { kCountSmall, kCountLarge, kOp };
 
 void RunMismatchTest(const ConformanceParam& p, Mismatch kind) {
@@ -769,9 +816,8 @@ void RunMismatchTest(const ConformanceParam& p, Mismatch kind) {
       [&](int rank) -> absl::Status {
         Store& store = *CurrentRank()->store;
         ObservationPublisher publisher(store, rank);
-        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Connect(p, kFailureTimeout));
-        FS_RETURN_IF_ERROR(Await(comm->Barrier(), "the barrier before the mismatch",
-                                 kFailureTimeout));
+        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
+                            ConnectAndSync(p, store, rank, n));
         std::vector<float> send(count + 1, 1.0f), recv(n * (count + 1), 0.0f);
         std::string op = "all_reduce";
         const absl::Time start = absl::Now();
@@ -1421,9 +1467,8 @@ TEST_P(CommFailureConformance, Timeout) {
       [&](int rank) -> absl::Status {
         Store& store = *CurrentRank()->store;
         ObservationPublisher publisher(store, rank);
-        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Connect(p, kFailureTimeout));
-        FS_RETURN_IF_ERROR(Await(comm->Barrier(), "the barrier before the timeout test",
-                                 kFailureTimeout));
+        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
+                            ConnectAndSync(p, store, rank, n));
         std::vector<float> buf(1024, 1.0f);
         const ConstBuffer in = MakeConstBuffer(buf.data(), buf.size());
         const Buffer out = MakeBuffer(buf.data(), buf.size());
@@ -1471,25 +1516,14 @@ TEST_P(CommFailureConformance, Timeout) {
             FS_ASSIGN_OR_RETURN(all[r], ReadObservation(store, r));
           }
         } else {
-          // Once the others gave up, an op issued here must fail fast, not hang: the peers
-          // told this rank (or have closed their connections).
+          // Once the others gave up, this rank must learn of it (CheckLateOp).
           for (int r = 0; r < n; ++r) {
             if (r == skipper) continue;
             FS_ASSIGN_OR_RETURN(all[r], ReadObservation(store, r));
           }
-          const absl::Time start = absl::Now();
-          Work work = comm->AllReduce(in, out, ReduceOp::kSum);
-          mine.status = work.Wait(kFailureTimeout + kWaitSlack);
-          mine.elapsed = absl::Now() - start;
-          if (mine.status.ok()) {
-            problems.Add("an all_reduce issued after every peer failed succeeded");
-          } else if (mine.status.code() == absl::StatusCode::kDeadlineExceeded ||
-                     mine.elapsed > kFailFast) {
-            problems.Add(absl::StrCat(
-                "an all_reduce issued after every peer failed took ", Fmt(mine.elapsed),
-                " and ended with ", absl::StatusCodeToString(mine.status.code()),
-                "; peers must tell this rank so that it fails fast"));
-          }
+          mine = CheckLateOp(problems, *comm, "the skipped all_reduce issued late", [&] {
+            return comm->AllReduce(in, out, ReduceOp::kSum);
+          });
           FS_RETURN_IF_ERROR(publisher.Publish(mine));
           all[rank] = mine;
         }
@@ -1515,7 +1549,8 @@ TEST_P(CommFailureConformance, Timeout) {
 
 TEST_P(CommFailureConformance, Abort) {
   // Rank 0 aborts from another thread while its all_reduce is pending (the last rank has not
-  // issued it yet); the ranks in between have it pending too; the last rank issues it afterwards.
+  // issued it yet); the ranks in between have it pending too; the last rank issues it once they
+  // all saw theirs fail.
   const ConformanceParam& p = GetParam();
   const int n = p.world_size;
   const int late = n - 1;
@@ -1525,9 +1560,8 @@ TEST_P(CommFailureConformance, Abort) {
       [&](int rank) -> absl::Status {
         Store& store = *CurrentRank()->store;
         ObservationPublisher publisher(store, rank);
-        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Connect(p, kFailureTimeout));
-        FS_RETURN_IF_ERROR(Await(comm->Barrier(), "the barrier before the abort test",
-                                 kFailureTimeout));
+        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
+                            ConnectAndSync(p, store, rank, n));
         std::vector<float> buf(1024, 1.0f);
         const ConstBuffer in = MakeConstBuffer(buf.data(), buf.size());
         const Buffer out = MakeBuffer(buf.data(), buf.size());
@@ -1546,7 +1580,6 @@ TEST_P(CommFailureConformance, Abort) {
           const absl::Time done = absl::Now();
           aborter.join();
           mine.elapsed = done - start;
-          FS_RETURN_IF_ERROR(store.Set("fs_conformance/aborted", "1"));
           if (mine.status.code() != absl::StatusCode::kCancelled ||
               !Names(mine.status, "test")) {
             problems.Add(absl::StrCat("the pending all_reduce of the aborting rank must fail "
@@ -1566,28 +1599,81 @@ TEST_P(CommFailureConformance, Abort) {
           }
         } else {
           if (rank == late) {
-            FS_RETURN_IF_ERROR(store.Get("fs_conformance/aborted", kStoreTimeout).status());
-          }
-          const absl::Time start = absl::Now();
-          Work work = comm->AllReduce(in, out, ReduceOp::kSum);
-          mine.status = work.Wait(kFailureTimeout + kWaitSlack);
-          mine.elapsed = absl::Now() - start;
-          if (rank == late) {
-            // Issued after the abort: the communicator may already know (status() set while
-            // idle), so only the code, the speed and the peer are required.
-            if (mine.status.ok() || !IsPeerFailureCode(mine.status.code()) ||
-                mine.elapsed > kFailFast || !Names(mine.status, "peer ")) {
-              problems.Add(absl::StrCat("an all_reduce issued after rank 0 aborted must fail "
-                                        "within ",
-                                        Fmt(kFailFast),
-                                        " with UNAVAILABLE or ABORTED naming a peer"));
+            // Only once every other rank has seen its op fail: before that, data this rank
+            // sends could still complete theirs (rank 0 sent its part before aborting).
+            for (int r = 0; r < n; ++r) {
+              if (r == late) continue;
+              FS_RETURN_IF_ERROR(ReadObservation(store, r).status());
             }
+            mine = CheckLateOp(problems, *comm, "an all_reduce issued after rank 0 aborted",
+                               [&] { return comm->AllReduce(in, out, ReduceOp::kSum); });
           } else {
+            const absl::Time start = absl::Now();
+            Work work = comm->AllReduce(in, out, ReduceOp::kSum);
+            mine.status = work.Wait(kFailureTimeout + kWaitSlack);
+            mine.elapsed = absl::Now() - start;
             CheckPeerCausedFailure(problems, mine, "all_reduce", kAbortDelay + kFailFast,
                                    {absl::StatusCode::kUnavailable, absl::StatusCode::kAborted});
+            if (!mine.status.ok()) problems.Add(CheckBroken(*comm, mine.status));
           }
-          if (!mine.status.ok()) problems.Add(CheckBroken(*comm, mine.status));
         }
+        FS_RETURN_IF_ERROR(publisher.Publish(mine));
+        std::vector<std::optional<Observation>> all(n);
+        for (int r = 0; r < n; ++r) {
+          FS_ASSIGN_OR_RETURN(all[r], ReadObservation(store, r));
+        }
+        return problems.Verdict(rank, mine, rank == 0 ? all : decltype(all){});
+      },
+      kRunTimeout);
+  ExpectRanksOk(statuses, n);
+}
+
+TEST_P(CommFailureConformance, AbortWithPendingReceives) {
+  // Every rank r waits in Recv from rank r+1 (mod n) and nothing is in flight; rank 0 aborts.
+  // Every peer must be told, including those that wait on another rank.
+  const ConformanceParam& p = GetParam();
+  const int n = p.world_size;
+  constexpr absl::Duration kAbortDelay = absl::Milliseconds(300);
+  std::vector<absl::Status> statuses = RunRanks(
+      p.runner, n,
+      [&](int rank) -> absl::Status {
+        Store& store = *CurrentRank()->store;
+        ObservationPublisher publisher(store, rank);
+        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
+                            ConnectAndSync(p, store, rank, n));
+        std::vector<float> buf(16, 0.0f);
+        Problems problems;
+        Observation mine;
+        const absl::Time start = absl::Now();
+        Work work = comm->Recv(MakeBuffer(buf.data(), buf.size()), (rank + 1) % n);
+        if (rank == 0) {
+          absl::Time abort_time;
+          std::thread aborter([&] {
+            absl::SleepFor(kAbortDelay);
+            abort_time = absl::Now();
+            comm->Abort(absl::CancelledError("test"));
+          });
+          mine.status = work.Wait(kFailureTimeout + kWaitSlack);
+          const absl::Time done = absl::Now();
+          aborter.join();
+          mine.elapsed = done - start;
+          if (mine.status.code() != absl::StatusCode::kCancelled ||
+              !Names(mine.status, "test")) {
+            problems.Add(absl::StrCat("the pending recv of the aborting rank must fail with the "
+                                      "abort reason CANCELLED: test, got ",
+                                      mine.status.ToString()));
+          }
+          if (done - abort_time > kFailFast) {
+            problems.Add(absl::StrCat("the pending recv failed ", Fmt(done - abort_time),
+                                      " after Abort()"));
+          }
+        } else {
+          mine.status = work.Wait(kFailureTimeout + kWaitSlack);
+          mine.elapsed = absl::Now() - start;
+          CheckPeerCausedFailure(problems, mine, "recv", kAbortDelay + kFailFast,
+                                 {absl::StatusCode::kUnavailable, absl::StatusCode::kAborted});
+        }
+        if (!mine.status.ok()) problems.Add(CheckBroken(*comm, mine.status));
         FS_RETURN_IF_ERROR(publisher.Publish(mine));
         std::vector<std::optional<Observation>> all(n);
         for (int r = 0; r < n; ++r) {
@@ -1612,9 +1698,8 @@ TEST_P(CommFailureConformance, PeerKilled) {
       [&](int rank) -> absl::Status {
         Store& store = *CurrentRank()->store;
         ObservationPublisher publisher(store, rank);
-        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Connect(p, kFailureTimeout));
-        FS_RETURN_IF_ERROR(Await(comm->Barrier(), "the barrier before the kill",
-                                 kFailureTimeout));
+        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
+                            ConnectAndSync(p, store, rank, n));
         std::vector<float> send(kCount, 1.0f), recv(kCount, 0.0f);
         const absl::Time start = absl::Now();
         Work work = comm->AllReduce(MakeConstBuffer(send.data(), kCount),

@@ -12,8 +12,9 @@
 // message, in-place and out-of-place, send/recv and BatchP2P, barrier, Split, argument errors)
 // and
 // "Tcp/CommFailureConformance.<Case>/ws<N>" for world sizes 2-3 (count and op mismatch between
-// ranks, a rank that skips an op, Abort, a peer SIGKILLed mid-operation with the process runner;
-// the communicator stays broken after each). Expected values come from a reference computed in
+// ranks, a rank that skips an op, Abort with a collective or receives pending, a peer SIGKILLed
+// mid-operation with the process runner; every rank fails in time and the communicator stays
+// broken). Failure tests synchronize through the store, never through the backend under test. Expected values come from a reference computed in
 // the test (comm/testing/reference.h), never from a backend; all but kAvg are compared
 // bit-exactly, and results that every rank must share are compared across ranks.
 //
