@@ -137,13 +137,24 @@ class InprocTransport final : public Transport {
         if (r.state != Posted::State::kDone) {
           all_done = false;
         } else if (!r.status.ok()) {
-          return BreakLocked(r.status);
+          // A peer's shutdown (kUnavailable) may be the echo of a mismatch this rank's own
+          // requests already recorded; report the local finding, it names both sides.
+          absl::Status own = OwnFailureLocked();
+          return BreakLocked(r.status.code() == absl::StatusCode::kUnavailable && !own.ok() &&
+                                     own.code() != absl::StatusCode::kUnavailable
+                                 ? own
+                                 : r.status);
         }
       }
       if (all_done) {
         for (Request id : requests) requests_.erase(id);
         return absl::OkStatus();
       }
+      // A failure already recorded on any of this rank's own requests (e.g. a mismatch found
+      // while matching a send that is not among `requests`) explains more than the peer's
+      // shutdown that it caused, so it wins over TroubleLocked().
+      absl::Status own = OwnFailureLocked();
+      if (!own.ok()) return BreakLocked(own);
       absl::Status trouble = TroubleLocked();
       if (!trouble.ok()) return BreakLocked(trouble);
       if (absl::Now() >= deadline) {
@@ -271,6 +282,18 @@ class InprocTransport final : public Transport {
   // A Cancel() or a peer that shut down with an error: the communicator is broken everywhere.
   // Of several failed peers the first one to fail is named: the others usually failed because
   // of it.
+  // The error recorded on one of this rank's own requests, preferring one found here (any code
+  // but kUnavailable) over a peer's shutdown.
+  absl::Status OwnFailureLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(d_->mu) {
+    absl::Status found;
+    for (const auto& [id, owned] : requests_) {
+      if (owned->state != Posted::State::kDone || owned->status.ok()) continue;
+      if (owned->status.code() != absl::StatusCode::kUnavailable) return owned->status;
+      if (found.ok()) found = owned->status;
+    }
+    return found;
+  }
+
   absl::Status TroubleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(d_->mu) {
     if (!cancel_.ok()) return cancel_;
     int first = -1;
