@@ -23,6 +23,12 @@
 //   connection. kInvalidArgument: also a mismatch between ranks (different count/op). kAborted:
 //   Abort() was called. After any such error the communicator is broken: every pending and later
 //   operation fails with that error (see status()), and peers are told so that no rank hangs.
+//   On a peer, the operations pending when it hears of the failure fail (kUnavailable, with the
+//   failing rank's message appended), including ones queued behind the failed op. An operation
+//   whose messages had all arrived before the failure may still complete; the next one that
+//   needs the failed rank fails fast. A mismatch is reported as kInvalidArgument by the rank(s)
+//   that received the mismatching message (which ones depends on the algorithm); the others get
+//   kUnavailable naming the rank that detected it.
 // * Every operation finishes within its timeout (OpOptions::timeout, else CommConfig::timeout),
 //   counted from the moment it starts running.
 //

@@ -66,7 +66,9 @@ class Transport {
   virtual absl::Status Wait(absl::Span<const Request> requests, absl::Time deadline) = 0;
 
   // Non-blocking progress and health check, called while the communicator is idle: detects peers
-  // that closed their connection or reported an error. Returns the transport's error, if any.
+  // that failed (reported an error or died). Returns the transport's error, if any. A peer that
+  // shut down cleanly (Shutdown(OK)) is not an error until this rank needs it: messages it sent
+  // before leaving are still delivered.
   virtual absl::Status Poll() = 0;
 
   // Thread-safe. Makes a Wait() in progress (or the next one) return `reason` within ~100 ms.
