@@ -270,25 +270,25 @@ Work Communicator::AllToAll(ConstBuffer send, Buffer recv, const OpOptions& opts
 }
 
 Work Communicator::Send(ConstBuffer buffer, int peer, const OpOptions& opts) {
-  absl::MutexLock lock(&mu_);
-  const bool peer_ok = peer >= 0 && peer < size_ && peer != rank_;
-  OpContext ctx = MakeContext(OpType::kSend, peer_ok ? send_seq_[peer] + 1 : 0, opts);
-  FS_COMM_REQUIRE(peer_ok, "peer ", peer, " is not another rank in [0, ", size_, ")");
-  FS_COMM_CHECK(CheckBuffer(ctx, "", buffer.data, buffer.count, buffer.dtype, buffer.device));
-  ctx.seq = ++send_seq_[peer];
-  ctx.signature = MakeSignature(&buffer.dtype);
-  return DoSend(ctx, buffer, peer);
+  return PointToPoint(OpType::kSend, Buffer{const_cast<void*>(buffer.data), buffer.count,
+                                            buffer.dtype, buffer.device},
+                      peer, opts);
 }
 
 Work Communicator::Recv(Buffer buffer, int peer, const OpOptions& opts) {
+  return PointToPoint(OpType::kRecv, buffer, peer, opts);
+}
+
+Work Communicator::PointToPoint(OpType type, Buffer buffer, int peer, const OpOptions& opts) {
   absl::MutexLock lock(&mu_);
+  std::vector<uint64_t>& seqs = type == OpType::kSend ? send_seq_ : recv_seq_;
   const bool peer_ok = peer >= 0 && peer < size_ && peer != rank_;
-  OpContext ctx = MakeContext(OpType::kRecv, peer_ok ? recv_seq_[peer] + 1 : 0, opts);
+  OpContext ctx = MakeContext(type, peer_ok ? seqs[peer] + 1 : 0, opts);
   FS_COMM_REQUIRE(peer_ok, "peer ", peer, " is not another rank in [0, ", size_, ")");
   FS_COMM_CHECK(CheckBuffer(ctx, "", buffer.data, buffer.count, buffer.dtype, buffer.device));
-  ctx.seq = ++recv_seq_[peer];
+  ctx.seq = ++seqs[peer];
   ctx.signature = MakeSignature(&buffer.dtype);
-  return DoRecv(ctx, buffer, peer);
+  return type == OpType::kSend ? DoSend(ctx, buffer, peer) : DoRecv(ctx, buffer, peer);
 }
 
 Work Communicator::BatchP2P(const std::vector<P2POp>& ops, const OpOptions& opts) {

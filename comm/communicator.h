@@ -206,6 +206,8 @@ class Communicator {
  private:
   OpContext NextCollective(OpType type, const OpOptions& opts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   OpContext MakeContext(OpType type, uint64_t seq, const OpOptions& opts) const;
+  // Send (buffer never written) and Recv share validation and per-peer sequencing.
+  Work PointToPoint(OpType type, Buffer buffer, int peer, const OpOptions& opts);
   absl::Status CheckBuffer(const OpContext& ctx, absl::string_view what, const void* data,
                            size_t count, DataType dtype, Device device) const;
 
