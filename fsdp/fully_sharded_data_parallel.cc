@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "comm/torch/tensor_buffer.h"
 #include "fsdp/internal/errors.h"
+#include "fsdp/internal/root_state.h"
 
 namespace fairscale::fsdp {
 
@@ -35,30 +36,6 @@ const char* ShardingStrategyName(ShardingStrategy strategy) {
 }
 
 namespace internal {
-
-// A gradient reduction that is issued and not yet waited for.
-struct PendingReduce {
-  FullyShardedDataParallelImpl* unit;
-  size_t flat;
-  comm::Work work;
-  at::Tensor send;  // kept alive until the Work completes
-  at::Tensor recv;
-};
-
-// State shared by all units of one model, owned by the root.
-struct RootState {
-  FullyShardedDataParallelImpl* root = nullptr;
-  std::vector<FullyShardedDataParallelImpl*> units;  // parents before children
-  // Orders in which the units' forwards / pre-backward hooks ran in the first iteration; the
-  // prefetches of later iterations follow them.
-  std::vector<FullyShardedDataParallelImpl*> forward_order;
-  std::vector<FullyShardedDataParallelImpl*> backward_order;
-  bool forward_order_done = false;
-  bool backward_order_done = false;
-  bool backward_active = false;  // finalize_backward is queued on the engine
-  bool no_sync = false;
-  std::vector<PendingReduce> pending;
-};
 
 // Runs after a parameter's AccumulateGrad node: hands the gradient to its unit.
 class PostBackwardHook : public torch::autograd::FunctionPostHook {

@@ -99,6 +99,22 @@ struct FlatParamInfo {
   std::vector<Entry> params;
 };
 
+// FairScale's local_state_dict(): what one rank holds, loadable only into an identically
+// wrapped model at the same world size and rank (the cheap, communication-free checkpoint; a
+// full state dict is the portable one). Tensors are copies, detached from the model.
+struct LocalStateDict {
+  struct Shard {
+    std::string unit;  // the unit's prefix() ("" for the root)
+    ShardingStrategy sharding_strategy = ShardingStrategy::kFullShard;
+    FlatParamInfo info;  // names, shapes, numels, offsets and padding of the flat parameter
+    at::Tensor tensor;   // this rank's shard (info.shard_numel elements)
+  };
+  int rank = 0;
+  int world_size = 1;
+  std::vector<Shard> shards;  // every flat parameter of every unit, parents before children
+  std::vector<std::pair<std::string, at::Tensor>> buffers;  // full buffers, by full name
+};
+
 class FullyShardedDataParallelImpl : public torch::nn::Module {
  public:
   // Shards `module`'s parameters (those not owned by nested FullyShardedDataParallel modules)
@@ -205,6 +221,16 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // This unit and every unit nested in it, parents before children.
   std::vector<FullyShardedDataParallelImpl*> fsdp_units();
   std::vector<FlatParamInfo> flat_param_info() const;
+
+  // This rank's shards of every unit plus their layout and the model's buffers (root only,
+  // outside forward/backward; no communication). See LocalStateDict, and local_checkpoint.h
+  // for saving it to a file together with the optimizer state.
+  LocalStateDict local_state_dict();
+  // Copies `state`'s shards and buffers into this model and frees any gathered full
+  // parameters. Checks first, and raises c10::Error naming what differs (world size, rank,
+  // units, flat parameters, their entries, names, shapes, strategy or padding) before changing
+  // anything.
+  void load_local_state_dict(const LocalStateDict& state);
 
  private:
   friend struct internal::RootState;

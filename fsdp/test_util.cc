@@ -194,7 +194,11 @@ std::vector<absl::Status> RunRanks(
           absl::StatusOr<std::shared_ptr<comm::Communicator>> comm =
               comm::CreateCommunicator("inproc", comm::testing::RankConfig(absl::Seconds(30)));
           if (!comm.ok()) return comm.status();
-          return body(rank, world, *comm);
+          absl::Status status = body(rank, world, *comm);
+          // A rank that returns destroys its communicator; a peer that has not joined the
+          // in-process domain yet (a body without collectives) would find it gone.
+          absl::Status barrier = (*comm)->Barrier().Wait();
+          return status.ok() ? barrier : status;
         } catch (const std::exception& e) {
           return absl::InternalError(e.what());
         }

@@ -161,8 +161,8 @@ absl::Status RunParityRank(MakeFn make, StepFn step_fn, OptimizerKind kind,
   return absl::OkStatus();
 }
 
-// Runs body(rank, world, comm) on `world` threads over fresh inproc communicators; exceptions
-// become kInternal with their message.
+// Runs body(rank, world, comm) on `world` threads over fresh inproc communicators, then a
+// barrier; exceptions become kInternal with their message.
 std::vector<absl::Status> RunRanks(
     int world,
     std::function<absl::Status(int rank, int world, std::shared_ptr<comm::Communicator>)> body);
