@@ -5,6 +5,8 @@
 //   (disable_reshard_on_root), SHARD_GRAD_OP 2x, NO_SHARD one all-reduce of the gradient.
 // * Memory after a step: parameters + gradients + optimizer state held by each rank are exactly
 //   1/N of the padded unsharded sizes, and the full parameters and their gradients are freed.
+// * Bucketed gradient reduction (bucket_cap_mb) keeps parity and the bytes, and issues as many
+//   reduce-scatters per step as the cap allows.
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
@@ -218,6 +220,56 @@ INSTANTIATE_TEST_SUITE_P(
       return absl::StrCat(ShardingStrategyName(std::get<0>(info.param)),
                           std::get<1>(info.param) ? "_Nested" : "_Flat");
     });
+
+// The nested test model reduces, in backward order, block1 (142 elements, padded to <= 144),
+// block0 (the same) and the root (fc_in + fc_out, 66, padded to <= 68): f32, at most 576, 576
+// and 272 bytes.
+TEST(GradientBucketing, FewerReduceScattersSameBytesAndParity) {
+  constexpr int kSteps = 4;
+  const auto ref = testing::RunReference(testing::OptimizerKind::kAdam, kSteps);
+  struct Case {
+    double cap_bytes;
+    int64_t ops_per_step;
+  };
+  // 0: off, one per flat parameter; 900 bytes: a block and the root fit together, two blocks do
+  // not (2); 1 MiB: everything in one bucket (1); 400 bytes: the blocks bypass, the root is
+  // bucketed alone (3).
+  const Case cases[] = {{0, 3}, {900, 2}, {1 << 20, 1}, {400, 3}};
+  for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+    for (const Case& c : cases) {
+      RunAllWorlds(
+          [&](int rank, int world, std::shared_ptr<CountingCommunicator> counting) -> absl::Status {
+            const auto opts = FsdpOptions().sharding_strategy(strategy).bucket_cap_mb(
+                c.cap_bytes / (1024.0 * 1024.0));
+            FS_RETURN_IF_ERROR(testing::RunParityRank(
+                [](std::shared_ptr<comm::Communicator> comm, FsdpOptions o) {
+                  return testing::Net(comm, o);
+                },
+                [](FullyShardedDataParallel& model, int step, int r, int w) {
+                  testing::Batch b = testing::GlobalBatch(step);
+                  testing::Mse(model(testing::RankRows(b.x, r, w)), testing::RankRows(b.y, r, w))
+                      .backward();
+                },
+                testing::OptimizerKind::kAdam, ref, opts, /*nested=*/true, rank, world, counting));
+            int64_t padded_bytes = 0;
+            {
+              FullyShardedDataParallel probe(testing::Net(counting, opts), counting, opts);
+              for (FullyShardedDataParallelImpl* u : probe->fsdp_units()) {
+                for (const FlatParamInfo& info : u->flat_param_info())
+                  padded_bytes += info.padded_numel * 4;
+              }
+            }
+            const auto rs = counting->count(comm::OpType::kReduceScatter);
+            return Check(
+                rs.ops == kSteps * c.ops_per_step && rs.bytes == kSteps * padded_bytes,
+                absl::StrCat(ShardingStrategyName(strategy), " cap ", c.cap_bytes, " bytes rank ",
+                             rank, "/", world, ": ", rs.ops, " reduce_scatters (", rs.bytes,
+                             " bytes) in ", kSteps, " steps, expected ", kSteps * c.ops_per_step,
+                             " (", kSteps * padded_bytes, ")"));
+          });
+    }
+  }
+}
 
 }  // namespace
 }  // namespace fairscale::fsdp

@@ -65,6 +65,15 @@ struct FsdpOptions {
   // Both assume every rank runs the same units in the same order, as all collectives do.
   TORCH_ARG(bool, forward_prefetch) = true;
 
+  // Gradient bucketing, FairScale's bucket_cap_mb: the reduce-scatters of flat parameters
+  // whose padded gradient is at most this many MiB are batched into one operation of up to this
+  // size (in backward order, across units, one bucket per model; the cap of the unit being
+  // added applies); larger ones bypass the bucket. A bucket is sent when the next gradient would
+  // overflow it and at the end of backward, so small units trade overlap for fewer operations.
+  // 0 (the default here; FairScale's is 25) disables it. Sharded strategies only: kNoShard
+  // all-reduces each flat parameter.
+  TORCH_ARG(double, bucket_cap_mb) = 0.0;
+
   // See MixedPrecision. Default: everything in the parameters' dtype.
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
   TORCH_ARG(bool, backward_prefetch) = true;

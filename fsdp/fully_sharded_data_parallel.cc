@@ -1,5 +1,6 @@
 #include "fsdp/fully_sharded_data_parallel.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
@@ -460,8 +461,22 @@ void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
   double pre = options_.gradient_predivide_factor();
   if (pre <= 0) pre = 1.0;
   if (pre != 1.0) send.div_(pre);
-  internal::PendingReduce p{this, flat, comm::Work(), send, at::Tensor()};
   const std::string context = label() + ": gradient reduction";
+  const int64_t bytes = send.numel() * static_cast<int64_t>(send.element_size());
+  const double cap = options_.bucket_cap_mb() * 1024 * 1024;
+  if (sharded() && cap > 0 && bytes <= cap) {
+    internal::GradBucket& bucket = state_->bucket;
+    if (!bucket.sends.empty() &&
+        (bucket.sends.front().scalar_type() != send.scalar_type() || bucket.bytes + bytes > cap)) {
+      flush_bucket();
+    }
+    bucket.parts.push_back({this, flat, bucket.numel});
+    bucket.sends.push_back(send);
+    bucket.bytes += bytes;
+    bucket.numel += fp.shard_numel;
+    return;
+  }
+  internal::PendingReduce p{{{this, flat, 0}}, comm::Work(), send, at::Tensor()};
   if (sharded()) {
     p.recv = at::empty({fp.shard_numel}, send.options());
     p.work = comm_->ReduceScatter(internal::Buf(send, context), internal::Buf(p.recv, context),
@@ -472,6 +487,26 @@ void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
     p.work = comm_->AllReduce(b, b, comm::ReduceOp::kSum);
   }
   state_->pending.push_back(std::move(p));
+}
+
+void FullyShardedDataParallelImpl::flush_bucket() {
+  internal::GradBucket& bucket = state_->bucket;
+  if (bucket.sends.empty()) return;
+  // Reduce-scatter gives rank r the r-th contiguous chunk of the input, so the bucket is laid out
+  // rank-major: [rank 0: shard of part 0, shard of part 1, ...][rank 1: ...]...
+  std::vector<at::Tensor> rows;
+  for (size_t i = 0; i < bucket.sends.size(); ++i) {
+    rows.push_back(bucket.sends[i].view({world_, -1}));
+  }
+  c10::NoGradGuard no_grad;
+  internal::PendingReduce p{std::move(bucket.parts), comm::Work(), at::cat(rows, 1).reshape({-1}),
+                            at::Tensor()};
+  p.recv = at::empty({bucket.numel}, p.send.options());
+  const std::string context = label() + ": bucketed gradient reduction";
+  p.work = comm_->ReduceScatter(internal::Buf(p.send, context), internal::Buf(p.recv, context),
+                                comm::ReduceOp::kSum);
+  state_->pending.push_back(std::move(p));
+  bucket = internal::GradBucket();
 }
 
 // ---- backward ------------------------------------------------------------------------------
@@ -537,6 +572,7 @@ void FullyShardedDataParallelImpl::finalize_backward() {
       }
     }
     st.pending.clear();
+    st.bucket = internal::GradBucket();
     st.backward_active = false;
   };
   try {
@@ -550,21 +586,28 @@ void FullyShardedDataParallelImpl::finalize_backward() {
         }
       }
     }
+    flush_bucket();
     c10::NoGradGuard no_grad;
     for (internal::PendingReduce& p : st.pending) {
-      FullyShardedDataParallelImpl* u = p.unit;
-      ThrowIfError(p.work.Wait(), u->label() + ": gradient reduction");
-      double pre = u->options_.gradient_predivide_factor();
-      if (pre <= 0) pre = 1.0;
-      double post = u->options_.gradient_postdivide_factor();
-      if (post <= 0) post = u->world_ / pre;
-      if (post != 1.0) p.recv.div_(post);
-      FlatParam& fp = u->flats_[p.flat];
-      at::Tensor& grad = fp.shard.mutable_grad();
-      if (grad.defined()) {
-        grad.add_(p.recv);
-      } else {
-        grad = p.recv.to(fp.shard.scalar_type());
+      ThrowIfError(p.work.Wait(), p.parts.front().unit->label() + ": gradient reduction");
+      for (const internal::ReducePart& part : p.parts) {
+        FullyShardedDataParallelImpl* u = part.unit;
+        FlatParam& fp = u->flats_[part.flat];
+        // A slice of a bucket would keep the whole bucket alive (and optimizers' zero_grad
+        // cannot detach a view in place): parts of a bucket are copied out.
+        const bool whole = p.parts.size() == 1;
+        at::Tensor recv = whole ? p.recv : p.recv.narrow(0, part.offset, fp.shard_numel).clone();
+        double pre = u->options_.gradient_predivide_factor();
+        if (pre <= 0) pre = 1.0;
+        double post = u->options_.gradient_postdivide_factor();
+        if (post <= 0) post = u->world_ / pre;
+        if (post != 1.0) recv.div_(post);
+        at::Tensor& grad = fp.shard.mutable_grad();
+        if (grad.defined()) {
+          grad.add_(recv);
+        } else {
+          grad = recv.to(fp.shard.scalar_type());
+        }
       }
     }
     for (FullyShardedDataParallelImpl* u : st.units) {

@@ -273,6 +273,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   void wait_gathers();
   void reshard();
   void issue_reduce(size_t flat);
+  void flush_bucket();  // reduce-scatters the model's gradient bucket, if it holds anything
 
   torch::nn::AnyModule module_any_;
   std::shared_ptr<torch::nn::Module> module_;

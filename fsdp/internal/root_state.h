@@ -15,13 +15,28 @@ class FullyShardedDataParallelImpl;
 
 namespace fairscale::fsdp::internal {
 
-// A gradient reduction that is issued and not yet waited for.
-struct PendingReduce {
+// Where one flat parameter's reduced gradient lands in a reduction's `recv`.
+struct ReducePart {
   FullyShardedDataParallelImpl* unit;
   size_t flat;
+  int64_t offset = 0;  // in recv
+};
+
+// A gradient reduction that is issued and not yet waited for: one flat parameter, or a bucket
+// of several (bucket_cap_mb).
+struct PendingReduce {
+  std::vector<ReducePart> parts;
   comm::Work work;
   at::Tensor send;  // kept alive until the Work completes
   at::Tensor recv;
+};
+
+// Padded full gradients waiting to be reduce-scattered together in one operation.
+struct GradBucket {
+  std::vector<ReducePart> parts;
+  std::vector<at::Tensor> sends;  // each [world * shard_numel]
+  int64_t bytes = 0;
+  int64_t numel = 0;  // per rank: the sum of the parts' shard_numel
 };
 
 // State shared by all units of one model, owned by the root.
@@ -37,6 +52,7 @@ struct RootState {
   bool backward_active = false;  // finalize_backward is queued on the engine
   bool no_sync = false;
   std::vector<PendingReduce> pending;
+  GradBucket bucket;
 };
 
 }  // namespace fairscale::fsdp::internal
