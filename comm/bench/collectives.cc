@@ -61,6 +61,8 @@ ABSL_FLAG(int, rounds, 3, "alternating rounds per backend; the best is kept");
 ABSL_FLAG(int64_t, bytes_per_round, 32 << 20, "iterations per round = this / size, in [3, 200]");
 ABSL_FLAG(std::string, backend, "tcp", "our backend to measure");
 ABSL_FLAG(std::string, out, "", "also write the markdown table here");
+ABSL_FLAG(std::string, comm_options, "",
+          "CommConfig options for our backend, e.g. algo.chunk_bytes=1048576,tcp.send_buffer_bytes=0");
 
 namespace fairscale::comm {
 namespace {
@@ -102,6 +104,11 @@ class RankBench {
     config.rank = rank;
     config.size = n;
     config.timeout = absl::Minutes(2);
+    for (absl::string_view kv : absl::StrSplit(absl::GetFlag(FLAGS_comm_options), ',',
+                                               absl::SkipEmpty())) {
+      std::pair<std::string, std::string> parts = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+      config.options[parts.first] = parts.second;
+    }
     auto store = FileStore::Create(dir + "/ours");
     Check(store.status(), "file store");
     config.store = std::shared_ptr<Store>(*std::move(store));
@@ -295,7 +302,9 @@ int RunWorld(int n, const char* self, std::vector<Row>* rows) {
                                      absl::StrCat("--rounds=", absl::GetFlag(FLAGS_rounds)),
                                      absl::StrCat("--bytes_per_round=",
                                                   absl::GetFlag(FLAGS_bytes_per_round)),
-                                     absl::StrCat("--backend=", absl::GetFlag(FLAGS_backend))};
+                                     absl::StrCat("--backend=", absl::GetFlag(FLAGS_backend)),
+                                     absl::StrCat("--comm_options=",
+                                                  absl::GetFlag(FLAGS_comm_options))};
     std::vector<char*> argv;
     for (auto& s : args) argv.push_back(s.data());
     argv.push_back(nullptr);
