@@ -364,6 +364,16 @@ TEST(FsdpOptionsTest, GradientDivideFactors) {
                FsdpOptions().gradient_predivide_factor(2.0), 1e-5);
 }
 
+// The automatic factors (FairScale's): pre about sqrt(N), a power of 2; post = N / pre. The
+// parity tests above run with them (0 = auto is the default).
+TEST(FsdpOptionsTest, DefaultPredivideFactor) {
+  const std::pair<int, double> expected[] = {{1, 1}, {2, 2}, {3, 2}, {4, 2},  {5, 2},
+                                             {6, 4}, {7, 2}, {8, 4}, {16, 4}, {32, 8}};
+  for (const auto& [world, pre] : expected) {
+    EXPECT_EQ(default_gradient_predivide_factor(world), pre) << "world " << world;
+  }
+}
+
 TEST(FsdpMethods, SummonFullParamsReadsAndWritesBack) {
   for (ShardingStrategy strategy : kStrategies) {
     for (int world = 1; world <= 4; ++world) {

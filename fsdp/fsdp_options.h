@@ -32,6 +32,11 @@ enum class ShardingStrategy {
 
 const char* ShardingStrategyName(ShardingStrategy strategy);  // "FULL_SHARD", ...
 
+// FairScale's automatic gradient pre-divide factor, about sqrt(world): starting from 1, it
+// doubles while it divides `world_size` and stays below world_size / factor. E.g. 1 -> 1,
+// 2 -> 2, 3 -> 2, 4 -> 2, 6 -> 4, 8 -> 4, 16 -> 4, 32 -> 8.
+double default_gradient_predivide_factor(int world_size);
+
 // Mixed precision (FairScale's mixed_precision + compute_dtype + buffer_dtype +
 // fp32_reduce_scatter, in PyTorch FSDP's shape). The shard the optimizer steps stays in the
 // parameters' own dtype (the f32 master copy); the full parameters, the computation and the
@@ -55,8 +60,10 @@ struct FsdpOptions {
 
   // Gradients are divided by `gradient_predivide_factor` before the reduction and by
   // `gradient_postdivide_factor` after it; together they must make the mean over ranks.
-  // 0 (the default for both) means: pre = 1 and post = world size. Dividing part of the way
-  // before the sum keeps low-precision reductions from overflowing (FairScale picks ~sqrt(N)).
+  // Dividing part of the way before the sum keeps low-precision reductions from overflowing
+  // and the rest after it from underflowing. 0 (the default for both) means FairScale's
+  // automatic choice: pre = default_gradient_predivide_factor(world), post = world / pre.
+  // With only post set, pre is 1; with only pre set, post = world / pre.
   TORCH_ARG(double, gradient_predivide_factor) = 0.0;
   TORCH_ARG(double, gradient_postdivide_factor) = 0.0;
 

@@ -36,6 +36,12 @@ const char* ShardingStrategyName(ShardingStrategy strategy) {
   return "?";
 }
 
+double default_gradient_predivide_factor(int world_size) {
+  int factor = 1;
+  while (world_size % factor == 0 && world_size / factor > factor) factor *= 2;
+  return factor;
+}
+
 namespace internal {
 
 // Runs after a parameter's AccumulateGrad node: hands the gradient to its unit.
@@ -66,6 +72,15 @@ class PathModule : public torch::nn::Module {
     return register_module(name, std::move(m));
   }
 };
+
+// The (pre, post) divide factors of a unit's gradients; see FsdpOptions.
+std::pair<double, double> DivideFactors(const FsdpOptions& options, int world) {
+  double pre = options.gradient_predivide_factor();
+  double post = options.gradient_postdivide_factor();
+  if (pre <= 0) pre = post > 0 ? 1.0 : default_gradient_predivide_factor(world);
+  if (post <= 0) post = world / pre;
+  return {pre, post};
+}
 
 comm::Buffer Buf(const at::Tensor& t, const std::string& context) {
   return ValueOrThrow(comm::ToBuffer(t), context);
@@ -458,8 +473,7 @@ void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
   c10::NoGradGuard no_grad;
   if (!send.defined())
     send = at::zeros({fp.padded_numel}, fp.shard.options().dtype(fp.reduce_dtype));
-  double pre = options_.gradient_predivide_factor();
-  if (pre <= 0) pre = 1.0;
+  const double pre = internal::DivideFactors(options_, world_).first;
   if (pre != 1.0) send.div_(pre);
   const std::string context = label() + ": gradient reduction";
   const int64_t bytes = send.numel() * static_cast<int64_t>(send.element_size());
@@ -597,10 +611,7 @@ void FullyShardedDataParallelImpl::finalize_backward() {
         // cannot detach a view in place): parts of a bucket are copied out.
         const bool whole = p.parts.size() == 1;
         at::Tensor recv = whole ? p.recv : p.recv.narrow(0, part.offset, fp.shard_numel).clone();
-        double pre = u->options_.gradient_predivide_factor();
-        if (pre <= 0) pre = 1.0;
-        double post = u->options_.gradient_postdivide_factor();
-        if (post <= 0) post = u->world_ / pre;
+        const double post = internal::DivideFactors(u->options_, u->world_).second;
         if (post != 1.0) recv.div_(post);
         at::Tensor& grad = fp.shard.mutable_grad();
         if (grad.defined()) {
