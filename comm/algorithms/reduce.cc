@@ -3,6 +3,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace fairscale::comm {
 namespace {
 
@@ -168,10 +172,83 @@ void Dispatch(DataType dtype, Fn&& fn) {
   }
 }
 
+#if defined(__x86_64__)
+// Half-precision sums with AVX2 + F16C, chosen at run time. The generic loops above convert
+// f16/bf16 one element at a time (GCC does not vectorize them), which caps half-precision
+// reductions at 1-2 GB/s, below loopback TCP. These compute exactly what the generic path does:
+// widen to f32 (exact), add in f32, round to nearest even once; a NaN stays a quiet NaN.
+// Elements are processed 8 at a time, loads before stores, so out may be a or b.
+__attribute__((target("avx2,f16c"))) void SumF16Avx2(uint16_t* out, const uint16_t* a,
+                                                     const uint16_t* b, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
+    const __m256 y = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_add_ps(x, y), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) out[i] = F32ToF16(F16ToF32(a[i]) + F16ToF32(b[i]));
+}
+
+__attribute__((target("avx2"))) void SumBF16Avx2(uint16_t* out, const uint16_t* a,
+                                                 const uint16_t* b, size_t n) {
+  const __m256i round_bias = _mm256_set1_epi32(0x7fff);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i quiet = _mm256_set1_epi32(0x00400000);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i xa = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i))), 16);
+    const __m256i xb = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i))), 16);
+    const __m256i sum = _mm256_castps_si256(
+        _mm256_add_ps(_mm256_castsi256_ps(xa), _mm256_castsi256_ps(xb)));
+    // Round to nearest even on the bits; a NaN is truncated with its quiet bit set instead
+    // (the rounding carry could otherwise turn it into an infinity).
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(sum, 16), one);
+    const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(sum, round_bias), lsb);
+    const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(sum, abs_mask), inf);
+    const __m256i bits = _mm256_srli_epi32(
+        _mm256_blendv_epi8(rounded, _mm256_or_si256(sum, quiet), is_nan), 16);
+    // 8 x 32-bit -> 8 x 16-bit: pack within lanes, then gather the two lanes' halves.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+  }
+  for (; i < n; ++i) out[i] = F32ToBF16(BF16ToF32(a[i]) + BF16ToF32(b[i]));
+}
+
+bool HasAvx2F16c() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+}
+
+// True when the sum was done here.
+bool FastHalfSum(ReduceOp op, DataType dtype, void* out, const void* a, const void* b, size_t n) {
+  if ((op != ReduceOp::kSum && op != ReduceOp::kAvg) || !HasAvx2F16c()) return false;
+  auto* o = static_cast<uint16_t*>(out);
+  const auto* x = static_cast<const uint16_t*>(a);
+  const auto* y = static_cast<const uint16_t*>(b);
+  if (dtype == DataType::kF16) {
+    SumF16Avx2(o, x, y, n);
+    return true;
+  }
+  if (dtype == DataType::kBF16) {
+    SumBF16Avx2(o, x, y, n);
+    return true;
+  }
+  return false;
+}
+#else
+bool FastHalfSum(ReduceOp, DataType, void*, const void*, const void*, size_t) { return false; }
+#endif
+
 }  // namespace
 
 void ReduceTo(ReduceOp op, DataType dtype, void* out, const void* a, const void* b, size_t count) {
   if (count == 0) return;
+  if (FastHalfSum(op, dtype, out, a, b, count)) return;
   Dispatch(dtype, [&](auto traits) { ReduceTyped<decltype(traits)>(op, out, a, b, count); });
 }
 
