@@ -2,8 +2,8 @@
 // reference (same initial weights, the global batch split over 1-4 thread ranks, 1e-5 relative):
 // frozen parameters, parameters unused in an iteration, two forwards before one backward, tied
 // weights in one unit (and the error when they span units), fewer elements than ranks, buffers
-// broadcast from rank 0, several inputs and a tuple output, no_sync, clip_grad_norm_ and
-// summon_full_params.
+// broadcast from rank 0, several inputs and a tuple output, no_sync, clip_grad_norm_,
+// summon_full_params, and gradient buckets under those edge cases and mixed precision.
 #include <torch/types.h>
 
 #include <vector>
@@ -337,6 +337,31 @@ TEST(FsdpMixedPrecision, Bf16ComputeWithF32MasterTracksTheReference) {
                                                    .buffer_dtype(at::kBFloat16)),
                  kMixedRtol);
   }
+}
+
+// Gradient buckets (bucket_cap_mb) with frozen parameters, a unit skipped on odd steps (its
+// reduction joins the bucket at the end of backward) and bf16 reductions (a bucket holds one
+// dtype). 1 MiB holds every gradient of the test model.
+TEST(FsdpBucketing, FrozenUnusedAndMixedPrecisionKeepParity) {
+  testing::NetConfig config;
+  config.frozen = {"fc_in.weight", "block0.fc1.bias"};
+  config.with_unused = true;
+  auto step_fn = [](auto& model, int step, int rank, int world) {
+    testing::NetImpl* net;
+    if constexpr (testing::IsFsdp<decltype(model)>()) {
+      net = dynamic_cast<testing::NetImpl*>(model->module().get());
+    } else {
+      net = model.get();
+    }
+    net->skip_block = step % 2 == 1 ? 1 : -1;
+    MseStep()(model, step, rank, world);
+  };
+  ExpectParity("bucketed", MakeNet(config), step_fn, OptimizerKind::kAdam, /*nest=*/true,
+               FsdpOptions().bucket_cap_mb(1.0));
+  ExpectParity("bucketed bf16", MakeNet(), MseStep(), OptimizerKind::kAdamW, /*nest=*/true,
+               FsdpOptions().bucket_cap_mb(1.0).mixed_precision(
+                   MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kBFloat16)),
+               kMixedRtol);
 }
 
 TEST(FsdpMixedPrecision, WritebackSummonIsAnError) {

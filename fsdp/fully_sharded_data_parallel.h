@@ -15,6 +15,8 @@
 // the strategies. Nested wrapping: construct the inner FullyShardedDataParallel modules first and
 // register them in their parent module as usual; the outer one shards only what is left and
 // drives the nested ones (one root per model: the outermost wrapper whose forward is called).
+// wrap.h decides the nesting by policy (size, module type); local_checkpoint.h saves and
+// restores each rank's shards with its optimizer state.
 //
 // How it hooks into LibTorch (which has no module hooks): forward() all-gathers the unit's flat
 // parameter before calling the wrapped module; hooks on the outputs re-gather it when backward
