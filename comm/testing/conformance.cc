@@ -640,6 +640,15 @@ absl::StatusOr<Observation> ReadObservation(Store& store, int rank) {
 
 // Publishes this rank's observation exactly once: if the body returns before it observed
 // anything (e.g. setup failed), a placeholder goes out so that the other ranks do not wait for it.
+// Every rank's published observation (waiting for those not yet published).
+absl::StatusOr<std::vector<std::optional<Observation>>> ReadAllObservations(Store& store, int n) {
+  std::vector<std::optional<Observation>> all(n);
+  for (int r = 0; r < n; ++r) {
+    FS_ASSIGN_OR_RETURN(all[r], ReadObservation(store, r));
+  }
+  return all;
+}
+
 class ObservationPublisher {
  public:
   ObservationPublisher(Store& store, int rank) : store_(store), rank_(rank) {}
@@ -839,10 +848,8 @@ void RunMismatchTest(const ConformanceParam& p, Mismatch kind) {
                                 absl::StatusCode::kUnavailable, absl::StatusCode::kAborted});
         if (!mine.status.ok()) problems.Add(CheckBroken(*comm, mine.status));
         FS_RETURN_IF_ERROR(publisher.Publish(mine));
-        std::vector<std::optional<Observation>> all(n);
-        for (int r = 0; r < n; ++r) {
-          FS_ASSIGN_OR_RETURN(all[r], ReadObservation(store, r));
-        }
+        FS_ASSIGN_OR_RETURN(std::vector<std::optional<Observation>> all,
+                            ReadAllObservations(store, n));
         if (rank == 0) {
           // Someone next to the mismatch must say so: rank 1 naming a peer, or a peer of rank 1
           // naming it.
@@ -1618,10 +1625,8 @@ TEST_P(CommFailureConformance, Abort) {
           }
         }
         FS_RETURN_IF_ERROR(publisher.Publish(mine));
-        std::vector<std::optional<Observation>> all(n);
-        for (int r = 0; r < n; ++r) {
-          FS_ASSIGN_OR_RETURN(all[r], ReadObservation(store, r));
-        }
+        FS_ASSIGN_OR_RETURN(std::vector<std::optional<Observation>> all,
+                            ReadAllObservations(store, n));
         return problems.Verdict(rank, mine, rank == 0 ? all : decltype(all){});
       },
       kRunTimeout);
@@ -1675,10 +1680,8 @@ TEST_P(CommFailureConformance, AbortWithPendingReceives) {
         }
         if (!mine.status.ok()) problems.Add(CheckBroken(*comm, mine.status));
         FS_RETURN_IF_ERROR(publisher.Publish(mine));
-        std::vector<std::optional<Observation>> all(n);
-        for (int r = 0; r < n; ++r) {
-          FS_ASSIGN_OR_RETURN(all[r], ReadObservation(store, r));
-        }
+        FS_ASSIGN_OR_RETURN(std::vector<std::optional<Observation>> all,
+                            ReadAllObservations(store, n));
         return problems.Verdict(rank, mine, rank == 0 ? all : decltype(all){});
       },
       kRunTimeout);
