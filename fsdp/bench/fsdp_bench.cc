@@ -1,0 +1,436 @@
+// FSDP benchmark: a GPT-style model (token + position embeddings, pre-norm transformer blocks,
+// LM head) trained with Adam at 1, 2, 4, ... ranks as real processes over the tcp backend, for
+// each sharding strategy (every block its own FSDP unit, plus the root), against the same model
+// unwrapped. See README.md in this directory for the table, the command and the reading.
+//
+//   OMP_NUM_THREADS=1 ./bazelw run -c opt //fsdp/bench:fsdp_bench -- --ranks=1,2,4
+//
+// The parent spawns `n` copies of itself per world size (posix_spawn of /proc/self/exe, a
+// FileStore rendezvous in a fresh directory). Each copy installs TrackingCpuAllocator, creates
+// one tcp communicator and runs the configurations in turn; every rank trains on its own batch
+// (weak scaling), so the unwrapped row at n ranks is n independent single-process trainings
+// running side by side: the same per-rank work and core contention, without communication.
+// Per configuration each rank writes its median step time and its peak tensor bytes (the peak is
+// reset after the model and optimizer are built, so it covers the training steps only; the
+// optimizer state is allocated in the first step and counted). The parent reports the slowest
+// rank's median and the largest peak.
+#include <ATen/Parallel.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/optim/adam.h>
+#include <torch/utils.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "comm/communicator.h"
+#include "comm/registry.h"
+#include "comm/store/file_store.h"
+#include "fsdp/bench/tracking_allocator.h"
+#include "fsdp/fully_sharded_data_parallel.h"
+
+extern char** environ;
+
+ABSL_FLAG(std::string, ranks, "1,2,4", "world sizes to run");
+ABSL_FLAG(int, blocks, 8, "transformer blocks");
+ABSL_FLAG(int, width, 512, "model width");
+ABSL_FLAG(int, heads, 8, "attention heads");
+ABSL_FLAG(int, seq, 64, "sequence length");
+ABSL_FLAG(int, batch, 4, "sequences per rank per step");
+ABSL_FLAG(int, vocab, 1024, "vocabulary size");
+ABSL_FLAG(int, warmup, 2, "untimed steps per configuration");
+ABSL_FLAG(int, steps, 6, "timed steps per configuration (the median is reported)");
+ABSL_FLAG(int, threads, 1, "intra-op threads per rank (at::set_num_threads)");
+ABSL_FLAG(std::string, out, "", "also write the markdown table here");
+
+namespace fairscale::fsdp::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Shape {
+  int64_t blocks, width, heads, seq, batch, vocab;
+};
+
+Shape FlagShape() {
+  return {absl::GetFlag(FLAGS_blocks), absl::GetFlag(FLAGS_width), absl::GetFlag(FLAGS_heads),
+          absl::GetFlag(FLAGS_seq),    absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_vocab)};
+}
+
+// x + attn(ln1(x)), then x + mlp(ln2(x)); causal multi-head attention.
+class TransformerBlockImpl : public torch::nn::Module {
+ public:
+  TransformerBlockImpl(int64_t width, int64_t heads) : heads_(heads) {
+    ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+    qkv_ = register_module("qkv", torch::nn::Linear(width, 3 * width));
+    proj_ = register_module("proj", torch::nn::Linear(width, width));
+    ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+    fc1_ = register_module("fc1", torch::nn::Linear(width, 4 * width));
+    fc2_ = register_module("fc2", torch::nn::Linear(4 * width, width));
+  }
+
+  torch::Tensor forward(torch::Tensor x) {
+    const int64_t b = x.size(0), t = x.size(1), c = x.size(2), d = c / heads_;
+    std::vector<at::Tensor> qkv = qkv_(ln1_(x)).chunk(3, -1);
+    auto split = [&](const at::Tensor& z) { return z.view({b, t, heads_, d}).transpose(1, 2); };
+    at::Tensor att = at::matmul(split(qkv[0]), split(qkv[1]).transpose(-2, -1)) /
+                     std::sqrt(static_cast<double>(d));
+    // Built per call rather than kept as a buffer: FSDP broadcasts buffers, and there is no
+    // bool collective dtype.
+    at::Tensor future = at::ones({t, t}, x.options().dtype(at::kBool)).triu(1);
+    att = at::softmax(att.masked_fill(future, -INFINITY), -1);
+    at::Tensor y = at::matmul(att, split(qkv[2])).transpose(1, 2).reshape({b, t, c});
+    x = x + proj_(y);
+    return x + fc2_(at::gelu(fc1_(ln2_(x))));
+  }
+
+ private:
+  int64_t heads_;
+  torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
+  torch::nn::Linear qkv_{nullptr}, proj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
+};
+TORCH_MODULE(TransformerBlock);
+
+// With `comm`, every block is wrapped in its own FullyShardedDataParallel unit.
+class GptImpl : public torch::nn::Module {
+ public:
+  GptImpl(const Shape& s, std::shared_ptr<comm::Communicator> comm, FsdpOptions options) {
+    tok_ = register_module("tok", torch::nn::Embedding(s.vocab, s.width));
+    pos_ = register_module("pos", torch::nn::Embedding(s.seq, s.width));
+    for (int64_t i = 0; i < s.blocks; ++i) {
+      TransformerBlock block(s.width, s.heads);
+      const std::string name = absl::StrCat("block", i);
+      if (comm) {
+        FullyShardedDataParallel unit(block, comm, options);
+        register_module(name, unit);
+        blocks_.push_back([unit](torch::Tensor x) mutable { return unit(x); });
+      } else {
+        register_module(name, block);
+        blocks_.push_back([block](torch::Tensor x) mutable { return block(x); });
+      }
+    }
+    ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.width})));
+    head_ = register_module("head", torch::nn::Linear(s.width, s.vocab));
+  }
+
+  torch::Tensor forward(torch::Tensor tokens) {
+    at::Tensor x = tok_(tokens) + pos_(at::arange(tokens.size(1), tokens.options()));
+    for (auto& block : blocks_) x = block(x);
+    return head_(ln_f_(x));
+  }
+
+ private:
+  torch::nn::Embedding tok_{nullptr}, pos_{nullptr};
+  torch::nn::LayerNorm ln_f_{nullptr};
+  torch::nn::Linear head_{nullptr};
+  std::vector<std::function<torch::Tensor(torch::Tensor)>> blocks_;
+};
+TORCH_MODULE(Gpt);
+
+int64_t ParamBytes(torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const at::Tensor& p : m.parameters()) n += p.numel() * p.element_size();
+  return n;
+}
+
+void Die(const std::string& what) {
+  std::fprintf(stderr, "fsdp_bench: %s\n", what.c_str());
+  std::exit(1);
+}
+
+// One configuration's per-rank result, as written to the rank's result file.
+struct RankResult {
+  std::string config;
+  double median_s = 0;
+  int64_t peak_bytes = 0;
+  int64_t activation_bytes = 0;  // unwrapped only: tensor bytes that forward adds
+};
+
+const char* const kConfigs[] = {"unwrapped", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"};
+
+ShardingStrategy StrategyOf(const std::string& config) {
+  if (config == "FULL_SHARD") return ShardingStrategy::kFullShard;
+  if (config == "SHARD_GRAD_OP") return ShardingStrategy::kShardGradOp;
+  return ShardingStrategy::kNoShard;
+}
+
+// Trains one configuration on this rank and measures it.
+template <typename M>
+RankResult Train(const std::string& config, M& model, TrackingCpuAllocator* tracker,
+                 const Shape& s, int rank, comm::Communicator* comm) {
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-4));
+  RankResult r;
+  r.config = config;
+  std::vector<double> times;
+  tracker->reset_peak();
+  const int warmup = absl::GetFlag(FLAGS_warmup), steps = absl::GetFlag(FLAGS_steps);
+  for (int step = 0; step < warmup + steps; ++step) {
+    // Each rank its own tokens; the targets are the next tokens.
+    torch::manual_seed(1000 + 7919 * rank + step);
+    at::Tensor data = at::randint(s.vocab, {s.batch, s.seq + 1}, at::kLong);
+    at::Tensor tokens = data.narrow(1, 0, s.seq), targets = data.narrow(1, 1, s.seq);
+    const auto t0 = Clock::now();
+    opt.zero_grad();
+    const int64_t before_forward = tracker->live_bytes();
+    if (config == "unwrapped" && step == warmup) tracker->reset_peak();
+    at::Tensor logits = model(tokens);
+    if (config == "unwrapped" && step == warmup) {
+      r.activation_bytes = tracker->peak_bytes() - before_forward;
+    }
+    at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, s.vocab}),
+                                                           targets.reshape({-1}));
+    loss.backward();
+    opt.step();
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (!std::isfinite(loss.item<double>())) Die(absl::StrCat(config, ": loss is not finite"));
+    if (step >= warmup) times.push_back(dt);
+  }
+  // For unwrapped the peak was reset before a forward (to measure the activations), so its
+  // whole-step peak is measured again on one more, untimed step.
+  if (config == "unwrapped") {
+    tracker->reset_peak();
+    opt.zero_grad();
+    at::Tensor data = at::randint(s.vocab, {s.batch, s.seq + 1}, at::kLong);
+    torch::nn::functional::cross_entropy(model(data.narrow(1, 0, s.seq)).reshape({-1, s.vocab}),
+                                         data.narrow(1, 1, s.seq).reshape({-1}))
+        .backward();
+    opt.step();
+  }
+  r.peak_bytes = tracker->peak_bytes();
+  std::sort(times.begin(), times.end());
+  r.median_s = times[times.size() / 2];
+  if (comm != nullptr) {
+    absl::Status st = comm->Barrier().Wait();
+    if (!st.ok()) Die(st.ToString());
+  }
+  return r;
+}
+
+int RunRank(int rank, int n, const std::string& dir) {
+  TrackingCpuAllocator* tracker = TrackingCpuAllocator::Install();
+  at::set_num_threads(absl::GetFlag(FLAGS_threads));
+  const Shape s = FlagShape();
+  comm::CommConfig config;
+  config.rank = rank;
+  config.size = n;
+  config.timeout = absl::Minutes(5);
+  auto store = comm::FileStore::Create(dir + "/store");
+  if (!store.ok()) Die(store.status().ToString());
+  config.store = std::shared_ptr<comm::Store>(*std::move(store));
+  auto created = comm::CreateCommunicator("tcp", config);
+  if (!created.ok()) Die(created.status().ToString());
+  std::shared_ptr<comm::Communicator> comm = *std::move(created);
+
+  std::ofstream out(absl::StrCat(dir, "/rank", rank, ".tsv"));
+  for (const std::string config_name : kConfigs) {
+    RankResult r;
+    int64_t param_bytes = 0;
+    torch::manual_seed(0);  // same initial weights on every rank
+    if (config_name == "unwrapped") {
+      Gpt model(s, nullptr, FsdpOptions());
+      param_bytes = ParamBytes(*model);
+      r = Train(config_name, model, tracker, s, rank, comm.get());
+    } else {
+      const auto opts = FsdpOptions().sharding_strategy(StrategyOf(config_name));
+      FullyShardedDataParallel model(Gpt(s, comm, opts), comm, opts);
+      r = Train(config_name, model, tracker, s, rank, comm.get());
+    }
+    out << r.config << '\t' << r.median_s << '\t' << r.peak_bytes << '\t' << r.activation_bytes
+        << '\t' << param_bytes << '\n';
+  }
+  out.close();
+  absl::Status st = comm->Barrier().Wait();
+  if (!st.ok()) Die(st.ToString());
+  return 0;
+}
+
+// Aggregated over the ranks of one world size.
+struct Row {
+  int n = 0;
+  std::string config;
+  double step_s = 0;       // slowest rank's median
+  int64_t peak_bytes = 0;  // largest rank's peak
+};
+
+struct WorldResult {
+  std::vector<Row> rows;
+  int64_t activation_bytes = 0;
+  int64_t param_bytes = 0;
+};
+
+int RunWorld(int n, const char* self, WorldResult* result) {
+  std::string base = std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp";
+  std::string dir_template = base + "/fsdp_bench_XXXXXX";
+  std::vector<char> buf(dir_template.begin(), dir_template.end());
+  buf.push_back('\0');
+  if (mkdtemp(buf.data()) == nullptr) Die("mkdtemp failed");
+  const std::string dir = buf.data();
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e; ++e) env_strings.push_back(*e);
+    env_strings.push_back(absl::StrCat("FS_FSDP_BENCH_RANK=", r));
+    env_strings.push_back(absl::StrCat("FS_FSDP_BENCH_SIZE=", n));
+    env_strings.push_back(absl::StrCat("FS_FSDP_BENCH_DIR=", dir));
+    std::vector<char*> envp;
+    for (auto& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    const Shape s = FlagShape();
+    std::vector<std::string> args = {
+        self,
+        absl::StrCat("--blocks=", s.blocks),
+        absl::StrCat("--width=", s.width),
+        absl::StrCat("--heads=", s.heads),
+        absl::StrCat("--seq=", s.seq),
+        absl::StrCat("--batch=", s.batch),
+        absl::StrCat("--vocab=", s.vocab),
+        absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
+        absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
+        absl::StrCat("--threads=", absl::GetFlag(FLAGS_threads))};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid;
+    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data()) != 0) {
+      Die("posix_spawn failed");
+    }
+    pids.push_back(pid);
+  }
+  int failed = 0;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
+  }
+  if (failed) {
+    std::fprintf(stderr, "fsdp_bench: %d of %d ranks failed\n", failed, n);
+    return 1;
+  }
+  std::map<std::string, Row> by_config;
+  for (int r = 0; r < n; ++r) {
+    std::ifstream in(absl::StrCat(dir, "/rank", r, ".tsv"));
+    std::string line;
+    while (std::getline(in, line)) {
+      std::vector<std::string> f = absl::StrSplit(line, '\t');
+      if (f.size() != 5) continue;
+      double median = 0;
+      int64_t peak = 0, act = 0, params = 0;
+      (void)absl::SimpleAtod(f[1], &median);
+      (void)absl::SimpleAtoi(f[2], &peak);
+      (void)absl::SimpleAtoi(f[3], &act);
+      (void)absl::SimpleAtoi(f[4], &params);
+      Row& row = by_config[f[0]];
+      row.n = n;
+      row.config = f[0];
+      row.step_s = std::max(row.step_s, median);
+      row.peak_bytes = std::max(row.peak_bytes, peak);
+      result->activation_bytes = std::max(result->activation_bytes, act);
+      result->param_bytes = std::max(result->param_bytes, params);
+    }
+  }
+  for (const char* c : kConfigs) {
+    if (!by_config.count(c)) Die(absl::StrCat("no result for ", c, " at ", n, " ranks"));
+    result->rows.push_back(by_config[c]);
+  }
+  return 0;
+}
+
+double MiB(int64_t b) { return b / 1048576.0; }
+
+int Main(const char* self) {
+  const Shape s = FlagShape();
+  std::vector<WorldResult> worlds;
+  for (absl::string_view r : absl::StrSplit(absl::GetFlag(FLAGS_ranks), ',')) {
+    int n = 0;
+    if (!absl::SimpleAtoi(r, &n) || n < 1) Die(absl::StrCat("bad --ranks entry '", r, "'"));
+    std::fprintf(stderr, "world size %d...\n", n);
+    WorldResult w;
+    if (RunWorld(n, self, &w) != 0) return 1;
+    worlds.push_back(std::move(w));
+  }
+  // The largest unit is a transformer block: 12 w^2 + 13 w parameters.
+  const int64_t unit_bytes = (12 * s.width * s.width + 13 * s.width) * 4;
+  std::string table = absl::StrFormat(
+      "GPT: %d blocks, width %d, %d heads, seq %d, batch %d/rank, vocab %d; Adam; "
+      "%d warm-up + %d timed steps; params %.1f MiB, largest unit %.1f MiB, activations %.1f MiB\n\n"
+      "| ranks | config | step ms | vs unwrapped | tokens/s | peak MiB | bound MiB | "
+      "peak/bound |\n|---|---|---|---|---|---|---|---|\n",
+      s.blocks, s.width, s.heads, s.seq, s.batch, s.vocab, absl::GetFlag(FLAGS_warmup),
+      absl::GetFlag(FLAGS_steps), MiB(worlds.empty() ? 0 : worlds[0].param_bytes), MiB(unit_bytes),
+      MiB(worlds.empty() ? 0 : worlds[0].activation_bytes));
+  std::string summary;
+  for (const WorldResult& w : worlds) {
+    const int64_t p = w.param_bytes, a = w.activation_bytes;
+    double unwrapped_s = 0, full_s = 0, no_s = 0;
+    for (const Row& row : w.rows) {
+      if (row.config == "unwrapped") unwrapped_s = row.step_s;
+      if (row.config == "FULL_SHARD") full_s = row.step_s;
+      if (row.config == "NO_SHARD") no_s = row.step_s;
+    }
+    for (const Row& row : w.rows) {
+      // params + grads + Adam's two moments = 4 P; sharded strategies divide it by N. FULL_SHARD
+      // then holds one full unit at a time (the bound); SHARD_GRAD_OP keeps every full
+      // parameter from forward to backward; NO_SHARD and unwrapped hold everything.
+      int64_t bound = 0;
+      if (row.config == "FULL_SHARD") bound = 4 * p / row.n + unit_bytes + a;
+      else if (row.config == "SHARD_GRAD_OP") bound = 4 * p / row.n + p + a;
+      else bound = 4 * p + a;
+      const double tokens = static_cast<double>(row.n) * s.batch * s.seq;
+      absl::StrAppend(&table, absl::StrFormat("| %d | %s | %.1f | %.3f | %.0f | %.1f | %.1f | %.3f |\n",
+                                              row.n, row.config, row.step_s * 1e3,
+                                              row.step_s / unwrapped_s, tokens / row.step_s,
+                                              MiB(row.peak_bytes), MiB(bound),
+                                              static_cast<double>(row.peak_bytes) / bound));
+    }
+    const int n = w.rows.front().n;
+    if (n == 1) {
+      for (const Row& row : w.rows) {
+        if (row.config == "unwrapped") continue;
+        absl::StrAppend(&summary, absl::StrFormat("overhead at 1 rank, %s: %+.1f%% (target <= 5%%)\n",
+                                                  row.config, (row.step_s / unwrapped_s - 1) * 100));
+      }
+    }
+    if (n == 2) {
+      absl::StrAppend(&summary, absl::StrFormat("FULL_SHARD / NO_SHARD at 2 ranks: %.3f (target <= 1.15)\n",
+                                                full_s / no_s));
+    }
+  }
+  table += "\n" + summary;
+  std::fputs(table.c_str(), stdout);
+  if (!absl::GetFlag(FLAGS_out).empty()) std::ofstream(absl::GetFlag(FLAGS_out)) << table;
+  return 0;
+}
+
+}  // namespace
+}  // namespace fairscale::fsdp::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  if (const char* rank = std::getenv("FS_FSDP_BENCH_RANK")) {
+    return fairscale::fsdp::bench::RunRank(std::atoi(rank),
+                                           std::atoi(std::getenv("FS_FSDP_BENCH_SIZE")),
+                                           std::getenv("FS_FSDP_BENCH_DIR"));
+  }
+  return fairscale::fsdp::bench::Main(argv[0]);
+}
