@@ -164,7 +164,8 @@ struct RankResult {
   std::string config;
   double median_s = 0;
   int64_t peak_bytes = 0;
-  int64_t activation_bytes = 0;  // unwrapped only: tensor bytes that forward adds
+  int64_t activation_bytes = 0;  // tensor bytes that forward (and the loss) add
+  int64_t phase_peak[3] = {0, 0, 0};  // forward, backward, optimizer step
 };
 
 const char* const kConfigs[] = {"unwrapped", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"};
@@ -175,7 +176,8 @@ ShardingStrategy StrategyOf(const std::string& config) {
   return ShardingStrategy::kNoShard;
 }
 
-// Trains one configuration on this rank and measures it.
+// Trains one configuration on this rank and measures it. The peak is tracked per phase (the
+// tracker's peak is reset at each phase start), so the table can say where it occurs.
 template <typename M>
 RankResult Train(const std::string& config, M& model, TrackingCpuAllocator* tracker,
                  const Shape& s, int rank, comm::Communicator* comm) {
@@ -183,7 +185,6 @@ RankResult Train(const std::string& config, M& model, TrackingCpuAllocator* trac
   RankResult r;
   r.config = config;
   std::vector<double> times;
-  tracker->reset_peak();
   const int warmup = absl::GetFlag(FLAGS_warmup), steps = absl::GetFlag(FLAGS_steps);
   for (int step = 0; step < warmup + steps; ++step) {
     // Each rank its own tokens; the targets are the next tokens.
@@ -193,31 +194,23 @@ RankResult Train(const std::string& config, M& model, TrackingCpuAllocator* trac
     const auto t0 = Clock::now();
     opt.zero_grad();
     const int64_t before_forward = tracker->live_bytes();
-    if (config == "unwrapped" && step == warmup) tracker->reset_peak();
+    tracker->reset_peak();
     at::Tensor logits = model(tokens);
-    if (config == "unwrapped" && step == warmup) {
-      r.activation_bytes = tracker->peak_bytes() - before_forward;
-    }
     at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, s.vocab}),
                                                            targets.reshape({-1}));
+    r.phase_peak[0] = std::max(r.phase_peak[0], tracker->peak_bytes());
+    r.activation_bytes = std::max(r.activation_bytes, tracker->peak_bytes() - before_forward);
+    tracker->reset_peak();
     loss.backward();
+    r.phase_peak[1] = std::max(r.phase_peak[1], tracker->peak_bytes());
+    tracker->reset_peak();
     opt.step();
+    r.phase_peak[2] = std::max(r.phase_peak[2], tracker->peak_bytes());
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     if (!std::isfinite(loss.item<double>())) Die(absl::StrCat(config, ": loss is not finite"));
     if (step >= warmup) times.push_back(dt);
   }
-  // For unwrapped the peak was reset before a forward (to measure the activations), so its
-  // whole-step peak is measured again on one more, untimed step.
-  if (config == "unwrapped") {
-    tracker->reset_peak();
-    opt.zero_grad();
-    at::Tensor data = at::randint(s.vocab, {s.batch, s.seq + 1}, at::kLong);
-    torch::nn::functional::cross_entropy(model(data.narrow(1, 0, s.seq)).reshape({-1, s.vocab}),
-                                         data.narrow(1, 1, s.seq).reshape({-1}))
-        .backward();
-    opt.step();
-  }
-  r.peak_bytes = tracker->peak_bytes();
+  r.peak_bytes = *std::max_element(r.phase_peak, r.phase_peak + 3);
   std::sort(times.begin(), times.end());
   r.median_s = times[times.size() / 2];
   if (comm != nullptr) {
@@ -257,7 +250,8 @@ int RunRank(int rank, int n, const std::string& dir) {
       r = Train(config_name, model, tracker, s, rank, comm.get());
     }
     out << r.config << '\t' << r.median_s << '\t' << r.peak_bytes << '\t' << r.activation_bytes
-        << '\t' << param_bytes << '\n';
+        << '\t' << param_bytes << '\t' << r.phase_peak[0] << '\t' << r.phase_peak[1] << '\t'
+        << r.phase_peak[2] << '\n';
   }
   out.close();
   absl::Status st = comm->Barrier().Wait();
@@ -271,6 +265,7 @@ struct Row {
   std::string config;
   double step_s = 0;       // slowest rank's median
   int64_t peak_bytes = 0;  // largest rank's peak
+  int64_t phase_peak[3] = {0, 0, 0};
 };
 
 struct WorldResult {
@@ -333,7 +328,7 @@ int RunWorld(int n, const char* self, WorldResult* result) {
     std::string line;
     while (std::getline(in, line)) {
       std::vector<std::string> f = absl::StrSplit(line, '\t');
-      if (f.size() != 5) continue;
+      if (f.size() != 8) continue;
       double median = 0;
       int64_t peak = 0, act = 0, params = 0;
       (void)absl::SimpleAtod(f[1], &median);
@@ -345,7 +340,13 @@ int RunWorld(int n, const char* self, WorldResult* result) {
       row.config = f[0];
       row.step_s = std::max(row.step_s, median);
       row.peak_bytes = std::max(row.peak_bytes, peak);
-      result->activation_bytes = std::max(result->activation_bytes, act);
+      for (int k = 0; k < 3; ++k) {
+        int64_t v = 0;
+        (void)absl::SimpleAtoi(f[5 + k], &v);
+        row.phase_peak[k] = std::max(row.phase_peak[k], v);
+      }
+      // The activations enter the bounds: those of the unwrapped model.
+      if (f[0] == "unwrapped") result->activation_bytes = std::max(result->activation_bytes, act);
       result->param_bytes = std::max(result->param_bytes, params);
     }
   }
@@ -375,7 +376,7 @@ int Main(const char* self) {
       "GPT: %d blocks, width %d, %d heads, seq %d, batch %d/rank, vocab %d; Adam; "
       "%d warm-up + %d timed steps; params %.1f MiB, largest unit %.1f MiB, activations %.1f MiB\n\n"
       "| ranks | config | step ms | vs unwrapped | tokens/s | peak MiB | bound MiB | "
-      "peak/bound |\n|---|---|---|---|---|---|---|---|\n",
+      "peak/bound | peak fwd / bwd / step MiB |\n|---|---|---|---|---|---|---|---|---|\n",
       s.blocks, s.width, s.heads, s.seq, s.batch, s.vocab, absl::GetFlag(FLAGS_warmup),
       absl::GetFlag(FLAGS_steps), MiB(worlds.empty() ? 0 : worlds[0].param_bytes), MiB(unit_bytes),
       MiB(worlds.empty() ? 0 : worlds[0].activation_bytes));
@@ -397,11 +398,14 @@ int Main(const char* self) {
       else if (row.config == "SHARD_GRAD_OP") bound = 4 * p / row.n + p + a;
       else bound = 4 * p + a;
       const double tokens = static_cast<double>(row.n) * s.batch * s.seq;
-      absl::StrAppend(&table, absl::StrFormat("| %d | %s | %.1f | %.3f | %.0f | %.1f | %.1f | %.3f |\n",
-                                              row.n, row.config, row.step_s * 1e3,
-                                              row.step_s / unwrapped_s, tokens / row.step_s,
-                                              MiB(row.peak_bytes), MiB(bound),
-                                              static_cast<double>(row.peak_bytes) / bound));
+      absl::StrAppend(&table, absl::StrFormat(
+                                  "| %d | %s | %.1f | %.3f | %.0f | %.1f | %.1f | %.3f | "
+                                  "%.0f / %.0f / %.0f |\n",
+                                  row.n, row.config, row.step_s * 1e3, row.step_s / unwrapped_s,
+                                  tokens / row.step_s, MiB(row.peak_bytes), MiB(bound),
+                                  static_cast<double>(row.peak_bytes) / bound,
+                                  MiB(row.phase_peak[0]), MiB(row.phase_peak[1]),
+                                  MiB(row.phase_peak[2])));
     }
     const int n = w.rows.front().n;
     if (n == 1) {
