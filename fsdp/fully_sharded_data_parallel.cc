@@ -63,6 +63,12 @@ class PostBackwardHook : public torch::autograd::FunctionPostHook {
 
 namespace {
 
+// Gradient reductions left in flight when a new one is issued during backward. One overlaps the
+// newest reduction with the next unit's backward compute; the one before it has had a whole
+// unit's backward to finish, so waiting for it rarely blocks, and its full gradient (the size of
+// the unit's parameters) is freed then rather than at the end of backward.
+constexpr size_t kReducesInFlight = 1;
+
 // An empty module that holds nested units under their dotted path ("blocks" -> "0" -> unit).
 class PathModule : public torch::nn::Module {
  public:
@@ -501,6 +507,7 @@ void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
     p.work = comm_->AllReduce(b, b, comm::ReduceOp::kSum);
   }
   state_->pending.push_back(std::move(p));
+  drain_reduces(internal::kReducesInFlight);
 }
 
 void FullyShardedDataParallelImpl::flush_bucket() {
@@ -521,6 +528,36 @@ void FullyShardedDataParallelImpl::flush_bucket() {
                                 comm::ReduceOp::kSum);
   state_->pending.push_back(std::move(p));
   bucket = internal::GradBucket();
+  drain_reduces(internal::kReducesInFlight);
+}
+
+void FullyShardedDataParallelImpl::drain_reduces(size_t keep) {
+  std::vector<internal::PendingReduce>& pending = state_->pending;
+  while (pending.size() > keep) {
+    if (!pending.front().work.Wait().ok()) return;
+    complete_reduce(pending.front());
+    pending.erase(pending.begin());
+  }
+}
+
+void FullyShardedDataParallelImpl::complete_reduce(const internal::PendingReduce& p) {
+  c10::NoGradGuard no_grad;
+  for (const internal::ReducePart& part : p.parts) {
+    FullyShardedDataParallelImpl* u = part.unit;
+    FlatParam& fp = u->flats_[part.flat];
+    // A slice of a bucket would keep the whole bucket alive (and optimizers' zero_grad
+    // cannot detach a view in place): parts of a bucket are copied out.
+    const bool whole = p.parts.size() == 1;
+    at::Tensor recv = whole ? p.recv : p.recv.narrow(0, part.offset, fp.shard_numel).clone();
+    const double post = internal::DivideFactors(u->options_, u->world_).second;
+    if (post != 1.0) recv.div_(post);
+    at::Tensor& grad = fp.shard.mutable_grad();
+    if (grad.defined()) {
+      grad.add_(recv);
+    } else {
+      grad = recv.to(fp.shard.scalar_type());
+    }
+  }
 }
 
 // ---- backward ------------------------------------------------------------------------------
@@ -604,22 +641,7 @@ void FullyShardedDataParallelImpl::finalize_backward() {
     c10::NoGradGuard no_grad;
     for (internal::PendingReduce& p : st.pending) {
       ThrowIfError(p.work.Wait(), p.parts.front().unit->label() + ": gradient reduction");
-      for (const internal::ReducePart& part : p.parts) {
-        FullyShardedDataParallelImpl* u = part.unit;
-        FlatParam& fp = u->flats_[part.flat];
-        // A slice of a bucket would keep the whole bucket alive (and optimizers' zero_grad
-        // cannot detach a view in place): parts of a bucket are copied out.
-        const bool whole = p.parts.size() == 1;
-        at::Tensor recv = whole ? p.recv : p.recv.narrow(0, part.offset, fp.shard_numel).clone();
-        const double post = internal::DivideFactors(u->options_, u->world_).second;
-        if (post != 1.0) recv.div_(post);
-        at::Tensor& grad = fp.shard.mutable_grad();
-        if (grad.defined()) {
-          grad.add_(recv);
-        } else {
-          grad = recv.to(fp.shard.scalar_type());
-        }
-      }
+      complete_reduce(p);
     }
     for (FullyShardedDataParallelImpl* u : st.units) {
       u->reshard();

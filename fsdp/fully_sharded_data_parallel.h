@@ -48,6 +48,7 @@ class FullyShardedDataParallelImpl;
 
 namespace internal {
 struct RootState;
+struct PendingReduce;
 class PostBackwardHook;
 
 // The tensors of a forward's result, for the pre-backward hooks. Supported results: a Tensor, and
@@ -276,6 +277,12 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   void reshard();
   void issue_reduce(size_t flat);
   void flush_bucket();  // reduce-scatters the model's gradient bucket, if it holds anything
+  // Waits for the oldest pending reductions until at most `keep` are in flight and adds their
+  // results to the shards' gradients, so that each full gradient is freed soon after its
+  // reduction instead of at the end of backward. Stops at a failed one (finalize_backward
+  // reports it).
+  void drain_reduces(size_t keep);
+  static void complete_reduce(const internal::PendingReduce& p);
 
   torch::nn::AnyModule module_any_;
   std::shared_ptr<torch::nn::Module> module_;
