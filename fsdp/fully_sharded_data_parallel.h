@@ -22,8 +22,9 @@
 // parameter before calling the wrapped module; hooks on the outputs re-gather it when backward
 // reaches the unit; a hook on each original parameter's AccumulateGrad node collects its
 // gradient into the unit's flat gradient and issues the reduce-scatter once the unit's last
-// gradient arrived; a callback queued on the autograd engine waits for the reductions, fills the
-// shards' .grad() and frees the full parameters at the end of backward.
+// gradient arrived, and then completes the reductions issued before it (at most one stays in
+// flight, so full gradients do not pile up); a callback queued on the autograd engine waits for
+// the rest, fills the shards' .grad() and frees the full parameters at the end of backward.
 #pragma once
 
 #include <torch/nn/module.h>

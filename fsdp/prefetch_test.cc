@@ -35,9 +35,7 @@ namespace {
 using base::testing::IsOk;
 using testing::CountingCommunicator;
 
-int64_t AllGathers(const CountingCommunicator& c) {
-  return c.count(comm::OpType::kAllGather).ops;
-}
+int64_t AllGathers(const CountingCommunicator& c) { return c.count(comm::OpType::kAllGather).ops; }
 
 // tanh(fc(x)); records the all-gathers issued so far each time it computes.
 class ProbeImpl : public torch::nn::Module {
@@ -84,8 +82,8 @@ TORCH_MODULE(Chain);
 constexpr int kSteps = 3;
 
 // Trains kSteps steps; returns the losses and fills the counts each unit saw per step.
-absl::Status RunRank(int rank, int world, std::shared_ptr<comm::Communicator> inner,
-                     bool prefetch, std::vector<int64_t>* seen0, std::vector<int64_t>* seen1,
+absl::Status RunRank(int rank, int world, std::shared_ptr<comm::Communicator> inner, bool prefetch,
+                     std::vector<int64_t>* seen0, std::vector<int64_t>* seen1,
                      std::vector<double>* losses) {
   auto counting = std::make_shared<CountingCommunicator>(inner);
   const auto opts = FsdpOptions()

@@ -64,7 +64,8 @@ absl::Status RunRank(int rank, int world, const std::vector<testing::ReferenceSt
 
 TEST(TcpProcessTest, FullShardNestedAdamMatchesReference) {
   // Runs again in every child process (see rank_runner.h): cheap and without side effects.
-  const std::vector<testing::ReferenceStep> ref = testing::RunReference(OptimizerKind::kAdam, kSteps);
+  const std::vector<testing::ReferenceStep> ref =
+      testing::RunReference(OptimizerKind::kAdam, kSteps);
   for (int world : {2, 3}) {
     std::vector<absl::Status> statuses = comm::testing::RunProcesses(
         world,

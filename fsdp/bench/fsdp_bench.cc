@@ -62,6 +62,8 @@ ABSL_FLAG(int, vocab, 1024, "vocabulary size");
 ABSL_FLAG(int, warmup, 2, "untimed steps per configuration");
 ABSL_FLAG(int, steps, 6, "timed steps per configuration (the median is reported)");
 ABSL_FLAG(int, threads, 1, "intra-op threads per rank (at::set_num_threads)");
+ABSL_FLAG(std::string, configs, "unwrapped,FULL_SHARD,SHARD_GRAD_OP,NO_SHARD",
+          "configurations to run, in this order (unwrapped is required: it is the baseline)");
 ABSL_FLAG(std::string, out, "", "also write the markdown table here");
 
 namespace fairscale::fsdp::bench {
@@ -164,11 +166,13 @@ struct RankResult {
   std::string config;
   double median_s = 0;
   int64_t peak_bytes = 0;
-  int64_t activation_bytes = 0;  // tensor bytes that forward (and the loss) add
+  int64_t activation_bytes = 0;       // tensor bytes that forward (and the loss) add
   int64_t phase_peak[3] = {0, 0, 0};  // forward, backward, optimizer step
 };
 
-const char* const kConfigs[] = {"unwrapped", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"};
+std::vector<std::string> Configs() {
+  return absl::StrSplit(absl::GetFlag(FLAGS_configs), ',', absl::SkipEmpty());
+}
 
 ShardingStrategy StrategyOf(const std::string& config) {
   if (config == "FULL_SHARD") return ShardingStrategy::kFullShard;
@@ -179,8 +183,8 @@ ShardingStrategy StrategyOf(const std::string& config) {
 // Trains one configuration on this rank and measures it. The peak is tracked per phase (the
 // tracker's peak is reset at each phase start), so the table can say where it occurs.
 template <typename M>
-RankResult Train(const std::string& config, M& model, TrackingCpuAllocator* tracker,
-                 const Shape& s, int rank, comm::Communicator* comm) {
+RankResult Train(const std::string& config, M& model, TrackingCpuAllocator* tracker, const Shape& s,
+                 int rank, comm::Communicator* comm) {
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-4));
   RankResult r;
   r.config = config;
@@ -196,8 +200,8 @@ RankResult Train(const std::string& config, M& model, TrackingCpuAllocator* trac
     const int64_t before_forward = tracker->live_bytes();
     tracker->reset_peak();
     at::Tensor logits = model(tokens);
-    at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, s.vocab}),
-                                                           targets.reshape({-1}));
+    at::Tensor loss =
+        torch::nn::functional::cross_entropy(logits.reshape({-1, s.vocab}), targets.reshape({-1}));
     r.phase_peak[0] = std::max(r.phase_peak[0], tracker->peak_bytes());
     r.activation_bytes = std::max(r.activation_bytes, tracker->peak_bytes() - before_forward);
     tracker->reset_peak();
@@ -236,7 +240,7 @@ int RunRank(int rank, int n, const std::string& dir) {
   std::shared_ptr<comm::Communicator> comm = *std::move(created);
 
   std::ofstream out(absl::StrCat(dir, "/rank", rank, ".tsv"));
-  for (const std::string config_name : kConfigs) {
+  for (const std::string& config_name : Configs()) {
     RankResult r;
     int64_t param_bytes = 0;
     torch::manual_seed(0);  // same initial weights on every rank
@@ -292,17 +296,17 @@ int RunWorld(int n, const char* self, WorldResult* result) {
     for (auto& e : env_strings) envp.push_back(e.data());
     envp.push_back(nullptr);
     const Shape s = FlagShape();
-    std::vector<std::string> args = {
-        self,
-        absl::StrCat("--blocks=", s.blocks),
-        absl::StrCat("--width=", s.width),
-        absl::StrCat("--heads=", s.heads),
-        absl::StrCat("--seq=", s.seq),
-        absl::StrCat("--batch=", s.batch),
-        absl::StrCat("--vocab=", s.vocab),
-        absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
-        absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
-        absl::StrCat("--threads=", absl::GetFlag(FLAGS_threads))};
+    std::vector<std::string> args = {self,
+                                     absl::StrCat("--blocks=", s.blocks),
+                                     absl::StrCat("--width=", s.width),
+                                     absl::StrCat("--heads=", s.heads),
+                                     absl::StrCat("--seq=", s.seq),
+                                     absl::StrCat("--batch=", s.batch),
+                                     absl::StrCat("--vocab=", s.vocab),
+                                     absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
+                                     absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
+                                     absl::StrCat("--threads=", absl::GetFlag(FLAGS_threads)),
+                                     absl::StrCat("--configs=", absl::GetFlag(FLAGS_configs))};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -350,7 +354,7 @@ int RunWorld(int n, const char* self, WorldResult* result) {
       result->param_bytes = std::max(result->param_bytes, params);
     }
   }
-  for (const char* c : kConfigs) {
+  for (const std::string& c : Configs()) {
     if (!by_config.count(c)) Die(absl::StrCat("no result for ", c, " at ", n, " ranks"));
     result->rows.push_back(by_config[c]);
   }
@@ -374,7 +378,8 @@ int Main(const char* self) {
   const int64_t unit_bytes = (12 * s.width * s.width + 13 * s.width) * 4;
   std::string table = absl::StrFormat(
       "GPT: %d blocks, width %d, %d heads, seq %d, batch %d/rank, vocab %d; Adam; "
-      "%d warm-up + %d timed steps; params %.1f MiB, largest unit %.1f MiB, activations %.1f MiB\n\n"
+      "%d warm-up + %d timed steps; params %.1f MiB, largest unit %.1f MiB, activations %.1f "
+      "MiB\n\n"
       "| ranks | config | step ms | vs unwrapped | tokens/s | peak MiB | bound MiB | "
       "peak/bound | peak fwd / bwd / step MiB |\n|---|---|---|---|---|---|---|---|---|\n",
       s.blocks, s.width, s.heads, s.seq, s.batch, s.vocab, absl::GetFlag(FLAGS_warmup),
@@ -394,30 +399,35 @@ int Main(const char* self) {
       // then holds one full unit at a time (the bound); SHARD_GRAD_OP keeps every full
       // parameter from forward to backward; NO_SHARD and unwrapped hold everything.
       int64_t bound = 0;
-      if (row.config == "FULL_SHARD") bound = 4 * p / row.n + unit_bytes + a;
-      else if (row.config == "SHARD_GRAD_OP") bound = 4 * p / row.n + p + a;
-      else bound = 4 * p + a;
+      if (row.config == "FULL_SHARD")
+        bound = 4 * p / row.n + unit_bytes + a;
+      else if (row.config == "SHARD_GRAD_OP")
+        bound = 4 * p / row.n + p + a;
+      else
+        bound = 4 * p + a;
       const double tokens = static_cast<double>(row.n) * s.batch * s.seq;
-      absl::StrAppend(&table, absl::StrFormat(
-                                  "| %d | %s | %.1f | %.3f | %.0f | %.1f | %.1f | %.3f | "
-                                  "%.0f / %.0f / %.0f |\n",
-                                  row.n, row.config, row.step_s * 1e3, row.step_s / unwrapped_s,
-                                  tokens / row.step_s, MiB(row.peak_bytes), MiB(bound),
-                                  static_cast<double>(row.peak_bytes) / bound,
-                                  MiB(row.phase_peak[0]), MiB(row.phase_peak[1]),
-                                  MiB(row.phase_peak[2])));
+      absl::StrAppend(
+          &table,
+          absl::StrFormat("| %d | %s | %.1f | %.3f | %.0f | %.1f | %.1f | %.3f | "
+                          "%.0f / %.0f / %.0f |\n",
+                          row.n, row.config, row.step_s * 1e3, row.step_s / unwrapped_s,
+                          tokens / row.step_s, MiB(row.peak_bytes), MiB(bound),
+                          static_cast<double>(row.peak_bytes) / bound, MiB(row.phase_peak[0]),
+                          MiB(row.phase_peak[1]), MiB(row.phase_peak[2])));
     }
     const int n = w.rows.front().n;
     if (n == 1) {
       for (const Row& row : w.rows) {
         if (row.config == "unwrapped") continue;
-        absl::StrAppend(&summary, absl::StrFormat("overhead at 1 rank, %s: %+.1f%% (target <= 5%%)\n",
-                                                  row.config, (row.step_s / unwrapped_s - 1) * 100));
+        absl::StrAppend(&summary,
+                        absl::StrFormat("overhead at 1 rank, %s: %+.1f%% (target <= 5%%)\n",
+                                        row.config, (row.step_s / unwrapped_s - 1) * 100));
       }
     }
     if (n == 2) {
-      absl::StrAppend(&summary, absl::StrFormat("FULL_SHARD / NO_SHARD at 2 ranks: %.3f (target <= 1.15)\n",
-                                                full_s / no_s));
+      absl::StrAppend(&summary,
+                      absl::StrFormat("FULL_SHARD / NO_SHARD at 2 ranks: %.3f (target <= 1.15)\n",
+                                      full_s / no_s));
     }
   }
   table += "\n" + summary;
