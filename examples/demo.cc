@@ -8,9 +8,6 @@
 // rank with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, and exits non-zero if
 // any rank fails. Each rank creates its communicator with CreateCommunicatorFromEnv() and runs
 // every collective once, checking each result against the value computed locally.
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -26,15 +23,15 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/logging.h"
+#include "base/subprocess.h"
 #include "base/status_macros.h"
 #include "comm/communicator.h"
 #include "comm/registry.h"
 #include "comm/store/tcp_store.h"
 
-extern char** environ;
-
 ABSL_FLAG(int, ranks, 4, "number of ranks to launch");
 ABSL_FLAG(int64_t, count, 1 << 20, "f32 elements per rank");
+ABSL_FLAG(int, timeout_s, 300, "the launcher kills ranks still running after this long");
 
 namespace fairscale::examples {
 namespace {
@@ -143,38 +140,25 @@ int Launch(const char* self) {
     return 1;
   }
   std::printf("demo: launching %d ranks, store at 127.0.0.1:%d\n", n, (*store)->port());
-  std::vector<pid_t> pids;
-  for (int r = 0; r < n; ++r) {
-    std::vector<std::string> env;
-    for (char** e = environ; *e; ++e) env.emplace_back(*e);
-    env.push_back(absl::StrCat("RANK=", r));
-    env.push_back(absl::StrCat("LOCAL_RANK=", r));
-    env.push_back(absl::StrCat("WORLD_SIZE=", n));
-    env.push_back("MASTER_ADDR=127.0.0.1");
-    env.push_back(absl::StrCat("MASTER_PORT=", (*store)->port()));
-    env.push_back("TORCHELASTIC_USE_AGENT_STORE=True");
-    if (std::getenv("FS_COMM_TIMEOUT_S") == nullptr) env.push_back("FS_COMM_TIMEOUT_S=60");
-    std::vector<char*> envp;
-    for (auto& s : env) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::string count = absl::StrCat("--count=", absl::GetFlag(FLAGS_count));
-    char* argv[] = {const_cast<char*>(self), count.data(), nullptr};
-    pid_t pid;
-    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, envp.data()) != 0) {
-      std::perror("demo: posix_spawn");
-      for (pid_t p : pids) kill(p, SIGKILL);
-      return 1;
-    }
-    pids.push_back(pid);
-  }
+  const int port = (*store)->port();
+  const bool default_timeout = std::getenv("FS_COMM_TIMEOUT_S") == nullptr;
+  std::vector<absl::StatusOr<int>> results = base::RunSelfCopies(
+      n, {absl::StrCat("--count=", absl::GetFlag(FLAGS_count))},
+      [&](int r) {
+        std::vector<std::string> env = {
+            absl::StrCat("RANK=", r),         absl::StrCat("LOCAL_RANK=", r),
+            absl::StrCat("WORLD_SIZE=", n),   "MASTER_ADDR=127.0.0.1",
+            absl::StrCat("MASTER_PORT=", port), "TORCHELASTIC_USE_AGENT_STORE=True"};
+        if (default_timeout) env.push_back("FS_COMM_TIMEOUT_S=60");
+        return env;
+      },
+      absl::Seconds(absl::GetFlag(FLAGS_timeout_s)));
   int failed = 0;
   for (int r = 0; r < n; ++r) {
-    int status = 0;
-    waitpid(pids[r], &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      std::fprintf(stderr, "demo: rank %d failed (%s %d)\n", r,
-                   WIFEXITED(status) ? "exit code" : "signal",
-                   WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+    if (!results[r].ok() || *results[r] != 0) {
+      std::fprintf(stderr, "demo: rank %d failed: %s\n", r,
+                   results[r].ok() ? absl::StrCat("exit code ", *results[r]).c_str()
+                                   : results[r].status().ToString().c_str());
       ++failed;
     }
   }

@@ -13,9 +13,7 @@
 // (all_reduce, broadcast: the buffer; reduce_scatter: the send buffer; all_gather: the recv
 // buffer) and factor 2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter and all_gather, 1 for
 // broadcast.
-#include <spawn.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,6 +37,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/subprocess.h"
 #include "comm/communicator.h"
 #include "comm/registry.h"
 #include "comm/store/file_store.h"
@@ -51,8 +50,8 @@
 #include "gloo/rendezvous/file_store.h"
 #include "gloo/transport/tcp/device.h"
 
-extern char** environ;
 
+ABSL_FLAG(int, rank_timeout_s, 3600, "ranks still running after this long are killed");
 ABSL_FLAG(std::string, ranks, "2,4", "world sizes to run");
 ABSL_FLAG(int64_t, min_bytes, 4, "smallest message in bytes");
 ABSL_FLAG(int64_t, max_bytes, 256 << 20, "largest message in bytes");
@@ -285,18 +284,8 @@ int RunWorld(int n, const char* self, std::vector<Row>* rows) {
     std::perror("mkdir");
     return 1;
   }
-  std::vector<pid_t> pids;
-  for (int r = 0; r < n; ++r) {
-    std::vector<std::string> env_strings;
-    for (char** e = environ; *e; ++e) env_strings.push_back(*e);
-    env_strings.push_back(absl::StrCat("FS_BENCH_RANK=", r));
-    env_strings.push_back(absl::StrCat("FS_BENCH_SIZE=", n));
-    env_strings.push_back(absl::StrCat("FS_BENCH_DIR=", dir));
-    std::vector<char*> envp;
-    for (auto& s : env_strings) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::vector<std::string> args = {self,
-                                     absl::StrCat("--min_bytes=", absl::GetFlag(FLAGS_min_bytes)),
+  std::vector<absl::StatusOr<int>> results = base::RunSelfCopies(
+      n, {absl::StrCat("--min_bytes=", absl::GetFlag(FLAGS_min_bytes)),
                                      absl::StrCat("--max_bytes=", absl::GetFlag(FLAGS_max_bytes)),
                                      absl::StrCat("--ops=", absl::GetFlag(FLAGS_ops)),
                                      absl::StrCat("--rounds=", absl::GetFlag(FLAGS_rounds)),
@@ -304,22 +293,20 @@ int RunWorld(int n, const char* self, std::vector<Row>* rows) {
                                                   absl::GetFlag(FLAGS_bytes_per_round)),
                                      absl::StrCat("--backend=", absl::GetFlag(FLAGS_backend)),
                                      absl::StrCat("--comm_options=",
-                                                  absl::GetFlag(FLAGS_comm_options))};
-    std::vector<char*> argv;
-    for (auto& s : args) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    pid_t pid;
-    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data()) != 0) {
-      std::perror("posix_spawn");
-      return 1;
-    }
-    pids.push_back(pid);
-  }
+                                                  absl::GetFlag(FLAGS_comm_options))},
+      [&](int r) -> std::vector<std::string> {
+        return {absl::StrCat("FS_BENCH_RANK=", r), absl::StrCat("FS_BENCH_SIZE=", n),
+                absl::StrCat("FS_BENCH_DIR=", dir)};
+      },
+      absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_s)));
   int failed = 0;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
+  for (int r = 0; r < n; ++r) {
+    if (!results[r].ok() || *results[r] != 0) {
+      std::fprintf(stderr, "collectives: rank %d: %s\n", r,
+                   results[r].ok() ? absl::StrCat("exit code ", *results[r]).c_str()
+                                   : results[r].status().ToString().c_str());
+      ++failed;
+    }
   }
   if (failed) {
     std::fprintf(stderr, "collectives: %d of %d ranks failed\n", failed, n);

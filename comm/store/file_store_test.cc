@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/status_matchers.h"
-#include "comm/store/testing/subprocess.h"
+#include "base/subprocess.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -66,12 +66,12 @@ TEST(FileStore, ConcurrentAddsFromSeveralProcesses) {
   std::vector<pid_t> pids;
   for (int i = 0; i < kChildren; ++i) {
     ASSERT_OK_AND_ASSIGN(pid_t pid,
-                         testing::SpawnSelf({"adder", dir, absl::StrCat(kAdds)}));
+                         base::SpawnSelf({"adder", dir, absl::StrCat(kAdds)}));
     pids.push_back(pid);
   }
   for (int i = 0; i < kAdds; ++i) ASSERT_OK(store->Add("counter", 1));
   for (pid_t pid : pids) {
-    ASSERT_OK_AND_ASSIGN(int code, testing::WaitChild(pid, absl::Seconds(20)));
+    ASSERT_OK_AND_ASSIGN(int code, base::WaitChild(pid, absl::Seconds(20)));
     EXPECT_EQ(code, 0) << "child " << pid;
   }
   ASSERT_OK_AND_ASSIGN(std::string total, store->Get("counter", absl::Seconds(1)));

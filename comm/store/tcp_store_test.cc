@@ -22,7 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/status_matchers.h"
-#include "comm/store/testing/subprocess.h"
+#include "base/subprocess.h"
 #include "comm/store/wire.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -30,11 +30,11 @@
 namespace fairscale::comm {
 namespace {
 
+using ::fairscale::base::SpawnSelf;
+using ::fairscale::base::WaitChild;
 using ::fairscale::base::testing::IsOk;
 using ::fairscale::base::testing::StatusIs;
 using ::testing::HasSubstr;
-using testing::SpawnSelf;
-using testing::WaitChild;
 
 constexpr absl::Duration kTimeout = absl::Seconds(10);
 
@@ -152,7 +152,7 @@ TEST(TCPStore, ConcurrentAddsFromSeveralProcesses) {
 TEST(TCPStore, ClientOfAKilledServerGetsUnavailableNotAHang) {
   int pipe_fds[2];
   ASSERT_EQ(pipe(pipe_fds), 0);
-  ASSERT_OK_AND_ASSIGN(pid_t pid, SpawnSelf({"server", "3"}, {{pipe_fds[1], 3}}));
+  ASSERT_OK_AND_ASSIGN(pid_t pid, SpawnSelf({"server", "3"}, /*env=*/{}, {{pipe_fds[1], 3}}));
   close(pipe_fds[1]);
   std::string port_text;
   char c;

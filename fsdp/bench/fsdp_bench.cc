@@ -15,8 +15,6 @@
 // optimizer state is allocated in the first step and counted). The parent reports the slowest
 // rank's median and the largest peak.
 #include <ATen/Parallel.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
@@ -44,14 +42,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "base/subprocess.h"
 #include "comm/communicator.h"
 #include "comm/registry.h"
 #include "comm/store/file_store.h"
 #include "fsdp/bench/tracking_allocator.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 
-extern char** environ;
 
+ABSL_FLAG(int, rank_timeout_s, 3600, "ranks still running after this long are killed");
 ABSL_FLAG(std::string, ranks, "1,2,4", "world sizes to run");
 ABSL_FLAG(int, blocks, 8, "transformer blocks");
 ABSL_FLAG(int, width, 512, "model width");
@@ -285,19 +284,9 @@ int RunWorld(int n, const char* self, WorldResult* result) {
   buf.push_back('\0');
   if (mkdtemp(buf.data()) == nullptr) Die("mkdtemp failed");
   const std::string dir = buf.data();
-  std::vector<pid_t> pids;
-  for (int r = 0; r < n; ++r) {
-    std::vector<std::string> env_strings;
-    for (char** e = environ; *e; ++e) env_strings.push_back(*e);
-    env_strings.push_back(absl::StrCat("FS_FSDP_BENCH_RANK=", r));
-    env_strings.push_back(absl::StrCat("FS_FSDP_BENCH_SIZE=", n));
-    env_strings.push_back(absl::StrCat("FS_FSDP_BENCH_DIR=", dir));
-    std::vector<char*> envp;
-    for (auto& e : env_strings) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    const Shape s = FlagShape();
-    std::vector<std::string> args = {self,
-                                     absl::StrCat("--blocks=", s.blocks),
+  const Shape s = FlagShape();
+  std::vector<absl::StatusOr<int>> results = base::RunSelfCopies(
+      n, {absl::StrCat("--blocks=", s.blocks),
                                      absl::StrCat("--width=", s.width),
                                      absl::StrCat("--heads=", s.heads),
                                      absl::StrCat("--seq=", s.seq),
@@ -306,21 +295,20 @@ int RunWorld(int n, const char* self, WorldResult* result) {
                                      absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
                                      absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
                                      absl::StrCat("--threads=", absl::GetFlag(FLAGS_threads)),
-                                     absl::StrCat("--configs=", absl::GetFlag(FLAGS_configs))};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_t pid;
-    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data()) != 0) {
-      Die("posix_spawn failed");
-    }
-    pids.push_back(pid);
-  }
+                                     absl::StrCat("--configs=", absl::GetFlag(FLAGS_configs))},
+      [&](int r) -> std::vector<std::string> {
+        return {absl::StrCat("FS_FSDP_BENCH_RANK=", r), absl::StrCat("FS_FSDP_BENCH_SIZE=", n),
+                absl::StrCat("FS_FSDP_BENCH_DIR=", dir)};
+      },
+      absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_s)));
   int failed = 0;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
+  for (int r = 0; r < n; ++r) {
+    if (!results[r].ok() || *results[r] != 0) {
+      std::fprintf(stderr, "fsdp_bench: rank %d: %s\n", r,
+                   results[r].ok() ? absl::StrCat("exit code ", *results[r]).c_str()
+                                   : results[r].status().ToString().c_str());
+      ++failed;
+    }
   }
   if (failed) {
     std::fprintf(stderr, "fsdp_bench: %d of %d ranks failed\n", failed, n);
