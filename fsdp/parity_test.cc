@@ -31,22 +31,6 @@ const std::vector<testing::ReferenceStep>& Reference(OptimizerKind kind) {
   return it->second;
 }
 
-absl::Status CheckShards(FullyShardedDataParallel& model,
-                         const std::map<std::string, at::Tensor>& expected, bool grads,
-                         const std::string& what) {
-  for (FullyShardedDataParallelImpl* unit : model->fsdp_units()) {
-    const auto params = unit->named_parameters(/*recurse=*/false);
-    for (const FlatParamInfo& info : unit->flat_param_info()) {
-      const at::Tensor& shard = params[info.name];
-      const at::Tensor actual = grads ? shard.grad() : shard.detach();
-      FS_RETURN_IF_ERROR(
-          testing::ExpectClose(absl::StrCat(what, " of unit '", unit->prefix(), "' ", info.name),
-                               actual, testing::ShardOf(info, expected), kRtol));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status RunRank(int rank, int world, OptimizerKind kind, ShardingStrategy strategy,
                      bool nested) {
   FS_ASSIGN_OR_RETURN(
@@ -66,9 +50,11 @@ absl::Status RunRank(int rank, int world, OptimizerKind kind, ShardingStrategy s
         at_step + " loss", loss, testing::Mse(testing::RankRows(ref[step].output, rank, world), y),
         kRtol));
     loss.backward();
-    FS_RETURN_IF_ERROR(CheckShards(model, ref[step].grads, /*grads=*/true, at_step + " grad"));
+    FS_RETURN_IF_ERROR(
+        testing::CheckShards(model, ref[step].grads, /*grads=*/true, at_step + " grad", kRtol));
     opt->step();
-    FS_RETURN_IF_ERROR(CheckShards(model, ref[step].params, /*grads=*/false, at_step + " param"));
+    FS_RETURN_IF_ERROR(testing::CheckShards(model, ref[step].params, /*grads=*/false,
+                                            at_step + " param", kRtol));
   }
   return absl::OkStatus();
 }
