@@ -59,6 +59,11 @@ absl::StatusOr<std::unique_ptr<TCPStore>> TCPStore::Create(TCPStoreOptions optio
     return absl::InvalidArgumentError(absl::StrCat("TCPStore: timeout must be positive, got ",
                                                    absl::FormatDuration(options.timeout)));
   }
+  if (options.token.size() > wire::kMaxTokenBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("TCPStore: token of ", options.token.size(),
+                                                   " bytes exceeds the limit of ",
+                                                   wire::kMaxTokenBytes));
+  }
   if (options.wait_for_workers && (!options.is_server || options.num_workers <= 0)) {
     return absl::InvalidArgumentError(
         "TCPStore: wait_for_workers needs is_server and num_workers > 0");
@@ -66,7 +71,7 @@ absl::StatusOr<std::unique_ptr<TCPStore>> TCPStore::Create(TCPStoreOptions optio
   std::unique_ptr<TCPStore> store(new TCPStore(options));
   std::string connect_host = options.host;
   if (options.is_server) {
-    FS_ASSIGN_OR_RETURN(store->server_, Server::Start(options.host, options.port));
+    FS_ASSIGN_OR_RETURN(store->server_, Server::Start(options.host, options.port, options.token));
     store->options_.port = store->server_->port();
     // A wildcard bind address is not a destination; its own client goes over loopback.
     if (connect_host.empty() || connect_host == "0.0.0.0") connect_host = "127.0.0.1";
@@ -75,7 +80,8 @@ absl::StatusOr<std::unique_ptr<TCPStore>> TCPStore::Create(TCPStoreOptions optio
                  << tcp_store_internal::HostPort(options.host, store->port());
   }
   FS_ASSIGN_OR_RETURN(store->client_,
-                      Client::Connect(connect_host, store->options_.port, options.timeout));
+                      Client::Connect(connect_host, store->options_.port, options.timeout,
+                                      options.token));
   if (options.num_workers > 0) {
     FS_ASSIGN_OR_RETURN(int64_t joined, store->Add(kWorkersKey, 1));
     if (joined == options.num_workers) FS_RETURN_IF_ERROR(store->Set(kWorkersReadyKey, "1"));

@@ -15,6 +15,9 @@
 //   the keys exist (or their timeout passes), rejects malformed or oversized frames before
 //   buffering them (see wire.h) by closing that connection only, and applies backpressure to a
 //   client that stops reading its replies.
+// * A job token (TCPStoreOptions::token) keeps other jobs' and stray clients off the server:
+//   every connection opens with a Hello carrying it, and a wrong or missing token is answered
+//   with kUnauthenticated and the connection closed.
 //
 // Thread-safety: all methods may be called concurrently. The server, if any, stops (and every
 // client connected to it sees kUnavailable) when the TCPStore that hosts it is destroyed.
@@ -44,6 +47,11 @@ struct TCPStoreOptions {
   // with kDeadlineExceeded after `timeout`).
   int num_workers = 0;
   bool wait_for_workers = false;
+  // The job's shared secret (the launcher passes it as FS_STORE_TOKEN). Server: when non-empty,
+  // a client must present it first thing, or its connection is closed. Client: presented on
+  // connect; a server that rejects it makes Create fail with kUnauthenticated at once.
+  // Not a substitute for a private network: it travels in clear text.
+  std::string token;
 };
 
 namespace tcp_store_internal {

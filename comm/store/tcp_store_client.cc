@@ -4,7 +4,8 @@
 namespace fairscale::comm::tcp_store_internal {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& host, int port,
-                                                        absl::Duration timeout) {
+                                                        absl::Duration timeout,
+                                                        absl::string_view token) {
   const std::string address = HostPort(host, port);
   const absl::Time deadline = DeadlineAfter(timeout);
   absl::Duration backoff = absl::Milliseconds(10);
@@ -48,6 +49,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& host,
           }
           std::unique_ptr<Client> client(new Client(fd, wake_fd, address));
           client->reader_ = std::thread([c = client.get()] { c->ReadLoop(); });
+          // Not retried: a rejected token will not become right.
+          FS_RETURN_IF_ERROR(client->Hello(token, deadline));
           return client;
         }
         last_error = std::strerror(err);
@@ -65,6 +68,25 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& host,
                                                   " within ", absl::FormatDuration(timeout),
                                                   " (", attempts, " attempts; last error: ",
                                                   last_error, ")"));
+}
+
+absl::Status Client::Hello(absl::string_view token, absl::Time deadline) {
+  const std::string rejected = absl::StrCat("TCPStore ", address_,
+                                            " rejected this client: wrong or missing job token "
+                                            "(FS_STORE_TOKEN)");
+  absl::StatusOr<Message> reply = Call(
+      [&](uint32_t id, std::string* out) { return wire::EncodeHello(id, token, out); }, deadline,
+      "hello");
+  FS_RETURN_IF_ERROR(reply.status());
+  if (reply->command == WireCommand::kOk) return absl::OkStatus();
+  const absl::Status s = wire::ErrorStatus(*reply);
+  if (absl::IsUnauthenticated(s)) return absl::UnauthenticatedError(rejected);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("TCPStore ", address_, ": hello: ", s.message()));
+  }
+  return absl::InternalError(absl::StrCat(
+      "TCPStore ", address_, ": hello: unexpected ",
+      wire::WireCommandName(static_cast<uint8_t>(reply->command)), " reply"));
 }
 
 Client::~Client() {

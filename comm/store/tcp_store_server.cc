@@ -71,7 +71,8 @@ absl::StatusOr<addrinfo*> Resolve(const std::string& host, int port, bool passiv
 }
 
 
-absl::StatusOr<std::unique_ptr<Server>> Server::Start(const std::string& host, int port) {
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const std::string& host, int port,
+                                                      std::string token) {
   FS_ASSIGN_OR_RETURN(addrinfo * addrs, Resolve(host, port, /*passive=*/true));
   int fd = -1;
   std::string last_error = "no address";
@@ -112,7 +113,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const std::string& host, i
     return absl::InternalError(absl::StrCat("TCPStore server eventfd: ", std::strerror(err)));
   }
   std::unique_ptr<Server> server(new Server(
-      fd, wake_fd, real_port, absl::StrCat("TCPStore server ", HostPort(host, real_port))));
+      fd, wake_fd, real_port, absl::StrCat("TCPStore server ", HostPort(host, real_port)),
+      std::move(token)));
   server->thread_ = std::thread([s = server.get()] { s->Run(); });
   return server;
 }
@@ -288,9 +290,47 @@ bool Server::AllPresent(const std::vector<std::string>& keys) const {
   return true;
 }
 
+namespace {
+
+// Compares without an early exit, so the time taken does not reveal how much of a guess matched.
+bool TokensEqual(absl::string_view a, absl::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::max(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= x ^ y;
+  }
+  return diff == 0;
+}
+
+}  // namespace
+
+bool Server::Authenticate(Conn& conn, const Message& m) {
+  const bool hello = m.command == WireCommand::kHello;
+  if (conn.authenticated && !hello) return true;
+  if (token_.empty() || (hello && TokensEqual(m.value, token_))) {
+    conn.authenticated = true;
+    return true;
+  }
+  const absl::Status rejected = absl::UnauthenticatedError(
+      hello ? "wrong or missing job token (FS_STORE_TOKEN)"
+            : absl::StrCat("wrong or missing job token (FS_STORE_TOKEN): the first request was ",
+                           wire::WireCommandName(static_cast<uint8_t>(m.command)),
+                           ", not hello"));
+  // The client learns why before the connection closes; nothing else it sent is answered.
+  Reply(conn, [&](std::string* out) { wire::EncodeError(m.request_id, rejected, out); });
+  Close(conn, rejected);
+  return false;
+}
+
 void Server::Handle(uint64_t conn_id, Conn& conn, Message& m) {
   const uint32_t id = m.request_id;
+  if (!Authenticate(conn, m)) return;
   switch (m.command) {
+    case WireCommand::kHello:
+      Reply(conn, [&](std::string* out) { wire::EncodeOk(id, out); });
+      return;
     case WireCommand::kSet:
       data_[m.key] = std::move(m.value);
       Reply(conn, [&](std::string* out) { wire::EncodeOk(id, out); });

@@ -362,6 +362,98 @@ TEST(TCPStore, ManyThreadsShareOneClient) {
   EXPECT_EQ(sum, absl::StrCat(kThreads * 50));
 }
 
+// ---- job token -----------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<TCPStore>> StartServerWithToken(const std::string& token) {
+  TCPStoreOptions o;
+  o.is_server = true;
+  o.timeout = kTimeout;
+  o.token = token;
+  return TCPStore::Create(o);
+}
+
+absl::StatusOr<std::unique_ptr<TCPStore>> ConnectWithToken(int port, const std::string& token,
+                                                           absl::Duration timeout) {
+  TCPStoreOptions o;
+  o.port = port;
+  o.timeout = timeout;
+  o.token = token;
+  return TCPStore::Create(o);
+}
+
+TEST(TCPStoreToken, TheRightTokenIsAdmitted) {
+  ASSERT_OK_AND_ASSIGN(auto server, StartServerWithToken("0123456789abcdef"));
+  ASSERT_OK_AND_ASSIGN(auto client,
+                       ConnectWithToken(server->port(), "0123456789abcdef", kTimeout));
+  ASSERT_OK(client->Set("k", "v"));
+  ASSERT_OK_AND_ASSIGN(std::string v, server->Get("k", kTimeout));
+  EXPECT_EQ(v, "v");
+}
+
+// A wrong or missing token is an immediate kUnauthenticated, not a connect retried until the
+// deadline: the client's timeout is far beyond the bound checked here.
+TEST(TCPStoreToken, AWrongOrMissingTokenFailsFastWithAClearError) {
+  ASSERT_OK_AND_ASSIGN(auto server, StartServerWithToken("0123456789abcdef"));
+  const std::string expected = absl::StrCat("TCPStore 127.0.0.1:", server->port(),
+                                            " rejected this client: wrong or missing job token "
+                                            "(FS_STORE_TOKEN)");
+  for (const std::string token : {"0123456789abcdeX", "", "0123456789abcdef0"}) {
+    const absl::Time start = absl::Now();
+    EXPECT_THAT(ConnectWithToken(server->port(), token, absl::Minutes(10)).status(),
+                StatusIs(absl::StatusCode::kUnauthenticated, expected))
+        << "token '" << token << "'";
+    EXPECT_LT(absl::Now() - start, absl::Minutes(5)) << "token '" << token << "'";
+  }
+  // The server keeps serving its own client and admits the right token afterwards.
+  ASSERT_OK(server->Set("still", "up"));
+  ASSERT_OK_AND_ASSIGN(auto good, ConnectWithToken(server->port(), "0123456789abcdef", kTimeout));
+  ASSERT_OK_AND_ASSIGN(std::string v, good->Get("still", kTimeout));
+  EXPECT_EQ(v, "up");
+}
+
+// A raw client that skips the hello gets an unauthenticated error reply, then the connection
+// closes; its request is not applied.
+TEST(TCPStoreToken, ARequestWithoutHelloIsRejectedAndNotApplied) {
+  ASSERT_OK_AND_ASSIGN(auto server, StartServerWithToken("secret"));
+  const int fd = RawConnect(server->port());
+  ASSERT_GE(fd, 0);
+  std::string frame;
+  ASSERT_OK(wire::EncodeSet(5, "intruder", "x", &frame));
+  SendAll(fd, frame);
+  wire::Decoder decoder(wire::Decoder::Direction::kReplies);
+  std::vector<wire::Message> replies;
+  char buf[4096];
+  bool closed = false;
+  const absl::Time deadline = absl::Now() + kTimeout;
+  while (!closed && absl::Now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 50) <= 0) continue;
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) {
+      closed = true;
+    } else {
+      ASSERT_OK(decoder.Feed(absl::string_view(buf, n), &replies));
+    }
+  }
+  close(fd);
+  EXPECT_TRUE(closed);
+  ASSERT_EQ(replies.size(), 1u);
+  EXPECT_EQ(replies[0].request_id, 5u);
+  EXPECT_THAT(wire::ErrorStatus(replies[0]),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("FS_STORE_TOKEN")));
+  ASSERT_OK_AND_ASSIGN(bool present, server->Check("intruder"));
+  EXPECT_FALSE(present);
+}
+
+TEST(TCPStoreToken, AServerWithoutATokenAdmitsEveryone) {
+  ASSERT_OK_AND_ASSIGN(auto server, StartServer());
+  ASSERT_OK_AND_ASSIGN(auto with, ConnectWithToken(server->port(), "anything", kTimeout));
+  ASSERT_OK_AND_ASSIGN(auto without, ConnectWithToken(server->port(), "", kTimeout));
+  ASSERT_OK(with->Set("a", "1"));
+  ASSERT_OK_AND_ASSIGN(std::string v, without->Get("a", kTimeout));
+  EXPECT_EQ(v, "1");
+}
+
 }  // namespace
 }  // namespace fairscale::comm
 

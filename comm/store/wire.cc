@@ -59,7 +59,7 @@ int64_t TimeoutMs(absl::Duration timeout) {
 
 bool IsKnownCommand(uint8_t c) {
   return (c >= static_cast<uint8_t>(WireCommand::kSet) &&
-          c <= static_cast<uint8_t>(WireCommand::kWait)) ||
+          c <= static_cast<uint8_t>(WireCommand::kHello)) ||
          (c >= static_cast<uint8_t>(WireCommand::kOk) &&
           c <= static_cast<uint8_t>(WireCommand::kError));
 }
@@ -100,6 +100,8 @@ std::pair<uint64_t, uint64_t> ValueLenRange(WireCommand c) {
       return {1, 1};
     case WireCommand::kError:
       return {1, 1 + kMaxErrorMessageBytes};
+    case WireCommand::kHello:
+      return {0, kMaxTokenBytes};
   }
   return {1, 0};  // Unknown commands never get here; an empty range rejects them anyway.
 }
@@ -153,6 +155,7 @@ absl::Status ParseBody(absl::string_view value, uint64_t frame_offset, Message* 
   switch (m->command) {
     case WireCommand::kSet:
     case WireCommand::kValue:
+    case WireCommand::kHello:
       m->value = std::string(value);
       return absl::OkStatus();
     case WireCommand::kGet:
@@ -269,6 +272,7 @@ std::string WireCommandName(uint8_t command) {
     case 5: return "delete";
     case 6: return "check";
     case 7: return "wait";
+    case 8: return "hello";
     case 64: return "ok";
     case 65: return "value";
     case 66: return "int";
@@ -341,6 +345,17 @@ absl::Status EncodeWait(uint32_t id, const std::vector<std::string>& keys,
   return EncodeWaitMs(id, keys, TimeoutMs(timeout), out);
 }
 
+absl::Status EncodeHello(uint32_t id, absl::string_view token, std::string* out) {
+  if (token.size() > kMaxTokenBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("store token of ", token.size(),
+                                                   " bytes exceeds the limit of ",
+                                                   kMaxTokenBytes));
+  }
+  PutHeader(WireCommand::kHello, id, 0, token.size(), out);
+  out->append(token.data(), token.size());
+  return absl::OkStatus();
+}
+
 void EncodeOk(uint32_t id, std::string* out) { PutHeader(WireCommand::kOk, id, 0, 0, out); }
 
 void EncodeValue(uint32_t id, absl::string_view value, std::string* out) {
@@ -380,6 +395,7 @@ absl::Status Encode(const Message& m, std::string* out) {
     case WireCommand::kWait:
       if (m.number < 0) return absl::InvalidArgumentError("wait with a negative timeout");
       return EncodeWaitMs(id, m.keys, m.number, out);
+    case WireCommand::kHello: return EncodeHello(id, m.value, out);
     case WireCommand::kOk: EncodeOk(id, out); return absl::OkStatus();
     case WireCommand::kValue:
       FS_RETURN_IF_ERROR(store_internal::CheckValue(m.value));

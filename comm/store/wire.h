@@ -14,7 +14,10 @@
 //       12     4  key_len
 //       16     8  value_len
 //
-// The value layout depends on the command (see WireCommand). The Decoder checks the header
+// The value layout depends on the command (see WireCommand). A client opens every connection
+// with kHello carrying the job token; a server that has a token answers any other first request
+// (or a wrong token) with a kUnauthenticated error and closes the connection.
+// The Decoder checks the header
 // against the limits of store.h before it buffers a single byte of the body, so a hostile length
 // costs nothing, and it accepts only the canonical encoding: decoding a frame and encoding the
 // result gives back the same bytes (the fuzzer checks this).
@@ -36,6 +39,8 @@ inline constexpr uint8_t kWireVersion = 1;
 inline constexpr size_t kHeaderBytes = 24;
 // Error replies carry at most this much message text (longer messages are cut when encoded).
 inline constexpr size_t kMaxErrorMessageBytes = 16 << 10;
+// A Hello's token is at most this long (the launcher's are 32 hex digits).
+inline constexpr size_t kMaxTokenBytes = 1024;
 
 enum class WireCommand : uint8_t {
   // Requests (client -> server).
@@ -47,6 +52,7 @@ enum class WireCommand : uint8_t {
   kDelete = 5,      // key; empty value
   kCheck = 6,       // key; empty value
   kWait = 7,        // no key; value = i64 timeout in ms (>= 0), u32 n, n x (u32 len, key)
+  kHello = 8,       // no key; value = the job token (may be empty); answered by kOk
   // Replies (server -> client).
   kOk = 64,       // empty (Set, Wait)
   kValue = 65,    // value (Get, CompareSet)
@@ -61,7 +67,8 @@ bool IsRequest(WireCommand command);
 
 // One decoded frame. Which fields are meaningful depends on `command`:
 //   key       Set Get Add CompareSet Delete Check
-//   value     Set (the value), CompareSet (desired), Value reply, Error (message)
+//   value     Set (the value), CompareSet (desired), Hello (token), Value reply,
+//             Error (message)
 //   expected  CompareSet
 //   keys      Wait
 //   number    Get/Wait (timeout ms), Add (delta), Int reply, Bool reply (0/1),
@@ -91,6 +98,7 @@ absl::Status EncodeDelete(uint32_t id, absl::string_view key, std::string* out);
 absl::Status EncodeCheck(uint32_t id, absl::string_view key, std::string* out);
 absl::Status EncodeWait(uint32_t id, const std::vector<std::string>& keys,
                         absl::Duration timeout, std::string* out);
+absl::Status EncodeHello(uint32_t id, absl::string_view token, std::string* out);
 void EncodeOk(uint32_t id, std::string* out);
 void EncodeValue(uint32_t id, absl::string_view value, std::string* out);
 void EncodeInt(uint32_t id, int64_t value, std::string* out);

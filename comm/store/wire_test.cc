@@ -87,6 +87,30 @@ TEST(Wire, RequestsRoundTripInEveryChunkSize) {
   }
 }
 
+TEST(Wire, HelloCarriesTheTokenAndRoundTrips) {
+  std::string s;
+  ASSERT_OK(EncodeHello(9, "0123abcd", &s));
+  ASSERT_OK(EncodeHello(10, "", &s));
+  Decoder d(Direction::kRequests);
+  std::vector<Message> out;
+  ASSERT_OK(d.Feed(s, &out));
+  ASSERT_THAT(out, SizeIs(2));
+  EXPECT_EQ(out[0].command, WireCommand::kHello);
+  EXPECT_EQ(out[0].request_id, 9u);
+  EXPECT_EQ(out[0].value, "0123abcd");
+  EXPECT_EQ(out[1].value, "");
+  std::string again;
+  for (const Message& m : out) ASSERT_OK(Encode(m, &again));
+  EXPECT_EQ(again, s);
+  // A hello is a request: a client decoding replies rejects it.
+  Decoder client(Direction::kReplies);
+  EXPECT_THAT(client.Feed(s, &out), StatusIs(absl::StatusCode::kInvalidArgument));
+  std::string too_long;
+  EXPECT_THAT(EncodeHello(1, std::string(kMaxTokenBytes + 1, 'x'), &too_long),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_TRUE(too_long.empty());
+}
+
 TEST(Wire, RepliesRoundTrip) {
   const std::string bytes = AllReplies();
   Decoder d(Direction::kReplies);

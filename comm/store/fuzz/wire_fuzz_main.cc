@@ -107,7 +107,7 @@ std::string RandomValidFrames(std::mt19937_64& rng) {
     absl::Status st;
     if (requests) {
       const std::string key = RandomKey(rng);
-      switch (rng() % 7) {
+      switch (rng() % 8) {
         case 0: st = wire::EncodeSet(id, key, RandomKey(rng), &s); break;
         case 1: st = wire::EncodeGet(id, key, absl::Milliseconds(rng() % 100000), &s); break;
         case 2: st = wire::EncodeAdd(id, key, static_cast<int64_t>(rng()), &s); break;
@@ -117,6 +117,7 @@ std::string RandomValidFrames(std::mt19937_64& rng) {
         case 6:
           st = wire::EncodeWait(id, {key, RandomKey(rng)}, absl::InfiniteDuration(), &s);
           break;
+        case 7: st = wire::EncodeHello(id, RandomKey(rng), &s); break;
       }
     } else {
       switch (rng() % 5) {

@@ -64,7 +64,9 @@ absl::StatusOr<addrinfo*> Resolve(const std::string& host, int port, bool passiv
 // It owns the map outright, so nothing in it needs a lock.
 class Server {
  public:
-  static absl::StatusOr<std::unique_ptr<Server>> Start(const std::string& host, int port);
+  // A non-empty `token` admits only clients whose first request is a Hello carrying it.
+  static absl::StatusOr<std::unique_ptr<Server>> Start(const std::string& host, int port,
+                                                       std::string token);
   ~Server();
 
   int port() const { return port_; }
@@ -78,6 +80,8 @@ class Server {
     std::string out;  // Replies not yet written, from out_offset on.
     size_t out_offset = 0;
     bool closing = false;
+    bool authenticated = false;  // Presented the token (always true once past the first request
+                                 // when the server has none).
     absl::flat_hash_set<uint64_t> waiters;
 
     size_t pending_out() const { return out.size() - out_offset; }
@@ -101,8 +105,12 @@ class Server {
   // Bytes read from one connection per poll round, so one busy client cannot starve the rest.
   static constexpr size_t kReadBudgetBytes = 4 << 20;
 
-  Server(int listen_fd, int wake_fd, int port, std::string name)
-      : listen_fd_(listen_fd), wake_fd_(wake_fd), port_(port), name_(std::move(name)) {}
+  Server(int listen_fd, int wake_fd, int port, std::string name, std::string token)
+      : listen_fd_(listen_fd),
+        wake_fd_(wake_fd),
+        port_(port),
+        name_(std::move(name)),
+        token_(std::move(token)) {}
 
   void Run();
   void Accept();
@@ -110,6 +118,9 @@ class Server {
   void Flush(Conn& conn);
   void Close(Conn& conn, const absl::Status& why);
   void Handle(uint64_t conn_id, Conn& conn, Message& m);
+  // Admits or rejects a connection on its first request (and checks any later Hello). Returns
+  // false when the request must not be handled (the connection is then closing).
+  bool Authenticate(Conn& conn, const Message& m);
   void Reply(Conn& conn, absl::FunctionRef<void(std::string*)> encode);
   void Park(uint64_t conn_id, Conn& conn, Message& m);
   bool AllPresent(const std::vector<std::string>& keys) const;
@@ -122,6 +133,7 @@ class Server {
   const int wake_fd_;
   const int port_;
   const std::string name_;  // "TCPStore server 127.0.0.1:29500" for log lines
+  const std::string token_;  // Empty: every client is admitted.
   std::thread thread_;
 
   absl::Mutex mu_;
@@ -142,8 +154,11 @@ class Server {
 // turn, then wait for the reply with their id, which a reader thread files under pending_.
 class Client {
  public:
+  // Connects (retrying until `timeout`), then presents `token` in a Hello. A server that
+  // rejects the token gives kUnauthenticated naming host:port and FS_STORE_TOKEN.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& host, int port,
-                                                         absl::Duration timeout);
+                                                         absl::Duration timeout,
+                                                         absl::string_view token);
   ~Client();
 
   // Sends the frame that `encode` appends (given the request id) and returns the reply, or
@@ -158,6 +173,7 @@ class Client {
   Client(int fd, int wake_fd, std::string address)
       : fd_(fd), wake_fd_(wake_fd), address_(std::move(address)) {}
 
+  absl::Status Hello(absl::string_view token, absl::Time deadline);
   void ReadLoop();
   void Break(absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status WriteFrame(absl::string_view frame, absl::Time deadline);
