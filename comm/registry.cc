@@ -13,6 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
 #include "comm/store/hash_store.h"
+#include "comm/store/prefix_store.h"
 #include "comm/store/tcp_store.h"
 
 namespace fairscale::comm {
@@ -122,22 +123,92 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(absl::string_vi
   return factory(config);
 }
 
+namespace {
+
+// Where a rank and a world size can come from, in order of precedence. torchrun / fs_launch's
+// variables win; then the MPI launchers' (mpirun exports both OMPI_* and, with some PMI
+// plugins, PMI_*: they must agree); Slurm's last, because mpirun inside an sbatch allocation
+// inherits the batch step's SLURM_PROCID / SLURM_NTASKS, which describe the script, not the
+// ranks.
+struct RankSource {
+  const char* name;  // for EnvConfig::rank_source
+  const char* rank;
+  const char* size;
+  const char* local_rank;
+};
+constexpr RankSource kTorchrunSource = {"RANK/WORLD_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK"};
+constexpr RankSource kMpiSources[] = {
+    {"OMPI_COMM_WORLD_*", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK"},
+    {"PMI_*", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
+};
+constexpr RankSource kSlurmSource = {"SLURM_*", "SLURM_PROCID", "SLURM_NTASKS",
+                                     "SLURM_LOCALID"};
+
+bool IsSet(const RankSource& s) {
+  return std::getenv(s.rank) != nullptr || std::getenv(s.size) != nullptr;
+}
+
+struct RankAndSize {
+  int rank = 0;
+  int size = 1;
+};
+
+// Reads one source's rank and size: both must be set, and rank < size.
+absl::StatusOr<RankAndSize> ReadSource(const RankSource& s, absl::string_view why_required) {
+  constexpr int kMaxInt = std::numeric_limits<int>::max();
+  RankAndSize out;
+  FS_ASSIGN_OR_RETURN(std::optional<int> size,
+                      IntVar(s.size, 1, kMaxInt, /*required=*/true, why_required));
+  FS_ASSIGN_OR_RETURN(std::optional<int> rank,
+                      IntVar(s.rank, 0, kMaxInt, /*required=*/true, why_required));
+  if (*rank >= *size) {
+    return absl::InvalidArgumentError(absl::StrCat(s.rank, "='", *rank, "' is not below ",
+                                                   s.size, "='", *size, "'"));
+  }
+  out.rank = *rank;
+  out.size = *size;
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<EnvConfig> ParseEnv() {
   constexpr int kMaxInt = std::numeric_limits<int>::max();
-  constexpr absl::string_view kTorchrun = "set by torchrun / the launcher";
   EnvConfig env;
-  FS_ASSIGN_OR_RETURN(std::optional<int> world,
-                      IntVar("WORLD_SIZE", 1, kMaxInt, /*required=*/true, kTorchrun));
-  env.world_size = *world;
-  FS_ASSIGN_OR_RETURN(std::optional<int> rank,
-                      IntVar("RANK", 0, kMaxInt, /*required=*/true, kTorchrun));
-  if (*rank >= env.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("RANK='", *rank, "' is not below WORLD_SIZE='",
-                                                   env.world_size, "'"));
+  const RankSource* source = &kTorchrunSource;
+  std::string why = "set by torchrun / fs_launch";
+  if (!IsSet(kTorchrunSource)) {
+    why = "set by torchrun / fs_launch, or OMPI_COMM_WORLD_* / PMI_* / SLURM_* under mpirun / "
+          "Slurm";
+    if (IsSet(kMpiSources[0]) || IsSet(kMpiSources[1])) {
+      source = IsSet(kMpiSources[0]) ? &kMpiSources[0] : &kMpiSources[1];
+      why = "set by mpirun";
+    } else if (IsSet(kSlurmSource)) {
+      source = &kSlurmSource;
+      why = "set by srun";
+    }
   }
-  env.rank = *rank;
+  FS_ASSIGN_OR_RETURN(RankAndSize rs, ReadSource(*source, why));
+  if (source == &kMpiSources[0] && IsSet(kMpiSources[1])) {
+    // Both MPI views describe the same launch: a disagreement means a mixed-up environment.
+    FS_ASSIGN_OR_RETURN(RankAndSize pmi, ReadSource(kMpiSources[1], "set by mpirun"));
+    if (pmi.rank != rs.rank || pmi.size != rs.size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "OMPI_COMM_WORLD_RANK='", rs.rank, "' OMPI_COMM_WORLD_SIZE='", rs.size,
+          "' disagree with PMI_RANK='", pmi.rank, "' PMI_SIZE='", pmi.size, "'"));
+    }
+  }
+  env.rank = rs.rank;
+  env.world_size = rs.size;
+  env.rank_source = source->name;
+  // An explicit LOCAL_RANK wins over the MPI / Slurm spelling.
   FS_ASSIGN_OR_RETURN(std::optional<int> local_rank,
                       IntVar("LOCAL_RANK", 0, kMaxInt, /*required=*/false, ""));
+  if (!local_rank.has_value() && source != &kTorchrunSource) {
+    FS_ASSIGN_OR_RETURN(local_rank,
+                        IntVar(source->local_rank, 0, kMaxInt, /*required=*/false, ""));
+  }
   env.local_rank = local_rank.value_or(0);
 
   // Several ranks need a rendezvous; a single rank may still be told where one is.
@@ -173,6 +244,8 @@ absl::StatusOr<EnvConfig> ParseEnv() {
       return BadVar("TORCHELASTIC_USE_AGENT_STORE", *a, "is not True or False");
     }
   }
+  env.store_token = Env("FS_STORE_TOKEN").value_or("");
+  env.store_prefix = Env("FS_STORE_PREFIX").value_or("");
   return env;
 }
 
@@ -193,8 +266,13 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(const Co
       // With the agent store the launcher already serves MASTER_PORT; otherwise rank 0 does.
       options.is_server = !env.use_agent_store && env.rank == 0;
       options.timeout = config.timeout;
+      options.token = env.store_token;
       FS_ASSIGN_OR_RETURN(std::unique_ptr<TCPStore> store, TCPStore::Create(options));
       config.store = std::move(store);
+    }
+    if (!env.store_prefix.empty()) {
+      // The launcher's namespace for this attempt: keys of an earlier attempt stay invisible.
+      config.store = std::make_shared<PrefixStore>(env.store_prefix, std::move(config.store));
     }
   }
   return CreateCommunicator(env.backend, config);

@@ -42,7 +42,14 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(absl::string_vi
 //   RANK, WORLD_SIZE (required), LOCAL_RANK (optional), MASTER_ADDR, MASTER_PORT (required
 //   when WORLD_SIZE > 1), FS_COMM_BACKEND (backend name, default: highest priority),
 //   FS_COMM_TIMEOUT_S (default operation timeout in seconds),
-//   TORCHELASTIC_USE_AGENT_STORE=True (the launcher hosts the TCPStore; otherwise rank 0 does).
+//   TORCHELASTIC_USE_AGENT_STORE=True (the launcher hosts the TCPStore; otherwise rank 0 does),
+//   FS_STORE_TOKEN (the job token the TCPStore server demands; fs_launch generates it),
+//   FS_STORE_PREFIX (a namespace for every store key; fs_launch sets one per restart attempt).
+// Without RANK and WORLD_SIZE, the rank and size come from the launcher that started the
+// process, in this order: mpirun (OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK, or PMI_RANK /
+// PMI_SIZE / MPI_LOCALRANKID; when both are set they must agree), then Slurm's srun
+// (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; last, because mpirun inside an allocation
+// inherits the batch step's). An explicit LOCAL_RANK wins over the launcher's local rank.
 struct EnvConfig {
   int rank = 0;
   int world_size = 1;
@@ -52,6 +59,11 @@ struct EnvConfig {
   std::string backend;
   absl::Duration timeout = absl::Minutes(10);
   bool use_agent_store = false;
+  std::string store_token;
+  std::string store_prefix;
+  // Which variables gave rank and size: "RANK/WORLD_SIZE", "OMPI_COMM_WORLD_*", "PMI_*" or
+  // "SLURM_*".
+  std::string rank_source;
 };
 
 // Parses and validates the variables above; kInvalidArgument names the variable at fault.
@@ -61,7 +73,8 @@ absl::StatusOr<EnvConfig> ParseEnv();
 // `base` supplies the fields the environment does not (bind_address, options; timeout unless
 // FS_COMM_TIMEOUT_S is set; a store, which then replaces the TCPStore). Rank 0 hosts the
 // TCPStore server, bound to MASTER_ADDR, unless TORCHELASTIC_USE_AGENT_STORE=True (then every
-// rank is a client of the launcher's). WORLD_SIZE=1 uses an in-memory HashStore.
+// rank is a client of the launcher's); the TCPStore presents FS_STORE_TOKEN, and with
+// FS_STORE_PREFIX it is wrapped in a PrefixStore. WORLD_SIZE=1 uses an in-memory HashStore.
 absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(
     const CommConfig& base = {});
 

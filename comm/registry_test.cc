@@ -20,9 +20,12 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 
-constexpr const char* kVars[] = {"RANK",        "WORLD_SIZE",      "LOCAL_RANK",
-                                 "MASTER_ADDR", "MASTER_PORT",     "FS_COMM_BACKEND",
-                                 "FS_COMM_TIMEOUT_S", "TORCHELASTIC_USE_AGENT_STORE"};
+constexpr const char* kVars[] = {
+    "RANK",           "WORLD_SIZE",         "LOCAL_RANK",           "MASTER_ADDR",
+    "MASTER_PORT",    "FS_COMM_BACKEND",    "FS_COMM_TIMEOUT_S",    "TORCHELASTIC_USE_AGENT_STORE",
+    "FS_STORE_TOKEN", "FS_STORE_PREFIX",    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "PMI_SIZE",           "MPI_LOCALRANKID",
+    "SLURM_PROCID",   "SLURM_NTASKS",       "SLURM_LOCALID"};
 
 // Clears the contract's variables for each test and restores them afterwards.
 class EnvTest : public ::testing::Test {
@@ -141,6 +144,133 @@ TEST_F(EnvTest, ErrorsNameTheVariableAndItsValue) {
        "TORCHELASTIC_USE_AGENT_STORE='maybe'"},
   };
   for (const BadCase& c : cases) {
+    for (const char* v : kVars) unsetenv(v);
+    std::string desc;
+    for (const auto& [k, v] : c.vars) {
+      Set(k.c_str(), v.c_str());
+      desc += k + "=" + v + " ";
+    }
+    EXPECT_THAT(ParseEnv().status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)))
+        << desc;
+  }
+}
+
+TEST_F(EnvTest, StoreTokenAndPrefix) {
+  Set("RANK", "0");
+  Set("WORLD_SIZE", "1");
+  Set("FS_STORE_TOKEN", "00ff");
+  Set("FS_STORE_PREFIX", "fs_launch/1/job");
+  ASSERT_OK_AND_ASSIGN(EnvConfig env, ParseEnv());
+  EXPECT_EQ(env.store_token, "00ff");
+  EXPECT_EQ(env.store_prefix, "fs_launch/1/job");
+  EXPECT_EQ(env.rank_source, "RANK/WORLD_SIZE");
+}
+
+TEST_F(EnvTest, OpenMpiRankSizeAndLocalRank) {
+  Set("OMPI_COMM_WORLD_RANK", "3");
+  Set("OMPI_COMM_WORLD_SIZE", "4");
+  Set("OMPI_COMM_WORLD_LOCAL_RANK", "1");
+  Set("MASTER_ADDR", "node0");
+  Set("MASTER_PORT", "29500");
+  ASSERT_OK_AND_ASSIGN(EnvConfig env, ParseEnv());
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.rank_source, "OMPI_COMM_WORLD_*");
+}
+
+TEST_F(EnvTest, PmiRankAndSize) {
+  Set("PMI_RANK", "2");
+  Set("PMI_SIZE", "3");
+  Set("MPI_LOCALRANKID", "0");
+  Set("MASTER_ADDR", "node0");
+  Set("MASTER_PORT", "29500");
+  ASSERT_OK_AND_ASSIGN(EnvConfig env, ParseEnv());
+  EXPECT_EQ(env.rank, 2);
+  EXPECT_EQ(env.world_size, 3);
+  EXPECT_EQ(env.local_rank, 0);
+  EXPECT_EQ(env.rank_source, "PMI_*");
+}
+
+TEST_F(EnvTest, SlurmProcidNtasksLocalid) {
+  Set("SLURM_PROCID", "5");
+  Set("SLURM_NTASKS", "8");
+  Set("SLURM_LOCALID", "1");
+  Set("MASTER_ADDR", "node0");
+  Set("MASTER_PORT", "29500");
+  ASSERT_OK_AND_ASSIGN(EnvConfig env, ParseEnv());
+  EXPECT_EQ(env.rank, 5);
+  EXPECT_EQ(env.world_size, 8);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.rank_source, "SLURM_*");
+}
+
+TEST_F(EnvTest, ExplicitRankAndWorldSizeWinOverLaunchers) {
+  Set("RANK", "1");
+  Set("WORLD_SIZE", "2");
+  Set("LOCAL_RANK", "1");
+  Set("MASTER_ADDR", "127.0.0.1");
+  Set("MASTER_PORT", "29500");
+  // fs_launch under srun: Slurm's view describes the launcher's task, not this rank.
+  Set("SLURM_PROCID", "0");
+  Set("SLURM_NTASKS", "1");
+  Set("SLURM_LOCALID", "0");
+  Set("OMPI_COMM_WORLD_RANK", "0");
+  Set("OMPI_COMM_WORLD_SIZE", "1");
+  ASSERT_OK_AND_ASSIGN(EnvConfig env, ParseEnv());
+  EXPECT_EQ(env.rank, 1);
+  EXPECT_EQ(env.world_size, 2);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.rank_source, "RANK/WORLD_SIZE");
+}
+
+// mpirun inside an sbatch allocation: the batch step's SLURM_* must not be read.
+TEST_F(EnvTest, MpiWinsOverSlurm) {
+  Set("OMPI_COMM_WORLD_RANK", "1");
+  Set("OMPI_COMM_WORLD_SIZE", "2");
+  Set("SLURM_PROCID", "0");
+  Set("SLURM_NTASKS", "1");
+  Set("SLURM_LOCALID", "0");
+  Set("OMPI_COMM_WORLD_LOCAL_RANK", "1");
+  Set("MASTER_ADDR", "127.0.0.1");
+  Set("MASTER_PORT", "29500");
+  ASSERT_OK_AND_ASSIGN(EnvConfig env, ParseEnv());
+  EXPECT_EQ(env.rank, 1);
+  EXPECT_EQ(env.world_size, 2);
+  EXPECT_EQ(env.local_rank, 1);
+}
+
+TEST_F(EnvTest, LauncherVariablesThatDoNotAddUpNameTheVariables) {
+  struct Case {
+    std::map<std::string, std::string> vars;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{{"OMPI_COMM_WORLD_RANK", "4"}, {"OMPI_COMM_WORLD_SIZE", "4"}},
+       "OMPI_COMM_WORLD_RANK='4' is not below OMPI_COMM_WORLD_SIZE='4'"},
+      {{{"OMPI_COMM_WORLD_RANK", "1"}}, "OMPI_COMM_WORLD_SIZE is not set (set by mpirun)"},
+      {{{"OMPI_COMM_WORLD_SIZE", "2"}}, "OMPI_COMM_WORLD_RANK is not set"},
+      {{{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "2"}},
+       "OMPI_COMM_WORLD_RANK='x' is not an integer"},
+      {{{"OMPI_COMM_WORLD_RANK", "1"},
+        {"OMPI_COMM_WORLD_SIZE", "2"},
+        {"PMI_RANK", "0"},
+        {"PMI_SIZE", "2"}},
+       "OMPI_COMM_WORLD_RANK='1' OMPI_COMM_WORLD_SIZE='2' disagree with PMI_RANK='0' "
+       "PMI_SIZE='2'"},
+      {{{"PMI_RANK", "0"}}, "PMI_SIZE is not set"},
+      {{{"PMI_RANK", "3"}, {"PMI_SIZE", "2"}}, "PMI_RANK='3' is not below PMI_SIZE='2'"},
+      {{{"SLURM_PROCID", "0"}}, "SLURM_NTASKS is not set (set by srun)"},
+      {{{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "2"}},
+       "SLURM_PROCID='2' is not below SLURM_NTASKS='2'"},
+      {{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_LOCALID", "-1"}},
+       "SLURM_LOCALID='-1'"},
+      {{{"RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "0"}},
+       "WORLD_SIZE is not set"},
+      {{}, "WORLD_SIZE is not set (set by torchrun / fs_launch, or OMPI_COMM_WORLD_*"},
+  };
+  for (const Case& c : cases) {
     for (const char* v : kVars) unsetenv(v);
     std::string desc;
     for (const auto& [k, v] : c.vars) {
