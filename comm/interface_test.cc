@@ -1,6 +1,7 @@
 // Argument validation of the Communicator base class, exercised through a backend stub that
 // records what reached it.
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "base/status_matchers.h"
@@ -142,6 +143,41 @@ TEST(Work, WaitTimesOutAndCompletesOnce) {
   EXPECT_THAT(work.Wait(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("first")));
   Work done;
   EXPECT_OK(done.Wait(absl::ZeroDuration()));
+}
+
+TEST(Work, OnDoneRunsOnceWithTheFirstStatus) {
+  auto [work, completer] = Work::Pending("all_gather #1 rank 0/2 [stub]");
+  std::vector<std::string> calls;
+  work.OnDone([&calls](const absl::Status& s) { calls.push_back("a:" + s.ToString()); });
+  work.OnDone([&calls](const absl::Status& s) { calls.push_back("b:" + s.ToString()); });
+  EXPECT_TRUE(calls.empty());
+  completer.Complete(absl::AbortedError("stop"));
+  completer.Complete(absl::OkStatus());
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_EQ(calls[0], "a:ABORTED: stop");  // in the order added
+  EXPECT_EQ(calls[1], "b:ABORTED: stop");
+  // Added after completion: runs at once on this thread, with the stored status.
+  work.OnDone([&calls](const absl::Status& s) { calls.push_back("c:" + s.ToString()); });
+  ASSERT_EQ(calls.size(), 3u);
+  EXPECT_EQ(calls[2], "c:ABORTED: stop");
+  // Already-done Works (argument errors, the default OK Work) run it at once too.
+  absl::Status seen = absl::UnknownError("unset");
+  Work::Done(absl::InvalidArgumentError("bad")).OnDone([&seen](const absl::Status& s) { seen = s; });
+  EXPECT_THAT(seen, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bad")));
+  Work().OnDone([&seen](const absl::Status& s) { seen = s; });
+  EXPECT_OK(seen);
+}
+
+TEST(Work, OnDoneCallbackMayInspectTheWork) {
+  // The callback runs outside the Work's lock: it may call IsDone()/Wait() without deadlocking.
+  auto [work, completer] = Work::Pending("barrier #1 rank 0/1 [stub]");
+  bool done_inside = false;
+  Work copy = work;
+  work.OnDone([copy, &done_inside](const absl::Status&) {
+    done_inside = copy.IsDone() && copy.Wait(absl::ZeroDuration()).ok();
+  });
+  completer.Complete(absl::OkStatus());
+  EXPECT_TRUE(done_inside);
 }
 
 TEST(Types, Names) {

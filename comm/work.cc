@@ -1,5 +1,8 @@
 #include "comm/work.h"
 
+#include <utility>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 
@@ -11,6 +14,8 @@ struct WorkState {
   mutable absl::Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
   absl::Status status ABSL_GUARDED_BY(mu);
+  // OnDone callbacks waiting for completion; moved out and run by Complete().
+  std::vector<std::function<void(const absl::Status&)>> on_done ABSL_GUARDED_BY(mu);
 };
 }  // namespace internal
 
@@ -53,12 +58,33 @@ absl::Status Work::Wait(absl::Duration timeout) const {
   return s.status;
 }
 
+void Work::OnDone(std::function<void(const absl::Status&)> callback) const {
+  if (callback == nullptr) return;
+  absl::Status status;
+  {
+    absl::MutexLock lock(&state_->mu);
+    if (!state_->done) {
+      state_->on_done.push_back(std::move(callback));
+      return;
+    }
+    status = state_->status;
+  }
+  callback(status);
+}
+
 void WorkCompleter::Complete(absl::Status status) const {
   if (state_ == nullptr) return;
-  absl::MutexLock lock(&state_->mu);
-  if (state_->done) return;
-  state_->done = true;
-  state_->status = std::move(status);
+  std::vector<std::function<void(const absl::Status&)>> callbacks;
+  {
+    absl::MutexLock lock(&state_->mu);
+    if (state_->done) return;
+    state_->done = true;
+    state_->status = std::move(status);
+    callbacks.swap(state_->on_done);
+    if (callbacks.empty()) return;
+    status = state_->status;
+  }
+  for (const auto& callback : callbacks) callback(status);
 }
 
 absl::Status WaitAll(const Work* works, size_t n, absl::Duration timeout) {

@@ -9,9 +9,11 @@
 // kDeadlineExceeded after d even if the operation is still running (it keeps running; wait again).
 //
 // Backends create a pending Work with Work::Pending() and complete it through the returned
-// WorkCompleter.
+// WorkCompleter. Observers (tracing, //trace) learn the completion time through OnDone() instead
+// of polling.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -44,6 +46,15 @@ class [[nodiscard]] Work {
   // Blocks until the operation completes or `timeout` passes. Returns the operation's status, or
   // kDeadlineExceeded if it is still running after `timeout`.
   absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration()) const;
+
+  // Runs `callback(status)` once, when the operation completes: at once on the calling thread if
+  // it is already done, else on the thread that completes it (a backend thread), right after
+  // Wait() callers are released and outside every lock of the Work. Callbacks run in the order
+  // they were added. Keep them short and non-blocking: they delay the backend thread that calls
+  // WorkCompleter::Complete, and must not wait for other operations of the same communicator.
+  // A Work that never completes (impossible for a healthy backend, see the timeout rule above)
+  // never runs its callbacks.
+  void OnDone(std::function<void(const absl::Status&)> callback) const;
 
  private:
   explicit Work(std::shared_ptr<internal::WorkState> state) : state_(std::move(state)) {}
