@@ -168,16 +168,24 @@ TEST(Work, OnDoneRunsOnceWithTheFirstStatus) {
   EXPECT_OK(seen);
 }
 
-TEST(Work, OnDoneCallbackMayInspectTheWork) {
-  // The callback runs outside the Work's lock: it may call IsDone()/Wait() without deadlocking.
+TEST(Work, OnDoneCallbacksRunBeforeTheWorkCountsAsDone) {
+  // Waiters are released only after the callbacks: inside one the Work is not done yet, and a
+  // second Complete() racing with them is ignored.
   auto [work, completer] = Work::Pending("barrier #1 rank 0/1 [stub]");
-  bool done_inside = false;
+  bool done_inside = true;
+  absl::Status wait_inside;
   Work copy = work;
-  work.OnDone([copy, &done_inside](const absl::Status&) {
-    done_inside = copy.IsDone() && copy.Wait(absl::ZeroDuration()).ok();
+  WorkCompleter again = completer;
+  work.OnDone([copy, again, &done_inside, &wait_inside](const absl::Status&) {
+    done_inside = copy.IsDone();
+    wait_inside = copy.Wait(absl::ZeroDuration());
+    again.Complete(absl::InternalError("late"));
   });
   completer.Complete(absl::OkStatus());
-  EXPECT_TRUE(done_inside);
+  EXPECT_FALSE(done_inside);
+  EXPECT_THAT(wait_inside, StatusIs(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_TRUE(work.IsDone());
+  EXPECT_OK(work.Wait());
 }
 
 TEST(Types, Names) {

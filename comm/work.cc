@@ -12,6 +12,9 @@ struct WorkState {
   explicit WorkState(std::string d) : description(std::move(d)) {}
   const std::string description;
   mutable absl::Mutex mu;
+  // Set by the first Complete(); `done` only after that call has run the OnDone callbacks, so
+  // Wait() returns after them.
+  bool completing ABSL_GUARDED_BY(mu) = false;
   bool done ABSL_GUARDED_BY(mu) = false;
   absl::Status status ABSL_GUARDED_BY(mu);
   // OnDone callbacks waiting for completion; moved out and run by Complete().
@@ -23,6 +26,7 @@ namespace {
 std::shared_ptr<internal::WorkState> DoneState(absl::Status status) {
   auto state = std::make_shared<internal::WorkState>("");
   absl::MutexLock lock(&state->mu);
+  state->completing = true;
   state->done = true;
   state->status = std::move(status);
   return state;
@@ -63,7 +67,7 @@ void Work::OnDone(std::function<void(const absl::Status&)> callback) const {
   absl::Status status;
   {
     absl::MutexLock lock(&state_->mu);
-    if (!state_->done) {
+    if (!state_->completing) {
       state_->on_done.push_back(std::move(callback));
       return;
     }
@@ -77,14 +81,19 @@ void WorkCompleter::Complete(absl::Status status) const {
   std::vector<std::function<void(const absl::Status&)>> callbacks;
   {
     absl::MutexLock lock(&state_->mu);
-    if (state_->done) return;
-    state_->done = true;
+    if (state_->completing) return;
+    state_->completing = true;
     state_->status = std::move(status);
     callbacks.swap(state_->on_done);
-    if (callbacks.empty()) return;
+    if (callbacks.empty()) {
+      state_->done = true;
+      return;
+    }
     status = state_->status;
   }
   for (const auto& callback : callbacks) callback(status);
+  absl::MutexLock lock(&state_->mu);
+  state_->done = true;
 }
 
 absl::Status WaitAll(const Work* works, size_t n, absl::Duration timeout) {

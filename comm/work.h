@@ -48,12 +48,13 @@ class [[nodiscard]] Work {
   absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration()) const;
 
   // Runs `callback(status)` once, when the operation completes: at once on the calling thread if
-  // it is already done, else on the thread that completes it (a backend thread), right after
-  // Wait() callers are released and outside every lock of the Work. Callbacks run in the order
-  // they were added. Keep them short and non-blocking: they delay the backend thread that calls
-  // WorkCompleter::Complete, and must not wait for other operations of the same communicator.
-  // A Work that never completes (impossible for a healthy backend, see the timeout rule above)
-  // never runs its callbacks.
+  // it is already done, else on the thread that completes it (a backend thread), outside every
+  // lock of the Work, in the order the callbacks were added. The Work counts as done only after
+  // they return: once Wait() returns or IsDone() is true, every callback added before completion
+  // has run (so an observer's record of the operation is complete by then). Hence a callback
+  // must not Wait() on its own Work (IsDone() is still false inside it). Keep callbacks short and
+  // non-blocking: they delay the backend thread and the waiters. A Work that never completes
+  // (impossible for a healthy backend, see the timeout rule above) never runs its callbacks.
   void OnDone(std::function<void(const absl::Status&)> callback) const;
 
  private:
