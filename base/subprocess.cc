@@ -27,7 +27,13 @@ absl::string_view KeyOf(absl::string_view entry) {
 absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args,
                                 const std::vector<std::string>& env,
                                 const std::vector<std::pair<int, int>>& fds) {
-  std::vector<std::string> argv_storage = {"/proc/self/exe"};
+  return Spawn("/proc/self/exe", args, env, fds);
+}
+
+absl::StatusOr<pid_t> Spawn(const std::string& program, const std::vector<std::string>& args,
+                            const std::vector<std::string>& env,
+                            const std::vector<std::pair<int, int>>& fds, bool new_process_group) {
+  std::vector<std::string> argv_storage = {program};
   argv_storage.insert(argv_storage.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (std::string& a : argv_storage) argv.push_back(a.data());
@@ -48,12 +54,32 @@ absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args,
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   for (const auto& [from, to] : fds) posix_spawn_file_actions_adddup2(&actions, from, to);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t defaults;
+  sigemptyset(&defaults);
+  sigaddset(&defaults, SIGINT);
+  sigaddset(&defaults, SIGTERM);
+  sigaddset(&defaults, SIGPIPE);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  short flags = POSIX_SPAWN_SETSIGDEF;
+  if (new_process_group) {
+    flags |= POSIX_SPAWN_SETPGROUP;
+    posix_spawnattr_setpgroup(&attr, 0);
+  }
+  posix_spawnattr_setflags(&attr, flags);
   pid_t pid = 0;
-  const int rc =
-      posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, argv.data(), envp.data());
+  const bool search_path = program.find('/') == std::string::npos;
+  const int rc = search_path ? posix_spawnp(&pid, program.c_str(), &actions, &attr, argv.data(),
+                                            envp.data())
+                             : posix_spawn(&pid, program.c_str(), &actions, &attr, argv.data(),
+                                           envp.data());
+  posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) {
-    return absl::InternalError(absl::StrCat("posix_spawn(/proc/self/exe): ", std::strerror(rc)));
+    return absl::Status(rc == ENOENT || rc == EACCES ? absl::StatusCode::kNotFound
+                                                     : absl::StatusCode::kInternal,
+                        absl::StrCat("posix_spawn(", program, "): ", std::strerror(rc)));
   }
   return pid;
 }

@@ -1,0 +1,102 @@
+// fs_launch: the torchrun-like launcher (see launch/README.md and launch/launcher.h).
+//
+//   fs_launch --nproc_per_node=4 -- ./train --steps=100
+//   fs_launch --nnodes=2 --node_rank=1 --master_addr=node0 --master_port=29500
+//             --nproc_per_node=8 --max_restarts=3 -- ./train --resume    (one line)
+//
+// torchrun's spellings are accepted too (--nproc-per-node, --master-port, ...), and the program
+// may follow the flags without "--" when flags with a value use "--flag=value" or
+// "--flag value". Exit status: the job's (see Launch); 1 when the job could not be run.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/time/time.h"
+#include "launch/launcher.h"
+
+ABSL_FLAG(int, nproc_per_node, 1, "ranks to start on this node");
+ABSL_FLAG(int, nnodes, 1, "number of nodes (one fs_launch per node)");
+ABSL_FLAG(int, node_rank, 0, "this node's index in [0, nnodes); node 0 hosts the job store");
+ABSL_FLAG(std::string, master_addr, "127.0.0.1",
+          "address of node 0, where the job's TCPStore listens (MASTER_ADDR of the ranks)");
+ABSL_FLAG(int, master_port, 29500,
+          "port of the job's TCPStore (MASTER_PORT); 0 picks a free one (single node only)");
+ABSL_FLAG(int, max_restarts, 0,
+          "restart the whole job at most this many times after a failure (FS_RESTART_COUNT)");
+ABSL_FLAG(double, stop_timeout_s, 5,
+          "seconds between SIGTERM and SIGKILL when stopping ranks");
+ABSL_FLAG(double, rdzv_timeout_s, 300,
+          "seconds to wait for the other nodes' launchers (and for node 0's store)");
+ABSL_FLAG(bool, prefix_output, true, "prefix every output line of a rank with \"[rank N] \"");
+
+namespace {
+
+// Flags that take a value (so "--flag value" consumes the next argument).
+const absl::flat_hash_set<std::string>& ValueFlags() {
+  static const auto* flags = new absl::flat_hash_set<std::string>{
+      "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port",
+      "max_restarts", "stop_timeout_s", "rdzv_timeout_s", "flagfile"};
+  return *flags;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "fs_launch [flags] -- program [args...]: starts --nproc_per_node ranks of program with "
+      "RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and FS_STORE_TOKEN set");
+  // Our flags end at "--" or at the first argument that is not a flag; torchrun's dashed
+  // spellings become absl's underscores.
+  std::vector<std::string> ours = {argv[0]};
+  int program_at = argc;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--") {
+      program_at = i + 1;
+      break;
+    }
+    if (!absl::StartsWith(a, "-")) {
+      program_at = i;
+      break;
+    }
+    const size_t eq = a.find('=');
+    const size_t dashes = absl::StartsWith(a, "--") ? 2 : 1;
+    std::string name = a.substr(dashes, eq == std::string::npos ? std::string::npos : eq - dashes);
+    name = absl::StrReplaceAll(name, {{"-", "_"}});
+    ours.push_back(absl::StrCat("--", name, eq == std::string::npos ? "" : a.substr(eq)));
+    if (eq == std::string::npos && ValueFlags().contains(name) && i + 1 < argc) {
+      ours.push_back(argv[++i]);
+    }
+  }
+  std::vector<char*> ours_argv;
+  for (std::string& s : ours) ours_argv.push_back(s.data());
+  absl::ParseCommandLine(static_cast<int>(ours_argv.size()), ours_argv.data());
+
+  fairscale::launch::LaunchOptions o;
+  o.nproc_per_node = absl::GetFlag(FLAGS_nproc_per_node);
+  o.nnodes = absl::GetFlag(FLAGS_nnodes);
+  o.node_rank = absl::GetFlag(FLAGS_node_rank);
+  o.master_addr = absl::GetFlag(FLAGS_master_addr);
+  o.master_port = absl::GetFlag(FLAGS_master_port);
+  o.max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  o.stop_timeout = absl::Seconds(absl::GetFlag(FLAGS_stop_timeout_s));
+  o.rendezvous_timeout = absl::Seconds(absl::GetFlag(FLAGS_rdzv_timeout_s));
+  o.prefix_output = absl::GetFlag(FLAGS_prefix_output);
+  if (program_at < argc) {
+    o.program = argv[program_at];
+    o.args.assign(argv + program_at + 1, argv + argc);
+  }
+  absl::StatusOr<int> status = fairscale::launch::Launch(o);
+  if (!status.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(status.status().message()).c_str());
+    return 1;
+  }
+  return *status;
+}

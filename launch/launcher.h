@@ -1,0 +1,84 @@
+// The launcher library (//launch:launcher): what fs_launch does, callable from other binaries
+// (a job that launches itself, integration tests). Like torchrun, it starts nproc_per_node ranks
+// of `program` on this node under the environment contract that CreateCommunicatorFromEnv reads
+// (comm/registry.h), and supervises them:
+//
+// * Node 0's launcher hosts the job's TCPStore on master_addr:master_port (port 0: the OS picks
+//   one, and the ranks get the real port in MASTER_PORT); the ranks connect to it as clients
+//   (TORCHELASTIC_USE_AGENT_STORE=True), presenting the job token FS_STORE_TOKEN.
+// * Every line a rank writes to stdout / stderr is copied to the launcher's stdout / stderr
+//   prefixed "[rank N] " (a last line without '\n' is flushed when the rank exits).
+// * SIGINT / SIGTERM to the launcher are forwarded to every rank (to its process group); ranks
+//   still running stop_timeout later are SIGKILLed; a second signal SIGKILLs at once.
+// * When a rank exits non-zero or is killed, the others get SIGTERM (SIGKILL after
+//   stop_timeout) and the job's status is that rank's: its exit code, or 128 + signal.
+// * With max_restarts = N, a failed job is stopped and started again, at most N times, with
+//   FS_RESTART_COUNT = 1, 2, ... (the program resumes from its own last checkpoint) and a fresh
+//   store namespace (FS_STORE_PREFIX) per attempt, so no key of a failed attempt is seen.
+// * Several nodes: run one launcher per node with the same nnodes / master_addr / master_port
+//   and FS_STORE_TOKEN, and node_rank 0..nnodes-1. The launchers meet in the store before each
+//   attempt, and a failure on any node stops (and restarts) the ranks of every node.
+//
+// Thread-safety: Launch installs SIGINT / SIGTERM handlers for its duration (the previous ones
+// are restored on return); run one Launch per process at a time.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace fairscale::launch {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  // Where node 0's launcher serves the TCPStore; the ranks get it as MASTER_ADDR.
+  std::string master_addr = "127.0.0.1";
+  // 0: pick a free port (single node only: other nodes could not know it).
+  int master_port = 29500;
+  // Where node 0's TCPStore binds. Empty: master_addr for one node, every interface ("0.0.0.0")
+  // for several.
+  std::string store_bind_addr;
+  int max_restarts = 0;
+  // SIGTERM -> SIGKILL grace when stopping ranks.
+  absl::Duration stop_timeout = absl::Seconds(5);
+  // How long launchers wait for each other (and non-zero nodes for node 0's store).
+  absl::Duration rendezvous_timeout = absl::Minutes(5);
+  // The program (a path, or a name looked up in PATH) and its arguments.
+  std::string program;
+  std::vector<std::string> args;
+  // Extra "KEY=VALUE" for every rank (applied before the launcher's own variables).
+  std::vector<std::string> env;
+  // The job token. Empty: FS_STORE_TOKEN of the launcher's environment, else (one node only) a
+  // fresh random one.
+  std::string store_token;
+  // Prefix each output line with "[rank N] ".
+  bool prefix_output = true;
+  // Where prefixed rank output and the launcher's own messages go.
+  int stdout_fd = 1;
+  int stderr_fd = 2;
+};
+
+// kInvalidArgument naming the first bad field.
+absl::Status ValidateLaunchOptions(const LaunchOptions& options);
+
+// Runs the job to its end and returns its exit status: 0 when every rank of every node exited
+// 0; the failed rank's status (exit code, or 128 + signal) otherwise; 128 + signal when the
+// launcher itself was told to stop. An error only when the job could not be run at all (bad
+// options, the program cannot be started, the store or the launchers' rendezvous failed).
+absl::StatusOr<int> Launch(const LaunchOptions& options);
+
+// 128 random bits as 32 lowercase hex digits (the launcher's job tokens).
+std::string NewStoreToken();
+
+// The environment of one rank ("KEY=VALUE"), as Launch gives it: options.env, then RANK,
+// LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
+// TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
+// FS_RESTART_COUNT, FS_STORE_TOKEN, FS_STORE_PREFIX.
+std::vector<std::string> RankEnv(const LaunchOptions& options, int local_rank, int master_port,
+                                 const std::string& token, int attempt);
+
+}  // namespace fairscale::launch
