@@ -83,7 +83,19 @@ struct FsdpOptions {
 
   // See MixedPrecision. Default: everything in the parameters' dtype.
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
+
+  // In backward, the all-gather of the unit whose backward comes next is issued when this
+  // unit's backward starts (PyTorch's BACKWARD_PRE), so it runs while this unit computes; costs
+  // one more unit of full parameters alive. false: each unit gathers when its backward starts.
   TORCH_ARG(bool, backward_prefetch) = true;
+
+  // How many gradient reductions may still be running when a unit starts assembling its next
+  // full gradient in backward. 1 (the default): a unit's reduce-scatter overlaps the next unit's
+  // backward, at the cost of one more full gradient (the unit's size) alive. 0: the previous
+  // reduction is waited for first, which with backward_prefetch(false) keeps a rank at one
+  // unit's full parameters plus one full gradient at any time: the lowest peak, for memory-bound
+  // jobs (see fsdp/bench/README.md for the trade-off measured). Must be >= 0.
+  TORCH_ARG(int, reductions_in_flight) = 1;
 };
 
 }  // namespace fairscale::fsdp

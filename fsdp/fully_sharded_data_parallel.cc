@@ -63,12 +63,6 @@ class PostBackwardHook : public torch::autograd::FunctionPostHook {
 
 namespace {
 
-// Gradient reductions left in flight when a new one is issued during backward. One overlaps the
-// newest reduction with the next unit's backward compute; the one before it has had a whole
-// unit's backward to finish, so waiting for it rarely blocks, and its full gradient (the size of
-// the unit's parameters) is freed then rather than at the end of backward.
-constexpr size_t kReducesInFlight = 1;
-
 // An empty module that holds nested units under their dotted path ("blocks" -> "0" -> unit).
 class PathModule : public torch::nn::Module {
  public:
@@ -108,6 +102,9 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule 
       options_(std::move(options)) {
   TORCH_CHECK(comm_ != nullptr, "FullyShardedDataParallel: the communicator is null");
   TORCH_CHECK(!module_any_.is_empty(), "FullyShardedDataParallel: the module is empty");
+  TORCH_CHECK(options_.reductions_in_flight() >= 0,
+              "FullyShardedDataParallel: reductions_in_flight must be >= 0, got ",
+              options_.reductions_in_flight());
   module_ = module_any_.ptr();
   rank_ = comm_->rank();
   world_ = comm_->size();
@@ -238,6 +235,12 @@ void FullyShardedDataParallelImpl::collect_and_shard() {
     fp.full = fp.mixed ? master.to(*mp.param_dtype()) : master;
     fp.reduce_dtype = mp.reduce_dtype().value_or(fp.full.scalar_type());
     fp.shard = sharded() ? master.narrow(0, fp.shard_offset, fp.shard_numel).clone() : master;
+    {
+      const auto [pre, post] = internal::DivideFactors(options_, world_);
+      fp.grad_views = fp.requires_grad && !sharded() && !fp.mixed &&
+                      fp.reduce_dtype == master.scalar_type() &&
+                      std::abs(pre * post - world_) <= 1e-9 * world_;
+    }
     const size_t flat_index = flats_.size() - 1;
     for (size_t s = 0; s < slots.size(); ++s) {
       ParamSlot& slot = slots[s];
@@ -471,9 +474,39 @@ void FullyShardedDataParallelImpl::reshard() {
   }
 }
 
+void FullyShardedDataParallelImpl::attach_grad_views(FlatParam& fp) {
+  c10::NoGradGuard no_grad;
+  at::Tensor& g = fp.shard.mutable_grad();
+  if (!g.defined()) g = at::zeros({fp.shard_numel}, fp.shard.options().requires_grad(false));
+  const auto* base = static_cast<const char*>(g.data_ptr());
+  for (ParamSlot& slot : fp.slots) {
+    const at::Tensor& pg = slot.param.grad();
+    const void* want = base + slot.offset * static_cast<int64_t>(g.element_size());
+    if (!pg.defined() || pg.data_ptr() != want || !pg.is_alias_of(g)) {
+      slot.param.mutable_grad() = g.narrow(0, slot.offset, slot.numel).view(slot.shape);
+    }
+  }
+}
+
 void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
   FlatParam& fp = flats_[flat];
   fp.reduced = true;
+  const std::string context = label() + ": gradient reduction";
+  const int max_in_flight = std::max(1, options_.reductions_in_flight());
+  if (fp.grad_views) {
+    attach_grad_views(fp);
+    if (world_ == 1) return;  // the mean over one rank; the factors multiply to 1
+    c10::NoGradGuard no_grad;
+    at::Tensor g = fp.shard.grad();
+    const double pre = internal::DivideFactors(options_, world_).first;
+    if (pre != 1.0) g.div_(pre);
+    internal::PendingReduce p{{{this, flat, 0}}, comm::Work(), g, g, /*in_place_grad=*/true};
+    comm::Buffer b = internal::Buf(g, context);
+    p.work = comm_->AllReduce(b, b, comm::ReduceOp::kSum);
+    state_->pending.push_back(std::move(p));
+    drain_reduces(static_cast<size_t>(max_in_flight));
+    return;
+  }
   at::Tensor send = fp.full_grad;
   fp.full_grad = at::Tensor();
   c10::NoGradGuard no_grad;
@@ -481,7 +514,6 @@ void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
     send = at::zeros({fp.padded_numel}, fp.shard.options().dtype(fp.reduce_dtype));
   const double pre = internal::DivideFactors(options_, world_).first;
   if (pre != 1.0) send.div_(pre);
-  const std::string context = label() + ": gradient reduction";
   const int64_t bytes = send.numel() * static_cast<int64_t>(send.element_size());
   const double cap = options_.bucket_cap_mb() * 1024 * 1024;
   if (sharded() && cap > 0 && bytes <= cap) {
@@ -497,8 +529,14 @@ void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
     return;
   }
   internal::PendingReduce p{{{this, flat, 0}}, comm::Work(), send, at::Tensor()};
+  if (world_ == 1) {  // mixed precision at world size 1: nothing to reduce
+    p.recv = send;
+    complete_reduce(p);
+    return;
+  }
   if (sharded()) {
-    p.recv = at::empty({fp.shard_numel}, send.options());
+    // In place: this rank's block of the send buffer, no separate receive buffer.
+    p.recv = send.narrow(0, fp.shard_offset, fp.shard_numel);
     p.work = comm_->ReduceScatter(internal::Buf(send, context), internal::Buf(p.recv, context),
                                   comm::ReduceOp::kSum);
   } else {
@@ -507,7 +545,7 @@ void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
     p.work = comm_->AllReduce(b, b, comm::ReduceOp::kSum);
   }
   state_->pending.push_back(std::move(p));
-  drain_reduces(internal::kReducesInFlight);
+  drain_reduces(static_cast<size_t>(max_in_flight));
 }
 
 void FullyShardedDataParallelImpl::flush_bucket() {
@@ -522,13 +560,13 @@ void FullyShardedDataParallelImpl::flush_bucket() {
   c10::NoGradGuard no_grad;
   internal::PendingReduce p{std::move(bucket.parts), comm::Work(), at::cat(rows, 1).reshape({-1}),
                             at::Tensor()};
-  p.recv = at::empty({bucket.numel}, p.send.options());
+  p.recv = p.send.narrow(0, rank_ * bucket.numel, bucket.numel);  // in place
   const std::string context = label() + ": bucketed gradient reduction";
   p.work = comm_->ReduceScatter(internal::Buf(p.send, context), internal::Buf(p.recv, context),
                                 comm::ReduceOp::kSum);
   state_->pending.push_back(std::move(p));
   bucket = internal::GradBucket();
-  drain_reduces(internal::kReducesInFlight);
+  drain_reduces(static_cast<size_t>(std::max(1, options_.reductions_in_flight())));
 }
 
 void FullyShardedDataParallelImpl::drain_reduces(size_t keep) {
@@ -545,17 +583,23 @@ void FullyShardedDataParallelImpl::complete_reduce(const internal::PendingReduce
   for (const internal::ReducePart& part : p.parts) {
     FullyShardedDataParallelImpl* u = part.unit;
     FlatParam& fp = u->flats_[part.flat];
+    const double post = internal::DivideFactors(u->options_, u->world_).second;
+    if (p.in_place_grad) {  // recv is the shard's .grad itself
+      if (post != 1.0) p.recv.div_(post);
+      continue;
+    }
     // A slice of a bucket would keep the whole bucket alive (and optimizers' zero_grad
     // cannot detach a view in place): parts of a bucket are copied out.
     const bool whole = p.parts.size() == 1;
-    at::Tensor recv = whole ? p.recv : p.recv.narrow(0, part.offset, fp.shard_numel).clone();
-    const double post = internal::DivideFactors(u->options_, u->world_).second;
+    at::Tensor recv = whole ? p.recv : p.recv.narrow(0, part.offset, fp.shard_numel);
     if (post != 1.0) recv.div_(post);
     at::Tensor& grad = fp.shard.mutable_grad();
     if (grad.defined()) {
       grad.add_(recv);
     } else {
-      grad = recv.to(fp.shard.scalar_type());
+      // A copy: recv views the whole send buffer (the unit's full gradient, or a bucket), which
+      // must not stay alive as the shard's gradient.
+      grad = recv.to(fp.shard.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
     }
   }
 }
@@ -578,6 +622,9 @@ void FullyShardedDataParallelImpl::pre_backward() {
   st.root->begin_backward();
   if (pre_backward_done_) return;
   pre_backward_done_ = true;
+  for (FlatParam& fp : flats_) {
+    if (fp.grad_views) attach_grad_views(fp);
+  }
   if (!st.backward_order_done) {
     backward_index_ = static_cast<int>(st.backward_order.size());
     st.backward_order.push_back(this);
@@ -598,11 +645,27 @@ void FullyShardedDataParallelImpl::on_param_grad(size_t flat, size_t slot_index)
   at::Tensor& grad = slot.param.mutable_grad();
   if (!grad.defined()) return;
   c10::NoGradGuard no_grad;
-  if (!fp.full_grad.defined()) {
-    fp.full_grad = at::zeros({fp.padded_numel}, fp.shard.options().dtype(fp.reduce_dtype));
+  if (fp.grad_views) {
+    // Normally autograd accumulated into the view attached in pre_backward. If not (the
+    // parameter got its gradient before its unit's pre-backward hook ran, or create_graph made
+    // the accumulation out of place), move the gradient into the shard's .grad now.
+    const at::Tensor& flat_grad = fp.shard.grad();
+    if (!flat_grad.defined() || !grad.is_alias_of(flat_grad)) {
+      at::Tensor g = grad;
+      grad = at::Tensor();
+      attach_grad_views(fp);
+      slot.param.mutable_grad().add_(g.reshape(slot.shape));
+    }
+  } else {
+    if (!fp.full_grad.defined()) {
+      // Starting this unit's full gradient: first let older reductions finish down to the
+      // allowed number, so their full gradients are freed before this one is allocated.
+      drain_reduces(static_cast<size_t>(options_.reductions_in_flight()));
+      fp.full_grad = at::zeros({fp.padded_numel}, fp.shard.options().dtype(fp.reduce_dtype));
+    }
+    fp.full_grad.narrow(0, slot.offset, slot.numel).add_(grad.reshape({-1}));
+    grad = at::Tensor();
   }
-  fp.full_grad.narrow(0, slot.offset, slot.numel).add_(grad.reshape({-1}));
-  grad = at::Tensor();
   ++fp.grads_ready;
   if (fp.grads_ready == static_cast<int>(fp.slots.size()) && !fp.reduced && !state_->no_sync) {
     issue_reduce(flat);
@@ -632,7 +695,8 @@ void FullyShardedDataParallelImpl::finalize_backward() {
     for (FullyShardedDataParallelImpl* u : st.units) {
       for (size_t f = 0; f < u->flats_.size() && !st.no_sync; ++f) {
         FlatParam& fp = u->flats_[f];
-        if (fp.requires_grad && !fp.reduced && (u->forwarded_ || fp.full_grad.defined())) {
+        if (fp.requires_grad && !fp.reduced &&
+            (u->forwarded_ || fp.full_grad.defined() || fp.grads_ready > 0)) {
           u->issue_reduce(f);
         }
       }

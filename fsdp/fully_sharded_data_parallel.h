@@ -258,7 +258,13 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   }
   at::Tensor cast_tensor(const at::Tensor& t) const;
   bool is_root() const;
-  bool sharded() const { return options_.sharding_strategy() != ShardingStrategy::kNoShard; }
+  // Whether this unit keeps only a shard of its parameters. At world size 1 there is nothing to
+  // shard: every strategy then runs as kNoShard (no gathers, no frees, no communication), as
+  // PyTorch FSDP does.
+  bool sharded() const {
+    return world_ > 1 && options_.sharding_strategy() != ShardingStrategy::kNoShard;
+  }
+  void attach_grad_views(internal::FlatParam& fp);
 
   void collect_and_shard();
   void broadcast_buffers(const std::vector<at::Tensor>& buffers);

@@ -54,6 +54,13 @@ struct FlatParam {
   // next forward must refresh (set at the end of backward, when the optimizer is about to step).
   bool stale = false;
   at::ScalarType reduce_dtype = at::kFloat;
+  // Unsharded (kNoShard, or world size 1), no mixed precision, reduction in the parameters'
+  // dtype and divide factors that make the mean: the original parameters' .grad are views
+  // into the shard's .grad (the flat gradient), so autograd accumulates there in place and the
+  // all-reduce runs on it in place; no gradient is copied. (Accumulating across backward passes
+  // without zero_grad stays right: the part already reduced is the same on every rank, and
+  // the mean of equal values is that value.)
+  bool grad_views = false;
 
   // All-gather into `full` that is issued but not yet waited for (prefetch).
   bool gather_pending = false;

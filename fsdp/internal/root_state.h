@@ -28,7 +28,9 @@ struct PendingReduce {
   std::vector<ReducePart> parts;
   comm::Work work;
   at::Tensor send;  // kept alive until the Work completes
-  at::Tensor recv;
+  at::Tensor recv;  // reduce-scatter: this rank's block of `send` (in place)
+  // All-reduce in place on the shard's .grad (FlatParam::grad_views): nothing to add.
+  bool in_place_grad = false;
 };
 
 // Padded full gradients waiting to be reduce-scattered together in one operation.
