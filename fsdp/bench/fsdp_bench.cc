@@ -61,7 +61,7 @@ ABSL_FLAG(int, vocab, 1024, "vocabulary size");
 ABSL_FLAG(int, warmup, 2, "untimed steps per configuration");
 ABSL_FLAG(int, steps, 6, "timed steps per configuration (the median is reported)");
 ABSL_FLAG(int, threads, 1, "intra-op threads per rank (at::set_num_threads)");
-ABSL_FLAG(std::string, configs, "unwrapped,FULL_SHARD,SHARD_GRAD_OP,NO_SHARD",
+ABSL_FLAG(std::string, configs, "unwrapped,FULL_SHARD,FULL_SHARD_LOWMEM,SHARD_GRAD_OP,NO_SHARD",
           "configurations to run, in this order (unwrapped is required: it is the baseline)");
 ABSL_FLAG(std::string, out, "", "also write the markdown table here");
 
@@ -174,7 +174,7 @@ std::vector<std::string> Configs() {
 }
 
 ShardingStrategy StrategyOf(const std::string& config) {
-  if (config == "FULL_SHARD") return ShardingStrategy::kFullShard;
+  if (config == "FULL_SHARD" || config == "FULL_SHARD_LOWMEM") return ShardingStrategy::kFullShard;
   if (config == "SHARD_GRAD_OP") return ShardingStrategy::kShardGradOp;
   return ShardingStrategy::kNoShard;
 }
@@ -248,7 +248,10 @@ int RunRank(int rank, int n, const std::string& dir) {
       param_bytes = ParamBytes(*model);
       r = Train(config_name, model, tracker, s, rank, comm.get());
     } else {
-      const auto opts = FsdpOptions().sharding_strategy(StrategyOf(config_name));
+      auto opts = FsdpOptions().sharding_strategy(StrategyOf(config_name));
+      // The low-memory setting: no backward prefetch, no reduction left running while the next
+      // unit assembles its gradient.
+      if (config_name == "FULL_SHARD_LOWMEM") opts.backward_prefetch(false).reductions_in_flight(0);
       FullyShardedDataParallel model(Gpt(s, comm, opts), comm, opts);
       r = Train(config_name, model, tracker, s, rank, comm.get());
     }
@@ -387,7 +390,7 @@ int Main(const char* self) {
       // then holds one full unit at a time (the bound); SHARD_GRAD_OP keeps every full
       // parameter from forward to backward; NO_SHARD and unwrapped hold everything.
       int64_t bound = 0;
-      if (row.config == "FULL_SHARD")
+      if (row.config == "FULL_SHARD" || row.config == "FULL_SHARD_LOWMEM")
         bound = 4 * p / row.n + unit_bytes + a;
       else if (row.config == "SHARD_GRAD_OP")
         bound = 4 * p / row.n + p + a;
