@@ -12,4 +12,9 @@ if grep -E '^@torch|^//(comm/(tcp|ucx|nccl|inproc)|fsdp|oss)' "$interface_deps" 
   echo "//comm:interface must depend on Abseil only (above)." >&2
   exit 1
 fi
+trace_deps="${3:-}"
+if [[ -n "$trace_deps" ]] && grep -E '^@torch' "$trace_deps" >&2; then
+  echo "//trace must not depend on LibTorch (above)." >&2
+  exit 1
+fi
 echo "deps OK: $(wc -l < "$interface_deps") targets under //comm:interface, no backend paths"
