@@ -8,8 +8,8 @@
 //   --all_reduce     CreateCommunicatorFromEnv (tcp) and all-reduce the ranks: prints the sum
 //   --fail_rank=R    on rank R, once every rank wrote its pid file when --pid_dir is set (while FS_RESTART_COUNT < --fail_until_restart, default always):
 //                    exit --fail_code, or with --fail_signal kill itself with SIGKILL
-//   --sleep          then sleep until killed (at most --sleep_s); --ignore_sigterm ignores
-//                    SIGTERM first
+//   --sleep          then sleep until killed (at most --sleep_s)
+//   --ignore_sigterm ignore SIGTERM (from the start)
 // and exits 0.
 #include <signal.h>
 #include <unistd.h>
@@ -106,6 +106,8 @@ int AllReduce() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  // Before the pid file exists: a test that sees it may already be stopping the job.
+  if (absl::GetFlag(FLAGS_ignore_sigterm)) signal(SIGTERM, SIG_IGN);
   const int rank = IntEnv("RANK", -1);
   if (absl::GetFlag(FLAGS_report_env)) {
     std::printf(
@@ -160,7 +162,6 @@ int main(int argc, char** argv) {
     return absl::GetFlag(FLAGS_fail_code);
   }
   if (absl::GetFlag(FLAGS_sleep)) {
-    if (absl::GetFlag(FLAGS_ignore_sigterm)) signal(SIGTERM, SIG_IGN);
     absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_sleep_s)));
   }
   return 0;
