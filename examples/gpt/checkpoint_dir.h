@@ -1,0 +1,74 @@
+// The checkpoint directory of the GPT job (//examples/gpt:checkpoint_dir): which sharded
+// checkpoints are complete, whether their files are intact, and which to delete. No LibTorch:
+// the rank files themselves are written by fsdp::save_local_checkpoint (atomic per file).
+//
+// Layout:  <root>/step_00000040/rank0.pt ... rank{N-1}.pt   one file per rank
+//          <root>/step_00000040/COMPLETE                     written last, by rank 0
+//
+// A step directory counts only once COMPLETE exists: rank 0 writes it (tmp + fsync + rename)
+// after a barrier that follows every rank's save, so a job killed mid-save leaves a directory
+// without COMPLETE, which resume skips and the next prune deletes; the previous checkpoint is
+// untouched. COMPLETE is JSON: {"step", "world_size", "config", "files": [{"name", "bytes",
+// "fnv1a64"}]}. The checksum is 64-bit FNV-1a over each rank file: it is there to catch
+// truncation, a partially overwritten or bit-flipped file (accidents, not attacks), needs no
+// library, and hashes a few MB in milliseconds; a cryptographic hash would buy nothing here.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace fairscale::examples::gpt {
+
+std::string StepDir(const std::string& root, int64_t step);        // <root>/step_%08d
+std::string RankFile(const std::string& step_dir, int rank);        // <step_dir>/rank%d.pt
+inline constexpr char kCompleteName[] = "COMPLETE";
+
+// Writes `content` to "<path>.tmp.<pid>", fsyncs it and renames it over `path`.
+absl::Status WriteFileAtomic(const std::string& path, const std::string& content);
+absl::StatusOr<std::string> ReadFile(const std::string& path);
+
+struct FileDigest {
+  std::string name;  // relative to the step directory
+  uint64_t bytes = 0;
+  uint64_t fnv1a64 = 0;
+};
+// kNotFound / kDataLoss naming the file.
+absl::StatusOr<FileDigest> DigestFile(const std::string& dir, const std::string& name);
+
+struct CompleteCheckpoint {
+  std::string dir;  // the step directory
+  int64_t step = 0;
+  int world_size = 0;
+  nlohmann::json config;
+  std::vector<FileDigest> files;
+};
+
+// Digests rank0.pt .. rank{world_size-1}.pt in `step_dir` and writes COMPLETE atomically.
+absl::Status WriteComplete(const std::string& step_dir, int64_t step, int world_size,
+                           const nlohmann::json& config);
+
+// The newest step directory under `root` that has COMPLETE (nullopt if none, or if `root` does
+// not exist). Directories without COMPLETE are skipped; a COMPLETE that does not parse is
+// kDataLoss naming it.
+absl::StatusOr<std::optional<CompleteCheckpoint>> FindLatestComplete(const std::string& root);
+
+// Checks every rank file against COMPLETE: present, same size, same checksum. kDataLoss naming
+// the first file that differs (kNotFound if missing).
+absl::Status VerifyCheckpoint(const CompleteCheckpoint& checkpoint);
+
+// Keeps the newest `keep` (>= 1) complete step directories; deletes older complete ones and
+// every incomplete one older than the newest complete one (an interrupted save).
+absl::Status PruneCheckpoints(const std::string& root, int keep);
+
+// Deletes every step directory after `step`: a run that starts (or resumes) at `step` owns
+// what comes later, and a stale COMPLETE from an older run must not vouch for new files.
+absl::Status RemoveCheckpointsAfter(const std::string& root, int64_t step);
+
+}  // namespace fairscale::examples::gpt

@@ -1,0 +1,84 @@
+// A small GPT-style language model (//examples/gpt:model): token + position embeddings,
+// pre-norm transformer blocks with causal multi-head attention and a GELU MLP, a final
+// LayerNorm and a linear LM head. Used by the main job (//examples:train_gpt), the FSDP
+// benchmark (//fsdp/bench:fsdp_bench) and the integration tests, so all three train the same
+// architecture.
+//
+// Each block is passed through fsdp::wrap(), so inside an fsdp::EnableWrap scope every block
+// becomes its own FSDP unit and outside one the same class is the plain single-process model:
+//
+//   {
+//     fsdp::EnableWrap scope(comm, opts, fsdp::module_type_auto_wrap_policy<TransformerBlockImpl>());
+//     fsdp::FullyShardedDataParallel model(Gpt(GptConfig().vocab(65)), comm, opts);
+//   }
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "fsdp/wrap.h"
+
+namespace fairscale::examples::gpt {
+
+struct GptConfig {
+  TORCH_ARG(int64_t, vocab) = 256;  // token ids are in [0, vocab)
+  TORCH_ARG(int64_t, seq) = 64;     // context length (position embeddings)
+  TORCH_ARG(int64_t, width) = 128;  // model dimension; divisible by heads
+  TORCH_ARG(int64_t, heads) = 4;
+  TORCH_ARG(int64_t, blocks) = 4;
+};
+
+// x + attn(ln1(x)), then x + mlp(ln2(x)); causal multi-head attention, MLP width 4x.
+class TransformerBlockImpl : public torch::nn::Module {
+ public:
+  TransformerBlockImpl(int64_t width, int64_t heads);
+  torch::Tensor forward(torch::Tensor x);
+
+ private:
+  int64_t heads_;
+  torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
+  torch::nn::Linear qkv_{nullptr}, proj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
+};
+TORCH_MODULE(TransformerBlock);
+
+// forward: int64 tokens [batch, t] with t <= seq -> logits [batch, t, vocab].
+// Submodule names: tok, pos, block0..block{n-1}, ln_f, head.
+class GptImpl : public torch::nn::Module {
+ public:
+  explicit GptImpl(const GptConfig& config);
+  torch::Tensor forward(torch::Tensor tokens);
+  const GptConfig& config() const { return config_; }
+
+ private:
+  GptConfig config_;
+  torch::nn::Embedding tok_{nullptr}, pos_{nullptr};
+  torch::nn::LayerNorm ln_f_{nullptr};
+  torch::nn::Linear head_{nullptr};
+  std::vector<fsdp::Wrapped> blocks_;
+};
+TORCH_MODULE(Gpt);
+
+struct SampleOptions {
+  TORCH_ARG(double, temperature) = 0.8;  // > 0; logits are divided by it
+  TORCH_ARG(int64_t, top_k) = 0;         // 0: the whole vocabulary
+  TORCH_ARG(uint64_t, seed) = 0;
+};
+
+// Autoregressive sampling: appends `new_tokens` tokens to `prompt` (non-empty) and returns only
+// the new ones. `logits_fn` maps int64 tokens [1, t] to logits [1, t, vocab] (any float dtype);
+// the context is cropped to the last `context` tokens. The draw uses its own counter-based
+// generator seeded by options.seed, not torch's, so ranks that run the same model in lockstep
+// (an FSDP model must: its forward is collective) pick the same tokens. Runs under NoGradGuard.
+std::vector<int64_t> generate(const std::function<torch::Tensor(torch::Tensor)>& logits_fn,
+                              const std::vector<int64_t>& prompt, int64_t new_tokens,
+                              int64_t context, const SampleOptions& options = {});
+
+}  // namespace fairscale::examples::gpt

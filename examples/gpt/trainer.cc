@@ -1,0 +1,533 @@
+#include "examples/gpt/trainer.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
+#include <torch/utils.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/numbers.h"
+#include "base/status_macros.h"
+#include "examples/gpt/checkpoint_dir.h"
+#include "examples/gpt/data.h"
+#include "examples/gpt/model.h"
+#include "examples/gpt/svg_plot.h"
+#include "fsdp/fully_sharded_data_parallel.h"
+#include "fsdp/local_checkpoint.h"
+#include "fsdp/wrap.h"
+
+namespace fairscale::examples::gpt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using comm::MakeBuffer;
+using comm::MakeConstBuffer;
+
+absl::StatusOr<fsdp::ShardingStrategy> ParseStrategy(const std::string& s) {
+  if (s == "full_shard") return fsdp::ShardingStrategy::kFullShard;
+  if (s == "shard_grad_op") return fsdp::ShardingStrategy::kShardGradOp;
+  if (s == "no_shard") return fsdp::ShardingStrategy::kNoShard;
+  return absl::InvalidArgumentError(
+      absl::StrCat("strategy '", s, "': expected full_shard, shard_grad_op or no_shard"));
+}
+
+absl::StatusOr<c10::optional<c10::ScalarType>> ParsePrecision(const std::string& p) {
+  if (p == "bf16") return c10::optional<c10::ScalarType>(at::kBFloat16);
+  if (p == "fp16") return c10::optional<c10::ScalarType>(at::kHalf);
+  if (p == "fp32") return c10::optional<c10::ScalarType>();
+  return absl::InvalidArgumentError(
+      absl::StrCat("precision '", p, "': expected bf16, fp16 or fp32"));
+}
+
+std::string HumanBytes(double b) {
+  if (b >= 1 << 30) return absl::StrFormat("%.1fG", b / (1 << 30));
+  return absl::StrFormat("%.0fM", b / (1 << 20));
+}
+
+std::string HumanDuration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const int64_t t = static_cast<int64_t>(std::lround(s));
+  if (t >= 3600) return absl::StrFormat("%dh%02dm", t / 3600, t / 60 % 60);
+  if (t >= 60) return absl::StrFormat("%dm%02ds", t / 60, t % 60);
+  return absl::StrFormat("%ds", t);
+}
+
+uint64_t Fnv1a(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ULL) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;
+  return h;
+}
+
+// Rank 0's metrics file. On resume the records after the checkpoint's step (written by the
+// interrupted run) are dropped, so the file reads as one uninterrupted run.
+class Metrics {
+ public:
+  absl::Status Open(const std::string& path, int64_t keep_through_step) {
+    path_ = path;
+    if (path.empty()) return absl::OkStatus();
+    std::string kept;
+    if (keep_through_step > 0) {
+      absl::StatusOr<std::string> old = ReadFile(path);
+      if (old.ok()) {
+        for (absl::string_view line : absl::StrSplit(*old, '\n', absl::SkipEmpty())) {
+          nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+          if (j.is_discarded() || !j.contains("step")) continue;  // e.g. a torn last line
+          if (j["step"].get<int64_t>() > keep_through_step) continue;
+          if (j.value("type", "") == "final" || j.value("type", "") == "sample") continue;
+          records_.push_back(j);
+          absl::StrAppend(&kept, line, "\n");
+        }
+      }
+    }
+    std::error_code ec;
+    const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+    FS_RETURN_IF_ERROR(WriteFileAtomic(path, kept));
+    out_.open(path, std::ios::app);
+    if (!out_) return absl::UnavailableError(absl::StrCat("cannot open metrics file ", path));
+    return absl::OkStatus();
+  }
+  void Write(const nlohmann::json& j) {
+    records_.push_back(j);
+    if (!out_.is_open()) return;
+    out_ << j.dump() << "\n";
+    out_.flush();
+  }
+  const std::vector<nlohmann::json>& records() const { return records_; }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+  std::vector<nlohmann::json> records_;
+};
+
+// Runs the job on one rank; throws c10::Error / std::exception for errors below the Status
+// layer (LibTorch, FSDP), which TrainRank converts.
+class Trainer {
+ public:
+  Trainer(const TrainConfig& config, std::shared_ptr<comm::Communicator> comm)
+      : config_(config),
+        comm_(std::move(comm)),
+        rank_(comm_->rank()),
+        world_(comm_->size()),
+        tokenizer_(Corpus()),
+        data_(tokenizer_, Corpus()) {}
+
+  absl::StatusOr<TrainResult> Run() {
+    const int threads = config_.threads > 0
+                            ? config_.threads
+                            : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) /
+                                              world_);
+    at::set_num_threads(threads);
+    FS_ASSIGN_OR_RETURN(fsdp::ShardingStrategy strategy, ParseStrategy(config_.strategy));
+    FS_ASSIGN_OR_RETURN(c10::optional<c10::ScalarType> dtype, ParsePrecision(config_.precision));
+    fsdp::MixedPrecision mp;
+    // Compute and all-gather in `dtype`; reduce gradients in f32 (FairScale's
+    // fp32_reduce_scatter): the shards the optimizer steps are f32 master copies either way.
+    if (dtype) mp.param_dtype(dtype).reduce_dtype(at::kFloat);
+    const auto opts = fsdp::FsdpOptions().sharding_strategy(strategy).mixed_precision(mp);
+
+    const GptConfig gc = GptConfig()
+                             .vocab(tokenizer_.vocab_size())
+                             .seq(config_.seq)
+                             .width(config_.width)
+                             .heads(config_.heads)
+                             .blocks(config_.blocks);
+    torch::manual_seed(config_.seed);  // the same initial weights on every rank
+    {
+      fsdp::EnableWrap scope(comm_, opts, fsdp::module_type_auto_wrap_policy<TransformerBlockImpl>());
+      model_ = fsdp::FullyShardedDataParallel(Gpt(gc), comm_, opts);
+    }
+    opt_ = std::make_unique<torch::optim::Adam>(
+        model_->parameters(), torch::optim::AdamOptions(config_.lr).betas({0.9, 0.99}));
+
+    TrainResult result;
+    FS_ASSIGN_OR_RETURN(result.start_step, MaybeResume());
+    if (rank_ == 0) FS_RETURN_IF_ERROR(metrics_.Open(config_.metrics_path, result.start_step));
+    if (rank_ == 0 && !config_.checkpoint_dir.empty()) {
+      FS_RETURN_IF_ERROR(RemoveCheckpointsAfter(config_.checkpoint_dir, result.start_step));
+    }
+    FS_RETURN_IF_ERROR(comm_->Barrier().Wait());  // nobody saves before the stale ones are gone
+    if (rank_ == 0 && config_.progress) {
+      std::printf("train_gpt: %d rank%s, %s, %s, %lld params, vocab %lld, %lld tokens/step%s\n",
+                  world_, world_ == 1 ? "" : "s", config_.strategy.c_str(), config_.precision.c_str(),
+                  static_cast<long long>(num_params_), static_cast<long long>(gc.vocab()),
+                  static_cast<long long>(world_ * config_.batch * config_.seq),
+                  result.start_step > 0
+                      ? absl::StrCat(", resumed at step ", result.start_step).c_str()
+                      : "");
+      std::fflush(stdout);
+    }
+
+    const int64_t last = config_.stop_after > 0 ? std::min(config_.stop_after, config_.steps)
+                                                : config_.steps;
+    const bool tty = isatty(STDOUT_FILENO);
+    const auto run_start = Clock::now();
+    double timed_s = 0;  // steps after the first of this run (which includes warm-up costs)
+    int64_t timed_steps = 0;
+    double val_loss = std::numeric_limits<double>::quiet_NaN();
+    double train_loss = std::numeric_limits<double>::quiet_NaN();
+    for (int64_t step = result.start_step + 1; step <= last; ++step) {
+      const auto t0 = Clock::now();
+      const double lr = LearningRate(config_, step);
+      for (auto& group : opt_->param_groups()) {
+        static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
+      }
+      opt_->zero_grad();
+      at::Tensor loss = Loss(data_.Batch(config_.seed, step, rank_, Split::kTrain, config_.batch,
+                                         config_.seq));
+      loss.backward();
+      if (config_.grad_clip > 0) model_->clip_grad_norm_(config_.grad_clip);
+      opt_->step();
+      const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (step > result.start_step + 1) timed_s += step_s, ++timed_steps;
+
+      // One all-gather per step: every rank's loss and peak RSS.
+      FS_ASSIGN_OR_RETURN(std::vector<double> all, Gather({loss.item<double>(),
+                                                           static_cast<double>(PeakRssBytes())}));
+      train_loss = 0;
+      std::vector<int64_t> rss(world_);
+      for (int r = 0; r < world_; ++r) {
+        train_loss += all[2 * r] / world_;
+        rss[r] = static_cast<int64_t>(all[2 * r + 1]);
+      }
+      if (!std::isfinite(train_loss)) {
+        return absl::InternalError(absl::StrCat("step ", step, ": the loss is ", train_loss,
+                                                " (diverged; try a smaller --lr)"));
+      }
+      const double avg_s = timed_steps > 0 ? timed_s / timed_steps : step_s;
+      const double tokens_per_s = world_ * config_.batch * config_.seq / avg_s;
+      const bool eval = step == config_.steps ||
+                        (config_.eval_every > 0 && step % config_.eval_every == 0);
+      if (eval) {
+        FS_ASSIGN_OR_RETURN(val_loss, ValLoss());
+      }
+      if (rank_ == 0) {
+        nlohmann::json j = {{"type", "train"},         {"step", step},
+                            {"loss", train_loss},      {"lr", lr},
+                            {"step_s", step_s},        {"tokens_per_s", tokens_per_s},
+                            {"peak_rss_bytes", rss}};
+        metrics_.Write(j);
+        if (eval) metrics_.Write({{"type", "val"}, {"step", step}, {"loss", val_loss}});
+        if (config_.progress) {
+          const std::string line = ProgressLine(step, train_loss, val_loss, tokens_per_s,
+                                                avg_s * (last - step), rss);
+          if (tty) {
+            std::printf("\r%s\033[K", line.c_str());
+            if (step == last) std::printf("\n");
+          } else if (step == result.start_step + 1 || step == last ||
+                     (config_.log_every > 0 && step % config_.log_every == 0)) {
+            std::printf("%s\n", line.c_str());
+          }
+          std::fflush(stdout);
+        }
+      }
+      if (!config_.checkpoint_dir.empty() &&
+          ((config_.checkpoint_every > 0 && step % config_.checkpoint_every == 0) ||
+           step == config_.steps)) {
+        FS_RETURN_IF_ERROR(SaveCheckpoint(step));
+      }
+      result.last_step = step;
+    }
+    result.train_loss = train_loss;
+    result.val_loss = val_loss;
+    FS_ASSIGN_OR_RETURN(result.param_hashes, ParamHashes());
+    if (last < config_.steps) return result;  // stopped early, as if killed
+
+    if (config_.sample_tokens > 0) {
+      FS_ASSIGN_OR_RETURN(std::vector<int64_t> prompt, tokenizer_.Encode(config_.prompt));
+      std::vector<int64_t> ids = generate(
+          [&](torch::Tensor t) { return model_(t); }, prompt, config_.sample_tokens, config_.seq,
+          SampleOptions().temperature(config_.temperature).top_k(config_.top_k).seed(config_.seed));
+      result.sample = config_.prompt + tokenizer_.Decode(ids);
+    }
+    if (rank_ == 0) {
+      const double wall_s = std::chrono::duration<double>(Clock::now() - run_start).count();
+      nlohmann::json hashes = nlohmann::json::array();
+      for (uint64_t h : result.param_hashes) hashes.push_back(absl::StrFormat("%016x", h));
+      metrics_.Write({{"type", "final"},
+                      {"step", config_.steps},
+                      {"train_loss", train_loss},
+                      {"val_loss", val_loss},
+                      {"wall_s", wall_s},
+                      {"param_fnv1a64", hashes}});
+      if (config_.sample_tokens > 0) {
+        metrics_.Write({{"type", "sample"}, {"step", config_.steps}, {"text", result.sample}});
+      }
+      FS_RETURN_IF_ERROR(WritePlot());
+      if (config_.progress) {
+        std::printf("train_gpt: done in %s: train loss %.4f, val loss %.4f\n",
+                    HumanDuration(wall_s).c_str(), train_loss, val_loss);
+        if (!config_.metrics_path.empty()) std::printf("  metrics: %s\n", config_.metrics_path.c_str());
+        if (!config_.plot_path.empty()) std::printf("  plot:    %s\n", config_.plot_path.c_str());
+        if (!config_.checkpoint_dir.empty()) {
+          std::printf("  checkpoints: %s\n", config_.checkpoint_dir.c_str());
+        }
+        if (!result.sample.empty()) {
+          std::printf("sample (temperature %.2f, top-k %lld):\n%s\n", config_.temperature,
+                      static_cast<long long>(config_.top_k), result.sample.c_str());
+        }
+        std::fflush(stdout);
+      }
+    }
+    return result;
+  }
+
+ private:
+  at::Tensor Loss(std::vector<int64_t> rows) {
+    at::Tensor data = at::from_blob(rows.data(), {config_.batch, config_.seq + 1}, at::kLong).clone();
+    at::Tensor logits = model_(data.narrow(1, 0, config_.seq));
+    return torch::nn::functional::cross_entropy(
+        logits.to(at::kFloat).reshape({-1, tokenizer_.vocab_size()}),
+        data.narrow(1, 1, config_.seq).reshape({-1}));
+  }
+
+  // Mean loss over eval_batches fixed validation batches per rank, averaged over ranks.
+  absl::StatusOr<double> ValLoss() {
+    torch::NoGradGuard no_grad;
+    double sum = 0;
+    for (int64_t i = 0; i < config_.eval_batches; ++i) {
+      // Fixed batches (step key -1 - i): every evaluation scores the same text.
+      sum += Loss(data_.Batch(config_.seed, -1 - i, rank_, Split::kVal, config_.batch,
+                              config_.seq))
+                 .item<double>();
+    }
+    double total = 0;
+    FS_RETURN_IF_ERROR(comm_->AllReduce(MakeConstBuffer(&sum, 1), MakeBuffer(&total, 1),
+                                        comm::ReduceOp::kSum)
+                           .Wait());
+    return total / (world_ * std::max<int64_t>(1, config_.eval_batches));
+  }
+
+  absl::StatusOr<std::vector<double>> Gather(std::vector<double> mine) {
+    std::vector<double> all(mine.size() * world_);
+    FS_RETURN_IF_ERROR(comm_->AllGather(MakeConstBuffer(mine.data(), mine.size()),
+                                        MakeBuffer(all.data(), all.size()))
+                           .Wait());
+    return all;
+  }
+
+  absl::StatusOr<std::vector<uint64_t>> ParamHashes() {
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (const at::Tensor& p : model_->parameters()) {
+      at::Tensor c = p.detach().contiguous();
+      h = Fnv1a(c.data_ptr(), c.numel() * c.element_size(), h);
+    }
+    // Exchanged as two 32-bit halves in doubles (exact), since the gather helper carries doubles.
+    FS_ASSIGN_OR_RETURN(std::vector<double> all,
+                        Gather({static_cast<double>(h >> 32), static_cast<double>(h & 0xffffffffu)}));
+    std::vector<uint64_t> out(world_);
+    for (int r = 0; r < world_; ++r) {
+      out[r] = static_cast<uint64_t>(all[2 * r]) << 32 | static_cast<uint64_t>(all[2 * r + 1]);
+    }
+    return out;
+  }
+
+  absl::StatusOr<int64_t> MaybeResume() {
+    num_params_ = 0;
+    for (const auto& info : model_->flat_param_info()) num_params_ += info.numel;
+    for (auto* unit : model_->fsdp_units()) {
+      if (unit == model_.get()) continue;
+      for (const auto& info : unit->flat_param_info()) num_params_ += info.numel;
+    }
+    if (config_.resume == ResumeMode::kNever) return 0;
+    if (config_.checkpoint_dir.empty()) {
+      return absl::InvalidArgumentError("resume needs a checkpoint directory (--checkpoint_dir)");
+    }
+    FS_ASSIGN_OR_RETURN(std::optional<CompleteCheckpoint> latest,
+                        FindLatestComplete(config_.checkpoint_dir));
+    if (!latest) {
+      if (config_.resume == ResumeMode::kAuto) return 0;
+      return absl::NotFoundError(absl::StrCat("resume: no complete checkpoint (a step_* directory "
+                                              "with ", kCompleteName, ") under ",
+                                              config_.checkpoint_dir));
+    }
+    if (latest->world_size != world_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("resume: checkpoint ", latest->dir, " was written by ", latest->world_size,
+                       " ranks, this job has ", world_));
+    }
+    const nlohmann::json want = config_.ToJson();
+    for (const auto& [key, value] : want.items()) {
+      if (!latest->config.contains(key) || latest->config[key] != value) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "resume: checkpoint ", latest->dir, " has ", key, " = ",
+            latest->config.contains(key) ? latest->config[key].dump() : "(missing)",
+            ", this run has ", value.dump()));
+      }
+    }
+    // Every rank checks every file, so all ranks fail with the same message.
+    FS_RETURN_IF_ERROR(VerifyCheckpoint(*latest));
+    const std::string file = RankFile(latest->dir, rank_);
+    try {
+      fsdp::load_local_checkpoint(model_, opt_.get(), file);
+    } catch (const std::exception& e) {
+      return absl::DataLossError(absl::StrCat("resume: cannot load ", file, ": ", e.what()));
+    }
+    return latest->step;
+  }
+
+  absl::Status SaveCheckpoint(int64_t step) {
+    const std::string dir = StepDir(config_.checkpoint_dir, step);
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) return absl::UnavailableError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+    const std::string file = RankFile(dir, rank_);
+    try {
+      fsdp::save_local_checkpoint(model_, opt_.get(), file);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("cannot save checkpoint ", file, ": ", e.what()));
+    }
+    // Every rank's file is in place before rank 0 declares the step complete.
+    FS_RETURN_IF_ERROR(comm_->Barrier().Wait());
+    if (rank_ != 0) return absl::OkStatus();
+    FS_RETURN_IF_ERROR(WriteComplete(dir, step, world_, config_.ToJson()));
+    return PruneCheckpoints(config_.checkpoint_dir, config_.keep_checkpoints);
+  }
+
+  std::string ProgressLine(int64_t step, double loss, double val, double tokens_per_s,
+                           double eta_s, const std::vector<int64_t>& rss) const {
+    constexpr int kBar = 20;
+    const int filled = static_cast<int>(kBar * step / std::max<int64_t>(1, config_.steps));
+    std::string line = absl::StrFormat(
+        "step %*d/%d [%s%s] loss %.4f", static_cast<int>(std::to_string(config_.steps).size()),
+        step, config_.steps, std::string(filled, '#'), std::string(kBar - filled, '.'), loss);
+    if (std::isfinite(val)) absl::StrAppendFormat(&line, " val %.4f", val);
+    absl::StrAppendFormat(&line, " | %.0f tok/s | ETA %s | rss", tokens_per_s,
+                          HumanDuration(eta_s));
+    for (int r = 0; r < world_; ++r) absl::StrAppend(&line, " r", r, " ", HumanBytes(rss[r]));
+    return line;
+  }
+
+  absl::Status WritePlot() {
+    if (config_.plot_path.empty()) return absl::OkStatus();
+    PlotSeries train{"train loss", "#1f77b4", {}}, val{"val loss", "#d62728", {}};
+    for (const nlohmann::json& j : metrics_.records()) {
+      const std::string type = j.value("type", "");
+      if (type == "train") train.points.emplace_back(j["step"].get<double>(), j["loss"].get<double>());
+      if (type == "val") val.points.emplace_back(j["step"].get<double>(), j["loss"].get<double>());
+    }
+    std::error_code ec;
+    const std::filesystem::path parent = std::filesystem::path(config_.plot_path).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+    return WriteFileAtomic(
+        config_.plot_path,
+        LinePlotSvg({train, val},
+                    absl::StrFormat("GPT %lldx%lld on KJV Genesis+Exodus, %d ranks, %s, %s",
+                                    static_cast<long long>(config_.blocks),
+                                    static_cast<long long>(config_.width), world_,
+                                    config_.strategy, config_.precision),
+                    "step", "cross-entropy loss (nats/char)"));
+  }
+
+  TrainConfig config_;
+  std::shared_ptr<comm::Communicator> comm_;
+  int rank_, world_;
+  CharTokenizer tokenizer_;
+  TokenData data_;
+  fsdp::FullyShardedDataParallel model_{nullptr};
+  std::unique_ptr<torch::optim::Adam> opt_;
+  Metrics metrics_;
+  int64_t num_params_ = 0;
+};
+
+}  // namespace
+
+absl::Status TrainConfig::Validate() const {
+  auto positive = [](absl::string_view name, int64_t v) {
+    return v > 0 ? absl::OkStatus()
+                 : absl::InvalidArgumentError(absl::StrCat(name, " must be > 0, got ", v));
+  };
+  FS_RETURN_IF_ERROR(positive("steps", steps));
+  FS_RETURN_IF_ERROR(positive("batch", batch));
+  FS_RETURN_IF_ERROR(positive("seq", seq));
+  FS_RETURN_IF_ERROR(positive("width", width));
+  FS_RETURN_IF_ERROR(positive("heads", heads));
+  FS_RETURN_IF_ERROR(positive("keep_checkpoints", keep_checkpoints));
+  if (blocks < 0) return absl::InvalidArgumentError("blocks must be >= 0");
+  if (width % heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("width ", width, " is not divisible by heads ", heads));
+  }
+  if (!(lr > 0)) return absl::InvalidArgumentError("lr must be > 0");
+  if (!(temperature > 0)) return absl::InvalidArgumentError("temperature must be > 0");
+  if (warmup_steps < 0 || checkpoint_every < 0 || eval_every < 0 || stop_after < 0) {
+    return absl::InvalidArgumentError(
+        "warmup_steps, checkpoint_every, eval_every and stop_after must be >= 0");
+  }
+  if (sample_tokens > 0 && prompt.empty()) {
+    return absl::InvalidArgumentError("prompt must not be empty when sampling");
+  }
+  FS_RETURN_IF_ERROR(ParseStrategy(strategy).status());
+  FS_RETURN_IF_ERROR(ParsePrecision(precision).status());
+  return absl::OkStatus();
+}
+
+nlohmann::json TrainConfig::ToJson() const {
+  return {{"steps", steps},   {"batch", batch},       {"seq", seq},
+          {"width", width},   {"blocks", blocks},     {"heads", heads},
+          {"seed", seed},     {"lr", lr},             {"warmup_steps", warmup_steps},
+          {"min_lr_ratio", min_lr_ratio},             {"grad_clip", grad_clip},
+          {"strategy", strategy},                     {"precision", precision}};
+}
+
+double LearningRate(const TrainConfig& c, int64_t step) {
+  if (c.warmup_steps > 0 && step <= c.warmup_steps) {
+    return c.lr * static_cast<double>(step) / c.warmup_steps;
+  }
+  const double span = std::max<int64_t>(1, c.steps - c.warmup_steps);
+  const double progress = std::min(1.0, (step - c.warmup_steps) / span);
+  const double min_lr = c.lr * c.min_lr_ratio;
+  return min_lr + 0.5 * (c.lr - min_lr) * (1 + std::cos(M_PI * progress));
+}
+
+int64_t PeakRssBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      int64_t kb = 0;
+      std::istringstream(line.substr(6)) >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+absl::StatusOr<TrainResult> TrainRank(const TrainConfig& config,
+                                      std::shared_ptr<comm::Communicator> comm) {
+  FS_RETURN_IF_ERROR(config.Validate());
+  const std::string where = absl::StrCat("rank ", comm->rank(), "/", comm->size());
+  try {
+    Trainer trainer(config, std::move(comm));
+    absl::StatusOr<TrainResult> r = trainer.Run();
+    if (!r.ok()) {
+      return absl::Status(r.status().code(), absl::StrCat(where, ": ", r.status().message()));
+    }
+    return r;
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat(where, ": ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(where, ": ", e.what()));
+  }
+}
+
+}  // namespace fairscale::examples::gpt

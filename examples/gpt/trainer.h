@@ -1,0 +1,100 @@
+// One rank of the GPT training job (//examples/gpt:trainer): the loop that //examples:train_gpt
+// runs on every rank, kept out of the binary so that tests and other launchers can run it.
+//
+//   absl::StatusOr<TrainResult> r = TrainRank(config, comm);  // every rank, same config
+//
+// The model is examples/gpt/model.h's Gpt with every transformer block its own FSDP unit plus
+// the root; the data are the embedded corpus at character level (examples/gpt/data.h), the
+// batch of (step, rank) a pure function of (seed, step, rank). Rank 0 prints the progress line
+// and writes the metrics (JSON lines), the loss plot (SVG) and the sample; every rank writes its
+// shard of each checkpoint (examples/gpt/checkpoint_dir.h for the layout and the guarantees).
+// Resuming from a checkpoint gives bitwise the same losses and parameters as a run that was
+// never interrupted: the data, the learning-rate schedule and the sampling depend only on the
+// step and the seed, and the checkpoint holds the parameters and the optimizer state.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/statusor.h"
+#include "comm/communicator.h"
+
+namespace fairscale::examples::gpt {
+
+enum class ResumeMode {
+  kNever,     // start from step 0 (existing checkpoints are kept and eventually pruned)
+  kAuto,      // resume from the newest complete checkpoint if there is one
+  kRequired,  // resume from the newest complete checkpoint; error if there is none
+};
+
+struct TrainConfig {
+  // Model and data.
+  int64_t steps = 300;  // total optimizer steps of the run (sets the schedule)
+  int64_t batch = 16;   // sequences per rank per step
+  int64_t seq = 64;     // tokens per sequence (= context length)
+  int64_t width = 128;
+  int64_t blocks = 4;
+  int64_t heads = 4;
+  uint64_t seed = 1234;
+  // Optimizer: Adam, linear warmup to lr then cosine decay to lr * min_lr_ratio at `steps`.
+  double lr = 3e-3;
+  int64_t warmup_steps = 20;
+  double min_lr_ratio = 0.1;
+  double grad_clip = 1.0;  // max global grad norm; 0 = off
+  // FSDP.
+  std::string strategy = "full_shard";  // full_shard | shard_grad_op | no_shard
+  std::string precision = "bf16";       // bf16 | fp16 | fp32 (compute/all-gather dtype)
+  // Evaluation and output (rank 0 writes; empty paths are skipped).
+  int64_t eval_every = 50;    // validation loss every N steps and at the end
+  int64_t eval_batches = 4;   // per rank
+  int64_t log_every = 10;     // progress lines when stdout is not a terminal
+  bool progress = true;       // rank 0 prints the progress line
+  std::string metrics_path;   // JSON lines
+  std::string plot_path;      // SVG
+  int64_t sample_tokens = 200;
+  std::string prompt = "And God said";
+  double temperature = 0.8;
+  int64_t top_k = 10;
+  // Checkpoints: <checkpoint_dir>/step_%08d/ every `checkpoint_every` steps and at the end.
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 100;  // 0: never
+  int keep_checkpoints = 2;
+  ResumeMode resume = ResumeMode::kNever;
+  // Stop after this step as if the job were killed there (no final eval, plot or sample);
+  // 0 = run to `steps`. For resume tests.
+  int64_t stop_after = 0;
+  int threads = 0;  // intra-op threads per rank; 0 = max(1, cores / world size)
+
+  // Validates the values (kInvalidArgument naming the field).
+  absl::Status Validate() const;
+  // What a checkpoint records and a resume must match (model, data, schedule, FSDP).
+  nlohmann::json ToJson() const;
+};
+
+struct TrainResult {
+  int64_t start_step = 0;  // 0, or the step of the checkpoint resumed from
+  int64_t last_step = 0;   // the last step run
+  double train_loss = 0;   // mean over ranks, at last_step
+  double val_loss = 0;     // at last_step (NaN when stopped early)
+  std::string sample;      // decoded sample (empty when stopped early or sample_tokens == 0)
+  // FNV-1a 64 of every rank's parameter shards (f32 master copies) after the last step, by
+  // rank: equal between an interrupted-and-resumed run and an uninterrupted one.
+  std::vector<uint64_t> param_hashes;
+};
+
+// Collective over `comm`: every rank calls it with the same config. Errors (bad config,
+// corrupt checkpoint, a peer that died) come back as a Status naming the rank, file or step.
+absl::StatusOr<TrainResult> TrainRank(const TrainConfig& config,
+                                      std::shared_ptr<comm::Communicator> comm);
+
+// Learning rate at `step` (1-based): linear warmup, then cosine to lr * min_lr_ratio.
+double LearningRate(const TrainConfig& config, int64_t step);
+
+// Peak resident set size of this process in bytes (VmHWM), 0 if unknown.
+int64_t PeakRssBytes();
+
+}  // namespace fairscale::examples::gpt

@@ -1,0 +1,299 @@
+// The main job: train a small GPT on the King James Genesis and Exodus at character level with
+// FSDP, 2 ranks as processes on this machine by default.
+//
+//   ./bazelw run //examples:train_gpt
+//   ./bazelw run //examples:train_gpt -- --nproc=1 --steps=600 --precision=fp32
+//   ./bazelw run //examples:train_gpt -- --resume           # continue from the last checkpoint
+//
+// Without RANK in the environment the binary is its own launcher (LaunchLocal below): it hosts
+// the TCPStore, starts --nproc copies of itself with the torchrun environment (RANK, WORLD_SIZE,
+// LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE), stops every rank within
+// --failure_grace_s when one fails, and with --max_restarts restarts them all from the newest
+// complete checkpoint. With RANK set (a launcher such as torchrun-style fs_launch started it)
+// it runs as that rank through CreateCommunicatorFromEnv(). Outputs go to --out_dir (default
+// out/train_gpt in the workspace under `bazel run`, else in the current directory).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "base/logging.h"
+#include "base/status_macros.h"
+#include "base/subprocess.h"
+#include "comm/communicator.h"
+#include "comm/registry.h"
+#include "comm/store/tcp_store.h"
+#include "examples/gpt/trainer.h"
+
+ABSL_FLAG(int, nproc, 2, "ranks to launch when not started by a launcher (RANK unset)");
+ABSL_FLAG(int64_t, steps, 300, "optimizer steps");
+ABSL_FLAG(int64_t, batch, 16, "sequences per rank per step");
+ABSL_FLAG(int64_t, seq, 64, "characters per sequence (context length)");
+ABSL_FLAG(int64_t, width, 128, "model width");
+ABSL_FLAG(int64_t, blocks, 4, "transformer blocks (each its own FSDP unit)");
+ABSL_FLAG(int64_t, heads, 4, "attention heads");
+ABSL_FLAG(double, lr, 3e-3, "peak learning rate (Adam; linear warmup, then cosine decay)");
+ABSL_FLAG(int64_t, warmup_steps, 20, "learning-rate warmup steps");
+ABSL_FLAG(double, min_lr_ratio, 0.1, "final learning rate as a fraction of --lr");
+ABSL_FLAG(double, grad_clip, 1.0, "max global gradient norm (0: off)");
+ABSL_FLAG(uint64_t, seed, 1234, "initial weights, data order and sampling");
+ABSL_FLAG(std::string, strategy, "full_shard", "full_shard | shard_grad_op | no_shard");
+ABSL_FLAG(std::string, precision, "bf16",
+          "bf16 | fp16 | fp32: compute and all-gather dtype (f32 master shards, f32 reduction)");
+ABSL_FLAG(std::string, out_dir, "",
+          "output directory (default: $BUILD_WORKSPACE_DIRECTORY/out/train_gpt under bazel run, "
+          "else ./out/train_gpt)");
+ABSL_FLAG(std::string, checkpoint_dir, "", "default <out_dir>/checkpoints; 'none' disables");
+ABSL_FLAG(int64_t, checkpoint_every, 100, "save a sharded checkpoint every K steps (and at the end)");
+ABSL_FLAG(int, keep_checkpoints, 2, "complete checkpoints to keep");
+ABSL_FLAG(std::string, resume, "never",
+          "never | auto (resume if a complete checkpoint exists) | true (must resume); a bare "
+          "--resume means true");
+ABSL_FLAG(int64_t, stop_after, 0, "stop after this step as if killed (for resume tests); 0: off");
+ABSL_FLAG(std::string, metrics, "", "JSON-lines metrics file (default <out_dir>/metrics.jsonl)");
+ABSL_FLAG(std::string, plot, "", "SVG loss plot (default <out_dir>/loss.svg)");
+ABSL_FLAG(int64_t, eval_every, 50, "validation loss every N steps (and at the end)");
+ABSL_FLAG(int64_t, eval_batches, 4, "validation batches per rank");
+ABSL_FLAG(int64_t, log_every, 10, "progress line every N steps when stdout is not a terminal");
+ABSL_FLAG(int64_t, sample_tokens, 200, "characters to sample at the end (0: none)");
+ABSL_FLAG(std::string, prompt, "And God said", "sampling prompt");
+ABSL_FLAG(double, temperature, 0.8, "sampling temperature");
+ABSL_FLAG(int64_t, top_k, 10, "sample from the k most likely characters (0: all)");
+ABSL_FLAG(int, threads, 0, "intra-op threads per rank (0: cores / ranks)");
+ABSL_FLAG(int, max_restarts, 0,
+          "self-launch only: restart all ranks from the last complete checkpoint up to this many "
+          "times after a rank fails");
+ABSL_FLAG(int, failure_grace_s, 10,
+          "self-launch only: after a rank fails, the others get this long to exit, then SIGKILL");
+ABSL_FLAG(int, timeout_s, 3600, "self-launch only: ranks still running after this are killed");
+
+namespace fairscale::examples {
+namespace {
+
+std::string OutDir() {
+  std::string dir = absl::GetFlag(FLAGS_out_dir);
+  if (!dir.empty()) return dir;
+  if (const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY")) {
+    return absl::StrCat(ws, "/out/train_gpt");
+  }
+  return "out/train_gpt";
+}
+
+absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
+  gpt::TrainConfig c;
+  c.steps = absl::GetFlag(FLAGS_steps);
+  c.batch = absl::GetFlag(FLAGS_batch);
+  c.seq = absl::GetFlag(FLAGS_seq);
+  c.width = absl::GetFlag(FLAGS_width);
+  c.blocks = absl::GetFlag(FLAGS_blocks);
+  c.heads = absl::GetFlag(FLAGS_heads);
+  c.lr = absl::GetFlag(FLAGS_lr);
+  c.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
+  c.min_lr_ratio = absl::GetFlag(FLAGS_min_lr_ratio);
+  c.grad_clip = absl::GetFlag(FLAGS_grad_clip);
+  c.seed = absl::GetFlag(FLAGS_seed);
+  c.strategy = absl::GetFlag(FLAGS_strategy);
+  c.precision = absl::GetFlag(FLAGS_precision);
+  const std::string out = OutDir();
+  c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  if (c.checkpoint_dir.empty()) c.checkpoint_dir = out + "/checkpoints";
+  if (c.checkpoint_dir == "none") c.checkpoint_dir.clear();
+  c.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
+  c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
+  const std::string resume = absl::GetFlag(FLAGS_resume);
+  if (resume == "never" || resume == "false" || resume.empty()) {
+    c.resume = gpt::ResumeMode::kNever;
+  } else if (resume == "auto") {
+    c.resume = gpt::ResumeMode::kAuto;
+  } else if (resume == "true" || resume == "required") {
+    c.resume = gpt::ResumeMode::kRequired;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--resume=", resume, ": expected never, auto or true"));
+  }
+  c.stop_after = absl::GetFlag(FLAGS_stop_after);
+  c.metrics_path = absl::GetFlag(FLAGS_metrics);
+  if (c.metrics_path.empty()) c.metrics_path = out + "/metrics.jsonl";
+  c.plot_path = absl::GetFlag(FLAGS_plot);
+  if (c.plot_path.empty()) c.plot_path = out + "/loss.svg";
+  c.eval_every = absl::GetFlag(FLAGS_eval_every);
+  c.eval_batches = absl::GetFlag(FLAGS_eval_batches);
+  c.log_every = absl::GetFlag(FLAGS_log_every);
+  c.sample_tokens = absl::GetFlag(FLAGS_sample_tokens);
+  c.prompt = absl::GetFlag(FLAGS_prompt);
+  c.temperature = absl::GetFlag(FLAGS_temperature);
+  c.top_k = absl::GetFlag(FLAGS_top_k);
+  c.threads = absl::GetFlag(FLAGS_threads);
+  FS_RETURN_IF_ERROR(c.Validate());
+  return c;
+}
+
+// One rank, started by a launcher (ours or another) with the torchrun environment.
+int RunRank() {
+  absl::StatusOr<gpt::TrainConfig> config = ConfigFromFlags();
+  if (!config.ok()) {
+    std::fprintf(stderr, "train_gpt: %s\n", std::string(config.status().message()).c_str());
+    return 2;
+  }
+  absl::StatusOr<std::shared_ptr<comm::Communicator>> comm = comm::CreateCommunicatorFromEnv();
+  if (!comm.ok()) {
+    std::fprintf(stderr, "[rank %s] train_gpt: cannot create the communicator: %s\n",
+                 std::getenv("RANK"), comm.status().ToString().c_str());
+    return 1;
+  }
+  base::SetLogRank((*comm)->rank(), (*comm)->size());
+  absl::StatusOr<gpt::TrainResult> result = gpt::TrainRank(*config, *comm);
+  if (!result.ok()) {
+    std::fprintf(stderr, "[rank %d] train_gpt: %s\n", (*comm)->rank(),
+                 result.status().ToString().c_str());
+    (*comm)->Abort(result.status());  // peers blocked on us fail now instead of timing out
+    return 1;
+  }
+  return 0;
+}
+
+std::string DescribeExit(int status) {
+  if (WIFSIGNALED(status)) {
+    return absl::StrCat("was killed by signal ", WTERMSIG(status), " (", strsignal(WTERMSIG(status)),
+                        ")");
+  }
+  return absl::StrCat("exited with code ", WEXITSTATUS(status));
+}
+
+// One attempt: n ranks over a fresh TCPStore. Returns true when every rank exited 0. When a rank
+// fails the others get --failure_grace_s to notice (their collectives fail once the peer's
+// connections close) and are SIGKILLed after that.
+bool RunAttempt(int n, const std::vector<std::string>& args) {
+  comm::TCPStoreOptions opts;
+  opts.is_server = true;
+  opts.timeout = absl::Seconds(60);
+  auto store = comm::TCPStore::Create(opts);
+  if (!store.ok()) {
+    std::fprintf(stderr, "train_gpt: cannot start the TCPStore: %s\n",
+                 store.status().ToString().c_str());
+    return false;
+  }
+  const int port = (*store)->port();
+  const bool default_timeout = std::getenv("FS_COMM_TIMEOUT_S") == nullptr;
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    std::vector<std::string> env = {
+        absl::StrCat("RANK=", r),         absl::StrCat("LOCAL_RANK=", r),
+        absl::StrCat("WORLD_SIZE=", n),   "MASTER_ADDR=127.0.0.1",
+        absl::StrCat("MASTER_PORT=", port), "TORCHELASTIC_USE_AGENT_STORE=True"};
+    if (default_timeout) env.push_back("FS_COMM_TIMEOUT_S=60");
+    absl::StatusOr<pid_t> pid = base::SpawnSelf(args, env);
+    if (!pid.ok()) {
+      std::fprintf(stderr, "train_gpt: cannot start rank %d: %s\n", r,
+                   pid.status().ToString().c_str());
+      for (pid_t p : pids) kill(p, SIGKILL), waitpid(p, nullptr, 0);
+      return false;
+    }
+    pids.push_back(*pid);
+  }
+  std::vector<bool> done(n, false);
+  int running = n;
+  bool ok = true;
+  absl::Time deadline = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
+  while (running > 0) {
+    int status = 0;
+    const pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid < 0 && errno != EINTR) break;
+    if (pid <= 0) {
+      if (absl::Now() > deadline) {
+        std::fprintf(stderr, "train_gpt: %d rank(s) still running after %s; killing them\n",
+                     running, ok ? absl::FormatDuration(absl::Seconds(absl::GetFlag(FLAGS_timeout_s))).c_str()
+                                 : "the grace period");
+        for (int r = 0; r < n; ++r) {
+          if (!done[r]) kill(pids[r], SIGKILL);
+        }
+        ok = false;
+        deadline = absl::InfiniteFuture();
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+      continue;
+    }
+    for (int r = 0; r < n; ++r) {
+      if (pids[r] != pid || done[r]) continue;
+      done[r] = true;
+      --running;
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) break;
+      std::fprintf(stderr, "train_gpt: rank %d (pid %d) %s\n", r, pid,
+                   DescribeExit(status).c_str());
+      if (ok && running > 0) {
+        std::fprintf(stderr, "train_gpt: stopping the other ranks (SIGKILL after %ds)\n",
+                     absl::GetFlag(FLAGS_failure_grace_s));
+        deadline = std::min(deadline,
+                            absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_failure_grace_s)));
+      }
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+// The self-launcher: one function, so that a launcher library can replace it.
+int LaunchLocal(const std::vector<std::string>& args) {
+  const int n = absl::GetFlag(FLAGS_nproc);
+  if (n < 1) {
+    std::fprintf(stderr, "train_gpt: --nproc must be >= 1\n");
+    return 2;
+  }
+  absl::StatusOr<gpt::TrainConfig> config = ConfigFromFlags();  // fail before spawning
+  if (!config.ok()) {
+    std::fprintf(stderr, "train_gpt: %s\n", std::string(config.status().message()).c_str());
+    return 2;
+  }
+  const int max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  std::vector<std::string> attempt_args = args;
+  for (int attempt = 0;; ++attempt) {
+    if (RunAttempt(n, attempt_args)) return 0;
+    if (attempt >= max_restarts) {
+      std::fprintf(stderr, "train_gpt: FAILED%s\n",
+                   max_restarts > 0 ? absl::StrCat(" after ", attempt, " restart(s)").c_str() : "");
+      return 1;
+    }
+    if (config->checkpoint_dir.empty()) {
+      std::fprintf(stderr, "train_gpt: cannot restart without checkpoints (--checkpoint_dir)\n");
+      return 1;
+    }
+    std::fprintf(stderr, "train_gpt: restart %d/%d from the newest complete checkpoint in %s\n",
+                 attempt + 1, max_restarts, config->checkpoint_dir.c_str());
+    attempt_args = args;
+    attempt_args.push_back("--resume=auto");  // the last occurrence of a flag wins
+  }
+}
+
+}  // namespace
+}  // namespace fairscale::examples
+
+int main(int argc, char** argv) {
+  // A bare --resume means --resume=true (absl string flags need a value).
+  std::vector<char*> argv_fixed(argv, argv + argc);
+  static char kResumeTrue[] = "--resume=true";
+  for (char*& a : argv_fixed) {
+    if (std::strcmp(a, "--resume") == 0 || std::strcmp(a, "-resume") == 0) a = kResumeTrue;
+  }
+  absl::ParseCommandLine(static_cast<int>(argv_fixed.size()), argv_fixed.data());
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+  if (std::getenv("RANK") == nullptr) {
+    return fairscale::examples::LaunchLocal(
+        std::vector<std::string>(argv_fixed.begin() + 1, argv_fixed.end()));
+  }
+  return fairscale::examples::RunRank();
+}
