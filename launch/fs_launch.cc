@@ -30,8 +30,7 @@ ABSL_FLAG(int, master_port, 29500,
           "port of the job's TCPStore (MASTER_PORT); 0 picks a free one (single node only)");
 ABSL_FLAG(int, max_restarts, 0,
           "restart the whole job at most this many times after a failure (FS_RESTART_COUNT)");
-ABSL_FLAG(double, stop_timeout_s, 5,
-          "seconds between SIGTERM and SIGKILL when stopping ranks");
+ABSL_FLAG(double, stop_timeout_s, 5, "seconds between SIGTERM and SIGKILL when stopping ranks");
 ABSL_FLAG(double, rdzv_timeout_s, 300,
           "seconds to wait for the other nodes' launchers (and for node 0's store)");
 ABSL_FLAG(bool, prefix_output, true, "prefix every output line of a rank with \"[rank N] \"");
@@ -41,8 +40,8 @@ namespace {
 // Flags that take a value (so "--flag value" consumes the next argument).
 const absl::flat_hash_set<std::string>& ValueFlags() {
   static const auto* flags = new absl::flat_hash_set<std::string>{
-      "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port",
-      "max_restarts", "stop_timeout_s", "rdzv_timeout_s", "flagfile"};
+      "nproc_per_node", "nnodes",         "node_rank",      "master_addr", "master_port",
+      "max_restarts",   "stop_timeout_s", "rdzv_timeout_s", "flagfile"};
   return *flags;
 }
 

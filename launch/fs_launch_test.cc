@@ -71,8 +71,7 @@ class Launcher {
  public:
   // fs_launch <launcher_flags> -- fake_rank <rank_flags>
   void Start(const std::vector<std::string>& launcher_flags,
-             const std::vector<std::string>& rank_flags,
-             const std::vector<std::string>& env = {}) {
+             const std::vector<std::string>& rank_flags, const std::vector<std::string>& env = {}) {
     std::vector<std::string> args = launcher_flags;
     args.push_back("--");
     args.push_back(g_fake_rank);
@@ -82,10 +81,10 @@ class Launcher {
 
   void StartRaw(const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
     dir_ = NewDir();
-    const int out = open((dir_ + "/stdout").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
-                         0600);
-    const int err = open((dir_ + "/stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
-                         0600);
+    const int out =
+        open((dir_ + "/stdout").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    const int err =
+        open((dir_ + "/stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     ASSERT_GE(out, 0);
     ASSERT_GE(err, 0);
     absl::StatusOr<pid_t> pid = base::Spawn(g_fs_launch, args, env, {{out, 1}, {err, 2}});
@@ -140,8 +139,7 @@ std::vector<pid_t> AwaitPids(const std::string& dir, int n) {
       absl::SleepFor(absl::Milliseconds(20));
     }
     int pid = 0;
-    EXPECT_TRUE(absl::SimpleAtoi(absl::StripTrailingAsciiWhitespace(ReadFile(path)), &pid))
-        << path;
+    EXPECT_TRUE(absl::SimpleAtoi(absl::StripTrailingAsciiWhitespace(ReadFile(path)), &pid)) << path;
     pids.push_back(pid);
   }
   return pids;
@@ -203,8 +201,7 @@ TEST(FsLaunch, EveryOutputLineIsPrefixedWithItsRank) {
     bool matched = false;
     for (int r = 0; r < 2 && !matched; ++r) {
       const std::string prefix = absl::StrCat("[rank ", r, "] ");
-      if (absl::StartsWith(line, prefix) &&
-          (absl::EndsWith(line, absl::StrCat(" of rank ", r)))) {
+      if (absl::StartsWith(line, prefix) && (absl::EndsWith(line, absl::StrCat(" of rank ", r)))) {
         matched = true;
         ++count[r];
       }
@@ -243,8 +240,7 @@ TEST(FsLaunch, SiblingsThatIgnoreSigtermAreKilledAfterTheStopTimeout) {
   const std::string pids = NewDir();
   Launcher l;
   l.Start({"--nproc_per_node=2", "--master_port=0", "--stop_timeout_s=0.5"},
-          {"--pid_dir=" + pids, "--fail_rank=0", "--fail_code=4", "--sleep",
-           "--ignore_sigterm"});
+          {"--pid_dir=" + pids, "--fail_rank=0", "--fail_code=4", "--sleep", "--ignore_sigterm"});
   EXPECT_EQ(l.Wait(), 4) << l.err();
   EXPECT_THAT(l.err(), HasSubstr("still running 500ms after SIGTERM; sending SIGKILL"));
   ExpectGone(AwaitPids(pids, 2));
@@ -320,8 +316,8 @@ TEST(FsLaunch, PortZeroAndARealAllReduceThroughTheLaunchersStore) {
   l.Start({"--nproc_per_node=3", "--master_port=0"}, {"--all_reduce"});
   ASSERT_EQ(l.Wait(), 0) << l.err() << l.out();
   for (int r = 0; r < 3; ++r) {
-    EXPECT_THAT(l.out(), HasSubstr(absl::StrCat("[rank ", r, "] ALLREDUCE rank=", r,
-                                                " size=3 sum=6")));
+    EXPECT_THAT(l.out(),
+                HasSubstr(absl::StrCat("[rank ", r, "] ALLREDUCE rank=", r, " size=3 sum=6")));
   }
 }
 
@@ -359,8 +355,8 @@ TEST(FsLaunch, TwoNodesMakeOneJobOfWorldSizeTwiceNproc) {
   }
   for (int r = 0; r < 4; ++r) {
     const std::string& out = r < 2 ? node0.out() : node1.out();
-    EXPECT_THAT(out, HasSubstr(absl::StrCat("[rank ", r, "] ALLREDUCE rank=", r,
-                                            " size=4 sum=10")));
+    EXPECT_THAT(out,
+                HasSubstr(absl::StrCat("[rank ", r, "] ALLREDUCE rank=", r, " size=4 sum=10")));
   }
 }
 
@@ -384,9 +380,8 @@ TEST(FsLaunch, AFailureOnOneNodeStopsTheOtherNodeWithTheSameStatus) {
 TEST(FsLaunch, TwoNodesRestartTogether) {
   const std::vector<std::string> env = {"FS_STORE_TOKEN=fedcba9876543210fedcba9876543210"};
   // Rank 2 (node 1) fails in attempt 0 only; both nodes restart, and attempt 1 all-reduces.
-  const std::vector<std::string> rank_flags = {"--report_env", "--fail_rank=2",
-                                               "--fail_until_restart=1", "--fail_code=8",
-                                               "--all_reduce"};
+  const std::vector<std::string> rank_flags = {
+      "--report_env", "--fail_rank=2", "--fail_until_restart=1", "--fail_code=8", "--all_reduce"};
   Launcher node0;
   Launcher node1;
   node0.Start({"--nnodes=2", "--nproc_per_node=2", "--master_port=29520", "--node_rank=0",
@@ -409,8 +404,8 @@ TEST(FsLaunch, TwoNodesRestartTogether) {
   }
   for (int r = 0; r < 4; ++r) {
     const std::string& out = r < 2 ? node0.out() : node1.out();
-    EXPECT_THAT(out, HasSubstr(absl::StrCat("[rank ", r, "] ALLREDUCE rank=", r,
-                                            " size=4 sum=10")));
+    EXPECT_THAT(out,
+                HasSubstr(absl::StrCat("[rank ", r, "] ALLREDUCE rank=", r, " size=4 sum=10")));
   }
 }
 
@@ -427,8 +422,7 @@ TEST(FsLaunch, ErrorsBeforeAnyRankRuns) {
   EXPECT_THAT(missing.err(), HasSubstr("/nonexistent/program"));
 
   Launcher no_token;
-  no_token.StartRaw({"--nnodes=2", "--master_port=29519", "--", g_fake_rank},
-                    {"FS_STORE_TOKEN="});
+  no_token.StartRaw({"--nnodes=2", "--master_port=29519", "--", g_fake_rank}, {"FS_STORE_TOKEN="});
   EXPECT_EQ(no_token.Wait(), 1);
   EXPECT_THAT(no_token.err(), HasSubstr("FS_STORE_TOKEN"));
 }
@@ -467,10 +461,9 @@ TEST(LaunchOptions, RankEnvAndTokens) {
   o.env = {"EXTRA=1"};
   const std::vector<std::string> env = RankEnv(o, 1, 29500, "tok", 2);
   for (const char* want :
-       {"EXTRA=1", "RANK=9", "LOCAL_RANK=1", "WORLD_SIZE=12", "LOCAL_WORLD_SIZE=4",
-        "GROUP_RANK=2", "MASTER_ADDR=node0", "MASTER_PORT=29500",
-        "TORCHELASTIC_USE_AGENT_STORE=True", "FS_RESTART_COUNT=2", "FS_STORE_TOKEN=tok",
-        "FS_STORE_PREFIX=fs_launch/2/job"}) {
+       {"EXTRA=1", "RANK=9", "LOCAL_RANK=1", "WORLD_SIZE=12", "LOCAL_WORLD_SIZE=4", "GROUP_RANK=2",
+        "MASTER_ADDR=node0", "MASTER_PORT=29500", "TORCHELASTIC_USE_AGENT_STORE=True",
+        "FS_RESTART_COUNT=2", "FS_STORE_TOKEN=tok", "FS_STORE_PREFIX=fs_launch/2/job"}) {
     EXPECT_THAT(env, Contains(std::string(want)));
   }
   const std::string a = NewStoreToken();

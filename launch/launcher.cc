@@ -136,8 +136,8 @@ struct Ending {
 Ending FromWaitStatus(int wstatus) {
   if (WIFSIGNALED(wstatus)) {
     const int sig = WTERMSIG(wstatus);
-    return {128 + sig, absl::StrCat("was killed by ", SignalName(sig), " (status ", 128 + sig,
-                                    ")")};
+    return {128 + sig,
+            absl::StrCat("was killed by ", SignalName(sig), " (status ", 128 + sig, ")")};
   }
   const int code = WEXITSTATUS(wstatus);
   return {code, absl::StrCat("exited with code ", code)};
@@ -181,8 +181,8 @@ Failure DecodeFailure(absl::string_view v) {
   if (b == absl::string_view::npos) return f;
   int rank = 0;
   int status = 0;
-  if (absl::SimpleAtoi(v.substr(0, a), &rank) && absl::SimpleAtoi(v.substr(a + 1, b - a - 1),
-                                                                  &status)) {
+  if (absl::SimpleAtoi(v.substr(0, a), &rank) &&
+      absl::SimpleAtoi(v.substr(a + 1, b - a - 1), &status)) {
     f.rank = rank;
     f.status = status;
     f.what = std::string(v.substr(b + 1));
@@ -243,12 +243,12 @@ absl::StatusOr<int> Job::Rendezvous(int attempt) {
     if (const int sig = signals_.Take(); sig != 0) return sig;
     if (absl::Now() >= deadline) {
       absl::StatusOr<int64_t> now = store_.Add(Key(attempt, "joined"), 0);
-      return absl::DeadlineExceededError(absl::StrCat(
-          "fs_launch: node ", o_.node_rank, ": only ", now.ok() ? *now : joined, " of ",
-          o_.nnodes, " launchers joined attempt ", attempt, " within ",
-          absl::FormatDuration(o_.rendezvous_timeout),
-          " (start one fs_launch per node with the same --nnodes, --master_addr, "
-          "--master_port and FS_STORE_TOKEN)"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("fs_launch: node ", o_.node_rank, ": only ", now.ok() ? *now : joined,
+                       " of ", o_.nnodes, " launchers joined attempt ", attempt, " within ",
+                       absl::FormatDuration(o_.rendezvous_timeout),
+                       " (start one fs_launch per node with the same --nnodes, --master_addr, "
+                       "--master_port and FS_STORE_TOKEN)"));
     }
   }
 }
@@ -279,9 +279,8 @@ absl::Status Job::SpawnRanks(int attempt) {
     if (!pid.ok()) {
       close(out[0]);
       close(err[0]);
-      return absl::Status(pid.status().code(),
-                          absl::StrCat("fs_launch: cannot start rank ", r.rank, ": ",
-                                       pid.status().message()));
+      return absl::Status(pid.status().code(), absl::StrCat("fs_launch: cannot start rank ", r.rank,
+                                                            ": ", pid.status().message()));
     }
     r.pid = *pid;
     r.running = true;
@@ -342,8 +341,8 @@ void Job::CloseOutputs() {
   for (Rank& r : ranks_) {
     if (r.out_fd >= 0) Pump(r.out_fd, *r.out);
     if (r.err_fd >= 0) Pump(r.err_fd, *r.err);
-    for (auto [fd, p] : {std::make_pair(&r.out_fd, r.out.get()),
-                         std::make_pair(&r.err_fd, r.err.get())}) {
+    for (auto [fd, p] :
+         {std::make_pair(&r.out_fd, r.out.get()), std::make_pair(&r.err_fd, r.err.get())}) {
       if (*fd >= 0) {
         close(*fd);
         *fd = -1;
@@ -368,9 +367,10 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
   if (absl::Status s = SpawnRanks(attempt); !s.ok()) {
     KillAndReapAll();
     if (o_.nnodes > 1) {
-      (void)store_.CompareSet(failed_key, "",
-                              EncodeFailure({-1, 127, absl::StrCat("node ", o_.node_rank,
-                                                                   " could not start its ranks")}));
+      (void)store_.CompareSet(
+          failed_key, "",
+          EncodeFailure(
+              {-1, 127, absl::StrCat("node ", o_.node_rank, " could not start its ranks")}));
     }
     return s;
   }
@@ -424,8 +424,8 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
       if (launcher_signal == 0) {
         launcher_signal = sig;
         Say(absl::StrCat("received ", SignalName(sig), "; forwarding it to ", running(),
-                         " running rank(s) (SIGKILL after ",
-                         absl::FormatDuration(o_.stop_timeout), ")"));
+                         " running rank(s) (SIGKILL after ", absl::FormatDuration(o_.stop_timeout),
+                         ")"));
         stop(sig);
       } else if (!killed) {
         Say(absl::StrCat("received ", SignalName(sig), " again; sending SIGKILL"));
@@ -473,8 +473,8 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
       }
     }
     if (stopping && !killed && absl::Now() >= kill_at && running() > 0) {
-      Say(absl::StrCat(running(), " rank(s) still running ",
-                       absl::FormatDuration(o_.stop_timeout), " after SIGTERM; sending SIGKILL"));
+      Say(absl::StrCat(running(), " rank(s) still running ", absl::FormatDuration(o_.stop_timeout),
+                       " after SIGTERM; sending SIGKILL"));
       SignalRanks(SIGKILL);
       killed = true;
     }
@@ -551,8 +551,7 @@ absl::Status Job::FinishJob(int attempt) {
 
 std::string NewStoreToken() {
   absl::BitGen gen;
-  return absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(gen),
-                         absl::Uniform<uint64_t>(gen));
+  return absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(gen), absl::Uniform<uint64_t>(gen));
 }
 
 absl::Status ValidateLaunchOptions(const LaunchOptions& o) {
@@ -570,8 +569,9 @@ absl::Status ValidateLaunchOptions(const LaunchOptions& o) {
     return bad("--master_port=", o.master_port, " is outside [0, 65535]");
   }
   if (o.master_port == 0 && o.nnodes > 1) {
-    return bad("--master_port=0 (pick a free port) needs --nnodes=1: the other nodes could not "
-               "know the port; give every node the same fixed --master_port");
+    return bad(
+        "--master_port=0 (pick a free port) needs --nnodes=1: the other nodes could not "
+        "know the port; give every node the same fixed --master_port");
   }
   if (o.max_restarts < 0) return bad("--max_restarts=", o.max_restarts, " must be >= 0");
   if (o.stop_timeout < absl::ZeroDuration()) return bad("the stop timeout must be >= 0");
@@ -637,8 +637,8 @@ absl::StatusOr<int> Launch(const LaunchOptions& o) {
   absl::StatusOr<std::unique_ptr<comm::TCPStore>> store = comm::TCPStore::Create(so);
   if (!store.ok()) {
     return absl::Status(store.status().code(),
-                        absl::StrCat("fs_launch: node ", o.node_rank, ": the job store: ",
-                                     store.status().message()));
+                        absl::StrCat("fs_launch: node ", o.node_rank,
+                                     ": the job store: ", store.status().message()));
   }
   const int master_port = (*store)->port();
 
@@ -656,11 +656,10 @@ absl::StatusOr<int> Launch(const LaunchOptions& o) {
                            ")"));
       continue;
     }
-    job.Say(absl::StrCat("job failed: ", outcome.failure->what,
-                         o.max_restarts > 0 ? absl::StrCat(" (after ", o.max_restarts,
-                                                           " restart(s))")
-                                            : "",
-                         "; exit status ", outcome.status));
+    job.Say(absl::StrCat(
+        "job failed: ", outcome.failure->what,
+        o.max_restarts > 0 ? absl::StrCat(" (after ", o.max_restarts, " restart(s))") : "",
+        "; exit status ", outcome.status));
     FS_RETURN_IF_ERROR(job.FinishJob(attempt));
     return outcome.status;
   }

@@ -24,8 +24,7 @@ TEST(LinePrefixer, PrefixesEveryCompleteLine) {
   Collector c;
   LinePrefixer p = c.Make("[rank 2] ");
   p.Feed("a\nbb\n\nccc\n");
-  EXPECT_THAT(c.out, ElementsAre("[rank 2] a\n", "[rank 2] bb\n", "[rank 2] \n",
-                                 "[rank 2] ccc\n"));
+  EXPECT_THAT(c.out, ElementsAre("[rank 2] a\n", "[rank 2] bb\n", "[rank 2] \n", "[rank 2] ccc\n"));
   EXPECT_EQ(p.buffered(), 0u);
 }
 

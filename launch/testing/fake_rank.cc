@@ -6,8 +6,9 @@
 //                    a partial line "tail of rank R" without '\n'
 //   --store          connect to MASTER_ADDR:MASTER_PORT with FS_STORE_TOKEN; set and read a key
 //   --all_reduce     CreateCommunicatorFromEnv (tcp) and all-reduce the ranks: prints the sum
-//   --fail_rank=R    on rank R, once every rank wrote its pid file when --pid_dir is set (while FS_RESTART_COUNT < --fail_until_restart, default always):
-//                    exit --fail_code, or with --fail_signal kill itself with SIGKILL
+//   --fail_rank=R    on rank R (while FS_RESTART_COUNT < --fail_until_restart, default always),
+//                    once every rank wrote its pid file when --pid_dir is set: exit
+//                    --fail_code, or with --fail_signal kill itself with SIGKILL
 //   --sleep          then sleep until killed (at most --sleep_s)
 //   --ignore_sigterm ignore SIGTERM (from the start)
 // and exits 0.
@@ -88,11 +89,11 @@ int AllReduce() {
   }
   int64_t mine = (*comm)->rank() + 1;
   int64_t sum = 0;
-  absl::Status s = (*comm)
-                       ->AllReduce(fairscale::comm::MakeConstBuffer(&mine, 1),
-                                   fairscale::comm::MakeBuffer(&sum, 1),
-                                   fairscale::comm::ReduceOp::kSum)
-                       .Wait(absl::Seconds(60));
+  absl::Status s =
+      (*comm)
+          ->AllReduce(fairscale::comm::MakeConstBuffer(&mine, 1),
+                      fairscale::comm::MakeBuffer(&sum, 1), fairscale::comm::ReduceOp::kSum)
+          .Wait(absl::Seconds(60));
   if (!s.ok()) {
     std::fprintf(stderr, "ALLREDUCE FAILED %s\n", s.ToString().c_str());
     return 5;
