@@ -113,7 +113,7 @@ class FromEnvTest : public ::testing::Test {
   void SetUp() override {
     for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                           "FS_COMM_BACKEND", "FS_COMM_TIMEOUT_S",
-                          "TORCHELASTIC_USE_AGENT_STORE"}) {
+                          "TORCHELASTIC_USE_AGENT_STORE", "FS_STORE_TOKEN", "FS_STORE_PREFIX"}) {
       unsetenv(v);
     }
   }
@@ -192,6 +192,41 @@ TEST_F(FromEnvTest, AgentStoreMakesEveryRankAClient) {
   ASSERT_OK(store->Set("from-rank0", "x"));
   ASSERT_OK_AND_ASSIGN(std::string v, agent->Get("from-rank0", absl::Seconds(5)));
   EXPECT_EQ(v, "x");
+  c.reset();  // The client goes before the agent's server.
+}
+
+// fs_launch's agent store demands FS_STORE_TOKEN, and FS_STORE_PREFIX namespaces every key.
+TEST_F(FromEnvTest, TheStoreTokenAndPrefixReachTheTCPStore) {
+  TCPStoreOptions agent_options;
+  agent_options.is_server = true;
+  agent_options.timeout = absl::Seconds(10);
+  agent_options.token = "feedfacefeedfacefeedfacefeedface";
+  ASSERT_OK_AND_ASSIGN(auto agent, TCPStore::Create(agent_options));
+  Set("RANK", "1");
+  Set("WORLD_SIZE", "2");
+  Set("MASTER_ADDR", "127.0.0.1");
+  Set("MASTER_PORT", absl::StrCat(agent->port()));
+  Set("TORCHELASTIC_USE_AGENT_STORE", "True");
+  Set("FS_COMM_TIMEOUT_S", "60");
+  for (const char* wrong : {"", "feedfacefeedfacefeedfacefeedfacf"}) {
+    if (*wrong == '\0') {
+      unsetenv("FS_STORE_TOKEN");
+    } else {
+      Set("FS_STORE_TOKEN", wrong);
+    }
+    EXPECT_THAT(CreateCommunicatorFromEnv().status(),
+                StatusIs(absl::StatusCode::kUnauthenticated,
+                         absl::StrCat("TCPStore 127.0.0.1:", agent->port(),
+                                      " rejected this client: wrong or missing job token "
+                                      "(FS_STORE_TOKEN)")))
+        << "token '" << wrong << "'";
+  }
+  Set("FS_STORE_TOKEN", "feedfacefeedfacefeedfacefeedface");
+  Set("FS_STORE_PREFIX", "fs_launch/3/job");
+  ASSERT_OK_AND_ASSIGN(auto c, CreateCommunicatorFromEnv());
+  ASSERT_OK(AsFake(c).config.store->Set("k", "v"));
+  ASSERT_OK_AND_ASSIGN(std::string v, agent->Get("fs_launch/3/job/k", absl::Seconds(5)));
+  EXPECT_EQ(v, "v");
   c.reset();  // The client goes before the agent's server.
 }
 
