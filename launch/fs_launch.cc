@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -33,16 +33,20 @@ ABSL_FLAG(int, max_restarts, 0,
 ABSL_FLAG(double, stop_timeout_s, 5, "seconds between SIGTERM and SIGKILL when stopping ranks");
 ABSL_FLAG(double, rdzv_timeout_s, 300,
           "seconds to wait for the other nodes' launchers (and for node 0's store)");
+ABSL_FLAG(std::string, store_bind_addr, "",
+          "where node 0's store binds (default: --master_addr for one node, every interface for "
+          "several)");
+ABSL_FLAG(bool, standalone, false,
+          "torchrun's single-node mode: --nnodes=1 and a free port (--master_port=0)");
 ABSL_FLAG(bool, prefix_output, true, "prefix every output line of a rank with \"[rank N] \"");
 
 namespace {
 
-// Flags that take a value (so "--flag value" consumes the next argument).
-const absl::flat_hash_set<std::string>& ValueFlags() {
-  static const auto* flags = new absl::flat_hash_set<std::string>{
-      "nproc_per_node", "nnodes",         "node_rank",      "master_addr", "master_port",
-      "max_restarts",   "stop_timeout_s", "rdzv_timeout_s", "flagfile"};
-  return *flags;
+// Whether --name takes a value (so "--name value" consumes the next argument): every known
+// flag except the booleans.
+bool TakesValue(const std::string& name) {
+  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+  return flag != nullptr && !flag->IsOfType<bool>();
 }
 
 }  // namespace
@@ -70,7 +74,7 @@ int main(int argc, char** argv) {
     std::string name = a.substr(dashes, eq == std::string::npos ? std::string::npos : eq - dashes);
     name = absl::StrReplaceAll(name, {{"-", "_"}});
     ours.push_back(absl::StrCat("--", name, eq == std::string::npos ? "" : a.substr(eq)));
-    if (eq == std::string::npos && ValueFlags().contains(name) && i + 1 < argc) {
+    if (eq == std::string::npos && TakesValue(name) && i + 1 < argc) {
       ours.push_back(argv[++i]);
     }
   }
@@ -87,7 +91,15 @@ int main(int argc, char** argv) {
   o.max_restarts = absl::GetFlag(FLAGS_max_restarts);
   o.stop_timeout = absl::Seconds(absl::GetFlag(FLAGS_stop_timeout_s));
   o.rendezvous_timeout = absl::Seconds(absl::GetFlag(FLAGS_rdzv_timeout_s));
+  o.store_bind_addr = absl::GetFlag(FLAGS_store_bind_addr);
   o.prefix_output = absl::GetFlag(FLAGS_prefix_output);
+  if (absl::GetFlag(FLAGS_standalone)) {
+    if (o.nnodes != 1) {
+      std::fprintf(stderr, "fs_launch: --standalone runs one node, but --nnodes=%d\n", o.nnodes);
+      return 1;
+    }
+    o.master_port = 0;
+  }
   if (program_at < argc) {
     o.program = argv[program_at];
     o.args.assign(argv + program_at + 1, argv + argc);

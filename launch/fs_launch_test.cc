@@ -185,7 +185,8 @@ TEST(FsLaunch, EveryRankGetsTheEnvironmentContract) {
 
 TEST(FsLaunch, AcceptsTorchrunSpellingsWithoutDashDash) {
   Launcher l;
-  l.StartRaw({"--nproc-per-node", "2", "--master-port=0", g_fake_rank, "--report_env"});
+  l.StartRaw({"--standalone", "--nproc-per-node", "2", "--store-bind-addr", "127.0.0.1",
+              g_fake_rank, "--report_env"});
   ASSERT_EQ(l.Wait(), 0) << l.err();
   EXPECT_EQ(EnvReports(l.out()).size(), 2u) << l.out();
 }
