@@ -17,9 +17,6 @@
 #include <ATen/Parallel.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/nn/modules/normalization.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 #include <unistd.h>
@@ -46,8 +43,10 @@
 #include "comm/communicator.h"
 #include "comm/registry.h"
 #include "comm/store/file_store.h"
+#include "examples/gpt/model.h"
 #include "fsdp/bench/tracking_allocator.h"
 #include "fsdp/fully_sharded_data_parallel.h"
+#include "fsdp/wrap.h"
 
 
 ABSL_FLAG(int, rank_timeout_s, 3600, "ranks still running after this long are killed");
@@ -68,6 +67,8 @@ ABSL_FLAG(std::string, out, "", "also write the markdown table here");
 namespace fairscale::fsdp::bench {
 namespace {
 
+namespace gpt = ::fairscale::examples::gpt;
+
 using Clock = std::chrono::steady_clock;
 
 struct Shape {
@@ -79,75 +80,12 @@ Shape FlagShape() {
           absl::GetFlag(FLAGS_seq),    absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_vocab)};
 }
 
-// x + attn(ln1(x)), then x + mlp(ln2(x)); causal multi-head attention.
-class TransformerBlockImpl : public torch::nn::Module {
- public:
-  TransformerBlockImpl(int64_t width, int64_t heads) : heads_(heads) {
-    ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
-    qkv_ = register_module("qkv", torch::nn::Linear(width, 3 * width));
-    proj_ = register_module("proj", torch::nn::Linear(width, width));
-    ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
-    fc1_ = register_module("fc1", torch::nn::Linear(width, 4 * width));
-    fc2_ = register_module("fc2", torch::nn::Linear(4 * width, width));
-  }
-
-  torch::Tensor forward(torch::Tensor x) {
-    const int64_t b = x.size(0), t = x.size(1), c = x.size(2), d = c / heads_;
-    std::vector<at::Tensor> qkv = qkv_(ln1_(x)).chunk(3, -1);
-    auto split = [&](const at::Tensor& z) { return z.view({b, t, heads_, d}).transpose(1, 2); };
-    at::Tensor att = at::matmul(split(qkv[0]), split(qkv[1]).transpose(-2, -1)) /
-                     std::sqrt(static_cast<double>(d));
-    // Built per call rather than kept as a buffer: FSDP broadcasts buffers, and there is no
-    // bool collective dtype.
-    at::Tensor future = at::ones({t, t}, x.options().dtype(at::kBool)).triu(1);
-    att = at::softmax(att.masked_fill(future, -INFINITY), -1);
-    at::Tensor y = at::matmul(att, split(qkv[2])).transpose(1, 2).reshape({b, t, c});
-    x = x + proj_(y);
-    return x + fc2_(at::gelu(fc1_(ln2_(x))));
-  }
-
- private:
-  int64_t heads_;
-  torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
-  torch::nn::Linear qkv_{nullptr}, proj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
-};
-TORCH_MODULE(TransformerBlock);
-
-// With `comm`, every block is wrapped in its own FullyShardedDataParallel unit.
-class GptImpl : public torch::nn::Module {
- public:
-  GptImpl(const Shape& s, std::shared_ptr<comm::Communicator> comm, FsdpOptions options) {
-    tok_ = register_module("tok", torch::nn::Embedding(s.vocab, s.width));
-    pos_ = register_module("pos", torch::nn::Embedding(s.seq, s.width));
-    for (int64_t i = 0; i < s.blocks; ++i) {
-      TransformerBlock block(s.width, s.heads);
-      const std::string name = absl::StrCat("block", i);
-      if (comm) {
-        FullyShardedDataParallel unit(block, comm, options);
-        register_module(name, unit);
-        blocks_.push_back([unit](torch::Tensor x) mutable { return unit(x); });
-      } else {
-        register_module(name, block);
-        blocks_.push_back([block](torch::Tensor x) mutable { return block(x); });
-      }
-    }
-    ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.width})));
-    head_ = register_module("head", torch::nn::Linear(s.width, s.vocab));
-  }
-
-  torch::Tensor forward(torch::Tensor tokens) {
-    at::Tensor x = tok_(tokens) + pos_(at::arange(tokens.size(1), tokens.options()));
-    for (auto& block : blocks_) x = block(x);
-    return head_(ln_f_(x));
-  }
-
- private:
-  torch::nn::Embedding tok_{nullptr}, pos_{nullptr};
-  torch::nn::LayerNorm ln_f_{nullptr};
-  torch::nn::Linear head_{nullptr};
-  std::vector<std::function<torch::Tensor(torch::Tensor)>> blocks_;
-};
-TORCH_MODULE(Gpt);
+// The model is //examples/gpt:model's Gpt (the main job's model): inside an fsdp::EnableWrap
+// scope every block becomes its own FullyShardedDataParallel unit, outside one it is the plain
+// model.
+gpt::GptConfig ConfigOf(const Shape& s) {
+  return gpt::GptConfig().vocab(s.vocab).seq(s.seq).width(s.width).heads(s.heads).blocks(s.blocks);
+}
 
 int64_t ParamBytes(torch::nn::Module& m) {
   int64_t n = 0;
@@ -244,7 +182,7 @@ int RunRank(int rank, int n, const std::string& dir) {
     int64_t param_bytes = 0;
     torch::manual_seed(0);  // same initial weights on every rank
     if (config_name == "unwrapped") {
-      Gpt model(s, nullptr, FsdpOptions());
+      gpt::Gpt model(ConfigOf(s));
       param_bytes = ParamBytes(*model);
       r = Train(config_name, model, tracker, s, rank, comm.get());
     } else {
@@ -252,7 +190,11 @@ int RunRank(int rank, int n, const std::string& dir) {
       // The low-memory setting: no backward prefetch, no reduction left running while the next
       // unit assembles its gradient.
       if (config_name == "FULL_SHARD_LOWMEM") opts.backward_prefetch(false).reductions_in_flight(0);
-      FullyShardedDataParallel model(Gpt(s, comm, opts), comm, opts);
+      FullyShardedDataParallel model{nullptr};
+      {
+        EnableWrap scope(comm, opts, module_type_auto_wrap_policy<gpt::TransformerBlockImpl>());
+        model = FullyShardedDataParallel(gpt::Gpt(ConfigOf(s)), comm, opts);
+      }
       r = Train(config_name, model, tracker, s, rank, comm.get());
     }
     out << r.config << '\t' << r.median_s << '\t' << r.peak_bytes << '\t' << r.activation_bytes
