@@ -2,6 +2,7 @@
 // records what reached it.
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "base/status_matchers.h"
@@ -186,6 +187,34 @@ TEST(Work, OnDoneCallbacksRunBeforeTheWorkCountsAsDone) {
   EXPECT_THAT(wait_inside, StatusIs(absl::StatusCode::kDeadlineExceeded));
   EXPECT_TRUE(work.IsDone());
   EXPECT_OK(work.Wait());
+}
+
+TEST(Work, OnWaitReportsBlockingWaitsOnly) {
+  auto [work, completer] = Work::Pending("reduce_scatter #2 rank 1/2 [stub]");
+  std::vector<absl::Status> seen;
+  std::vector<absl::Duration> waited;
+  work.OnWait([&](absl::Duration d, const absl::Status& s) {
+    waited.push_back(d);
+    seen.push_back(s);
+  });
+  // A wait that gives up is reported with its kDeadlineExceeded.
+  EXPECT_THAT(work.Wait(absl::ZeroDuration()), StatusIs(absl::StatusCode::kDeadlineExceeded));
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_THAT(seen[0], StatusIs(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_GE(waited[0], absl::ZeroDuration());
+  // A wait released by the completion (from another thread) is reported with the op's status.
+  std::thread completer_thread([c = completer] { c.Complete(absl::DataLossError("x")); });
+  EXPECT_THAT(work.Wait(), StatusIs(absl::StatusCode::kDataLoss));
+  completer_thread.join();
+  // Either the wait blocked (reported) or the op was already done when Wait was called (not).
+  ASSERT_LE(seen.size(), 2u);
+  if (seen.size() == 2) {
+    EXPECT_THAT(seen[1], StatusIs(absl::StatusCode::kDataLoss));
+  }
+  // Waits on a done Work are not reported.
+  const size_t before = seen.size();
+  EXPECT_THAT(work.Wait(), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_EQ(seen.size(), before);
 }
 
 TEST(Types, Names) {

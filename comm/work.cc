@@ -1,5 +1,6 @@
 #include "comm/work.h"
 
+#include <chrono>
 #include <utility>
 #include <vector>
 
@@ -19,6 +20,8 @@ struct WorkState {
   absl::Status status ABSL_GUARDED_BY(mu);
   // OnDone callbacks waiting for completion; moved out and run by Complete().
   std::vector<std::function<void(const absl::Status&)>> on_done ABSL_GUARDED_BY(mu);
+  // OnWait observers; called after each blocking Wait().
+  std::vector<std::function<void(absl::Duration, const absl::Status&)>> on_wait ABSL_GUARDED_BY(mu);
 };
 }  // namespace internal
 
@@ -49,17 +52,39 @@ bool Work::IsDone() const {
 
 absl::Status Work::Wait(absl::Duration timeout) const {
   internal::WorkState& s = *state_;
-  absl::MutexLock lock(&s.mu);
-  auto done = [&s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return s.done; };
-  if (timeout == absl::InfiniteDuration()) {
-    s.mu.Await(absl::Condition(&done));
-  } else if (!s.mu.AwaitWithTimeout(absl::Condition(&done), timeout)) {
-    return absl::DeadlineExceededError(
-        absl::StrCat(s.description, s.description.empty() ? "" : ": ",
-                     "Work::Wait gave up after ", absl::FormatDuration(timeout),
-                     "; the operation is still running"));
+  std::vector<std::function<void(absl::Duration, const absl::Status&)>> observers;
+  std::chrono::steady_clock::time_point start;
+  absl::Status result;
+  {
+    absl::MutexLock lock(&s.mu);
+    if (s.done) return s.status;
+    observers = s.on_wait;
+    if (!observers.empty()) start = std::chrono::steady_clock::now();
+    auto done = [&s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return s.done; };
+    if (timeout == absl::InfiniteDuration()) {
+      s.mu.Await(absl::Condition(&done));
+      result = s.status;
+    } else if (!s.mu.AwaitWithTimeout(absl::Condition(&done), timeout)) {
+      result = absl::DeadlineExceededError(
+          absl::StrCat(s.description, s.description.empty() ? "" : ": ",
+                       "Work::Wait gave up after ", absl::FormatDuration(timeout),
+                       "; the operation is still running"));
+    } else {
+      result = s.status;
+    }
   }
-  return s.status;
+  if (!observers.empty()) {
+    const absl::Duration waited = absl::FromChrono(std::chrono::steady_clock::now() - start);
+    for (const auto& observer : observers) observer(waited, result);
+  }
+  return result;
+}
+
+void Work::OnWait(
+    std::function<void(absl::Duration waited, const absl::Status& status)> observer) const {
+  if (observer == nullptr) return;
+  absl::MutexLock lock(&state_->mu);
+  state_->on_wait.push_back(std::move(observer));
 }
 
 void Work::OnDone(std::function<void(const absl::Status&)> callback) const {

@@ -57,6 +57,12 @@ class [[nodiscard]] Work {
   // (impossible for a healthy backend, see the timeout rule above) never runs its callbacks.
   void OnDone(std::function<void(const absl::Status&)> callback) const;
 
+  // Calls `observer(waited, status)` on the waiting thread after every Wait() that blocked (the
+  // Work was not done when Wait was called), with the time it blocked (steady clock) and what it
+  // returned, including kDeadlineExceeded. Waits on an already-done Work are not reported. For
+  // observers that attribute waiting time (//trace); keep it short.
+  void OnWait(std::function<void(absl::Duration waited, const absl::Status& status)> observer) const;
+
  private:
   explicit Work(std::shared_ptr<internal::WorkState> state) : state_(std::move(state)) {}
   std::shared_ptr<internal::WorkState> state_;

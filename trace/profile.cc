@@ -53,11 +53,30 @@ int64_t IntersectionMeasure(const std::vector<Interval>& a, const std::vector<In
   return total;
 }
 
+// |a \ b| as intervals, for two outputs of Union().
+std::vector<Interval> Subtract(const std::vector<Interval>& a, const std::vector<Interval>& b) {
+  std::vector<Interval> out;
+  size_t j = 0;
+  for (Interval cur : a) {
+    while (j < b.size() && b[j].second <= cur.first) ++j;
+    size_t k = j;
+    while (k < b.size() && b[k].first < cur.second) {
+      if (b[k].first > cur.first) out.push_back({cur.first, b[k].first});
+      cur.first = std::max(cur.first, b[k].second);
+      if (cur.first >= cur.second) break;
+      ++k;
+    }
+    if (cur.first < cur.second) out.push_back(cur);
+  }
+  return out;
+}
+
 struct RankData {
   int64_t begin = std::numeric_limits<int64_t>::max();
   int64_t end = std::numeric_limits<int64_t>::min();
   std::vector<Interval> compute;
   std::vector<Interval> comm;
+  std::vector<Interval> wait;
   std::map<std::string, CollectiveStat> ops;
   int64_t bytes = 0;
   int64_t collectives = 0;
@@ -88,6 +107,7 @@ std::vector<ProfileSummary> Summarize(const std::vector<Event>& events) {
     r.begin = std::min(r.begin, span.first);
     r.end = std::max(r.end, span.second);
     if (e.category == kCategoryCompute) r.compute.push_back(span);
+    if (e.category == kCategoryWait) r.wait.push_back(span);
     if (e.category == kCategoryComm) {
       r.comm.push_back(span);
       const int64_t bytes = e.IntArg("bytes");
@@ -105,8 +125,10 @@ std::vector<ProfileSummary> Summarize(const std::vector<Event>& events) {
     ProfileSummary s;
     s.rank = pid;
     s.wall_ns = r.end - r.begin;
-    const std::vector<Interval> compute = Union(std::move(r.compute));
+    const std::vector<Interval> wait = Union(std::move(r.wait));
+    const std::vector<Interval> compute = Subtract(Union(std::move(r.compute)), wait);
     const std::vector<Interval> comm = Union(std::move(r.comm));
+    s.wait_ns = Measure(wait);
     s.compute_ns = Measure(compute);
     s.comm_ns = Measure(comm);
     s.comm_overlapped_ns = IntersectionMeasure(comm, compute);

@@ -5,19 +5,23 @@
 // Definitions, per rank (pid); every quantity is a measure of a union of time intervals, so
 // nested or concurrent spans never count twice:
 //   wall      = from the earliest start to the latest end of the rank's complete ("X") events.
-//   compute   = |C|, C = union of the spans of category "compute" (forward, backward, optimizer,
-//               any thread of the rank).
+//   W         = union of the spans of category "wait": a thread of the rank blocked in
+//               Work::Wait on a traced operation (TracingCommunicator records them).
+//   compute   = |C \ W|, C = union of the spans of category "compute" (forward, backward,
+//               optimizer, any thread of the rank): compute scopes minus the time blocked in
+//               waits inside them (e.g. FSDP waiting for an all_gather inside "forward").
 //   comm      = |M|, M = union of the spans of category "comm": each collective from the moment it
 //               was issued to the moment it completed (queueing behind earlier operations
 //               included). Time when at least one collective was in flight.
-//   overlapped comm = |M ∩ C|: communication hidden behind compute.
-//   exposed comm    = |M \ C|: communication in flight while the rank computed nothing, i.e. the
-//               rank was (or could only have been) waiting for the network ("comm %" below).
+//   overlapped comm = |M ∩ (C \ W)|: communication hidden behind compute.
+//   exposed comm    = |M \ (C \ W)|: communication in flight while the rank computed nothing, i.e.
+//               it was blocked in a wait or had nothing else to do ("comm %" below). This is the
+//               "time blocked in communication".
 //   idle      = wall - compute - exposed comm: neither computing nor communicating (data loading,
-//               Python-free glue, waiting at a barrier that was not traced, ...).
-// compute + exposed comm + idle = wall.
-// Events of other categories (instants, counters, untraced glue) do not count except towards
-// wall.
+//               untraced glue, a wait on something untraced, ...).
+// compute + exposed comm + idle = wall. wait = |W| is reported too (a part of exposed comm when
+// the waits are on traced collectives).
+// Events of other categories (instants, counters, other spans) count only towards wall.
 #pragma once
 
 #include <cstdint>
@@ -40,10 +44,11 @@ struct CollectiveStat {
 struct ProfileSummary {
   int rank = 0;
   int64_t wall_ns = 0;
-  int64_t compute_ns = 0;
+  int64_t compute_ns = 0;          // |C \ W|
+  int64_t wait_ns = 0;             // |W|
   int64_t comm_ns = 0;             // |M|
-  int64_t comm_overlapped_ns = 0;  // |M ∩ C|
-  int64_t comm_exposed_ns = 0;     // |M \ C|
+  int64_t comm_overlapped_ns = 0;  // |M ∩ (C \ W)|
+  int64_t comm_exposed_ns = 0;     // |M \ (C \ W)|
   int64_t idle_ns = 0;             // wall - compute - exposed
   int64_t bytes = 0;               // sum of "bytes" over the comm events
   int64_t collectives = 0;         // number of comm events

@@ -75,6 +75,7 @@ struct Event {
 // Categories the profile (profile.h) understands.
 inline constexpr char kCategoryCompute[] = "compute";  // forward, backward, optimizer, ...
 inline constexpr char kCategoryComm[] = "comm";        // one collective, issue -> completion
+inline constexpr char kCategoryWait[] = "wait";        // a thread blocked in Work::Wait
 
 class Recorder {
  public:

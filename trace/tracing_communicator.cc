@@ -45,6 +45,15 @@ comm::Work TracingCommunicator::Finish(const comm::OpContext& ctx, const Issue& 
   if (issue.lane < 0) return work;  // recording was off when the op was issued
   std::shared_ptr<Recorder> recorder = recorder_;
   const std::string name(comm::OpTypeName(ctx.type));
+  // The caller's blocking waits on this op, on the waiting thread (category "wait").
+  work.OnWait([recorder, wait_name = absl::StrCat("wait ", name), seq = ctx.seq](
+                  absl::Duration waited, const absl::Status& status) {
+    const int64_t end_ns = recorder->Now();
+    std::vector<Arg> wait_args = {Arg("seq", seq)};
+    if (!status.ok()) wait_args.emplace_back("error", status.ToString());
+    recorder->Complete(wait_name, kCategoryWait, end_ns - absl::ToInt64Nanoseconds(waited), end_ns,
+                       std::move(wait_args));
+  });
   work.OnDone([recorder, issue, name, args = std::move(args)](const absl::Status& status) mutable {
     const int64_t end_ns = recorder->Now();
     if (!status.ok()) args.emplace_back("error", status.ToString());
@@ -176,17 +185,6 @@ absl::StatusOr<std::shared_ptr<comm::Communicator>> TracingCommunicator::DoSplit
   if (!child.ok() || *child == nullptr) return child;
   return std::shared_ptr<comm::Communicator>(
       std::make_shared<TracingCommunicator>(*std::move(child), recorder_));
-}
-
-absl::Status TracedWait(Recorder* recorder, const comm::Work& work, absl::string_view name,
-                        absl::Duration timeout) {
-  if (recorder == nullptr || !recorder->enabled()) return work.Wait(timeout);
-  const int64_t start = recorder->Now();
-  absl::Status status = work.Wait(timeout);
-  std::vector<Arg> args;
-  if (!status.ok()) args.emplace_back("error", status.ToString());
-  recorder->Complete(name, "wait", start, recorder->Now(), std::move(args));
-  return status;
 }
 
 absl::StatusOr<int64_t> AlignClocks(comm::Communicator& comm, Recorder& recorder,

@@ -25,6 +25,9 @@
 //   op       reduce op ("sum", ...) where there is one;  root / peer where there is one
 //   group    "<rank>/<size>" in this communicator;  backend  the inner backend's name
 //   error    the status, only if the operation failed
+// Every Wait() on the returned Work that blocks is recorded too (Work::OnWait): a span of
+// category "wait" named "wait <op>" (args: seq, error) on the waiting thread, so the profile can
+// tell time blocked on the network from compute even inside a compute Scope.
 // Operations rejected by argument checks (already-failed Works) are not recorded.
 // With the recorder disabled every operation costs one relaxed atomic load more than the inner
 // one.
@@ -93,12 +96,6 @@ class TracingCommunicator : public comm::Communicator {
   const std::shared_ptr<comm::Communicator> inner_;
   const std::shared_ptr<Recorder> recorder_;
 };
-
-// Records how long the caller blocked in `work.Wait(timeout)` as a span of category "wait" named
-// `name` on the calling thread (the collective's own span is recorded by TracingCommunicator).
-// Returns Wait's status. For the places where the job itself waits (e.g. the end of a step).
-absl::Status TracedWait(Recorder* recorder, const comm::Work& work, absl::string_view name,
-                        absl::Duration timeout = absl::InfiniteDuration());
 
 // Aligns `recorder`'s clock with rank 0's: a barrier on `comm`, then every rank reads
 // CLOCK_MONOTONIC and the readings are all-gathered; the offset rank0 - mine is set on the

@@ -12,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
 #include "comm/registry.h"
@@ -318,7 +319,7 @@ TEST(TracingCommunicator, ErrorsPassThroughAndAreRecorded) {
   EXPECT_THAT(statuses[0], IsOk());
 }
 
-TEST(TracingCommunicator, AlignClocksSharesRankZerosClockAndTracedWaitRecords) {
+TEST(TracingCommunicator, AlignClocksSharesRankZerosClock) {
   std::vector<absl::Status> statuses = comm::testing::RunThreads(
       3,
       [](int rank) -> absl::Status {
@@ -329,18 +330,52 @@ TEST(TracingCommunicator, AlignClocksSharesRankZerosClockAndTracedWaitRecords) {
         FS_ASSIGN_OR_RETURN(int64_t offset, AlignClocks(*inner, recorder));
         FS_RETURN_IF_ERROR(Check(recorder.clock_offset_ns() == offset, "offset not set"));
         if (rank == 0) FS_RETURN_IF_ERROR(Check(offset == 0, "rank 0 offset"));
-        FS_RETURN_IF_ERROR(TracedWait(&recorder, inner->Barrier(), "step_end"));
-        std::vector<Event> events;
-        for (const Event& e : recorder.Events()) {
-          if (e.phase == Phase::kComplete) events.push_back(e);
-        }
-        FS_RETURN_IF_ERROR(Check(events.size() == 1 && events[0].name == "step_end" &&
-                                     events[0].category == "wait",
-                                 "TracedWait event"));
         return absl::OkStatus();
       },
       absl::Seconds(60));
   for (int r = 0; r < 3; ++r) EXPECT_THAT(statuses[r], IsOk()) << "rank " << r;
+}
+
+TEST(TracingCommunicator, BlockingWaitsAreRecordedOnTheWaitingThread) {
+  absl::Notification rank1_waited;
+  std::vector<absl::Status> statuses = comm::testing::RunThreads(
+      2,
+      [&rank1_waited](int rank) -> absl::Status {
+        FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> inner, MakeInproc("waits"));
+        auto recorder = std::make_shared<Recorder>(rank);
+        TracingCommunicator traced(inner, recorder);
+        int32_t value = 0;
+        if (rank == 0) {
+          // Send only once rank 1 has given up one wait on its recv: that wait surely blocked.
+          if (!rank1_waited.WaitForNotificationWithTimeout(absl::Seconds(30))) {
+            return absl::DeadlineExceededError("rank 1 never waited");
+          }
+          value = 42;
+          return traced.Send(comm::MakeConstBuffer(&value, 1), 1).Wait();
+        }
+        comm::Work recv = traced.Recv(comm::MakeBuffer(&value, 1), 0);
+        absl::Status early = recv.Wait(absl::ZeroDuration());
+        rank1_waited.Notify();
+        FS_RETURN_IF_ERROR(Check(early.code() == absl::StatusCode::kDeadlineExceeded,
+                                 absl::StrCat("early wait: ", early.ToString())));
+        FS_RETURN_IF_ERROR(recv.Wait());
+        FS_RETURN_IF_ERROR(Check(value == 42, "received value"));
+        std::vector<const Event*> waits;
+        const std::vector<Event> events = recorder->Events();
+        for (const Event& e : events) {
+          if (e.phase == Phase::kComplete && e.category == kCategoryWait) waits.push_back(&e);
+        }
+        // The early wait, and the second one if the message had not arrived by then.
+        FS_RETURN_IF_ERROR(Check(!waits.empty() && waits.size() <= 2, "wait events"));
+        FS_RETURN_IF_ERROR(Check(
+            waits[0]->name == "wait recv" && waits[0]->IntArg("seq") == 1 &&
+                waits[0]->tid == Recorder::CurrentThreadId() &&
+                absl::StrContains(waits[0]->StringArg("error"), "DEADLINE_EXCEEDED"),
+            "first wait event: name/seq/tid/error"));
+        return absl::OkStatus();
+      },
+      absl::Seconds(60));
+  for (int r = 0; r < 2; ++r) EXPECT_THAT(statuses[r], IsOk()) << "rank " << r;
 }
 
 }  // namespace

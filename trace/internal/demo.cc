@@ -56,7 +56,7 @@ absl::Status RunRank(const DemoOptions& options, std::shared_ptr<comm::Store> st
       comm::Work gather = comm->AllGather(comm::MakeConstBuffer(shard.data(), kShard),
                                           comm::MakeBuffer(full.data(), full.size()));
       sink += Compute(activations, options.compute_rounds);
-      absl::Status st = TracedWait(recorder.get(), gather, "wait all_gather");
+      absl::Status st = gather.Wait();
       if (!st.ok()) return st;
       sink += Compute(activations, options.compute_rounds / 2);
     }
@@ -70,7 +70,7 @@ absl::Status RunRank(const DemoOptions& options, std::shared_ptr<comm::Store> st
                                    comm::ReduceOp::kAvg);
       sink += Compute(activations, options.compute_rounds);
     }
-    absl::Status st = TracedWait(recorder.get(), reduce, "wait reduce_scatter");
+    absl::Status st = reduce.Wait();
     if (!st.ok()) return st;
     {
       Scope s(*recorder, "optimizer", kCategoryCompute, {Arg("step", step)});
