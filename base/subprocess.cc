@@ -61,6 +61,8 @@ absl::StatusOr<pid_t> Spawn(const std::string& program, const std::vector<std::s
   sigaddset(&defaults, SIGINT);
   sigaddset(&defaults, SIGTERM);
   sigaddset(&defaults, SIGPIPE);
+  sigaddset(&defaults, SIGHUP);
+  sigaddset(&defaults, SIGQUIT);
   posix_spawnattr_setsigdefault(&attr, &defaults);
   short flags = POSIX_SPAWN_SETSIGDEF;
   if (new_process_group) {

@@ -21,10 +21,11 @@ namespace fairscale::base {
 // Starts `program` (a path; a name without '/' is looked up in PATH) with argv[0] = program,
 // argv[1...] = `args` and this process's environment, in which each "KEY=VALUE" of `env`
 // replaces KEY (or adds it). Each pair in `fds` makes the child's descriptor `second` a copy of
-// the parent's `first` (e.g. a pipe end as fd 1). The child starts with default SIGINT, SIGTERM
-// and SIGPIPE handling whatever the parent did with them. With `new_process_group` the child
-// leads a process group of its own (pgid = pid), so kill(-pid, sig) reaches its descendants
-// too and a terminal's Ctrl-C reaches only the parent, which decides what to forward.
+// the parent's `first` (e.g. a pipe end as fd 1). The child starts with default SIGINT,
+// SIGTERM, SIGHUP, SIGQUIT and SIGPIPE handling whatever the parent did with them. With
+// `new_process_group` the child leads a process group of its own (pgid = pid), so
+// kill(-pid, sig) reaches its descendants too and a terminal's Ctrl-C reaches only the parent,
+// which decides what to forward.
 absl::StatusOr<pid_t> Spawn(const std::string& program, const std::vector<std::string>& args,
                             const std::vector<std::string>& env = {},
                             const std::vector<std::pair<int, int>>& fds = {},

@@ -279,6 +279,18 @@ TEST(FsLaunch, SigintToTheLauncherIsForwardedToTheRanks) {
   ExpectGone(ranks);
 }
 
+// A closed terminal reaches only the launcher (the ranks have their own process groups).
+TEST(FsLaunch, SighupToTheLauncherIsForwardedToTheRanks) {
+  const std::string pids = NewDir();
+  Launcher l;
+  l.Start({"--nproc_per_node=2", "--master_port=0"}, {"--pid_dir=" + pids, "--sleep"});
+  const std::vector<pid_t> ranks = AwaitPids(pids, 2);
+  ASSERT_EQ(kill(l.pid(), SIGHUP), 0);
+  EXPECT_EQ(l.Wait(), 128 + SIGHUP) << l.err();
+  EXPECT_THAT(l.err(), HasSubstr("received SIGHUP"));
+  ExpectGone(ranks);
+}
+
 TEST(FsLaunch, MaxRestartsRestartsTheWholeJob) {
   // Rank 0 fails in attempt 0 only: one restart makes the job succeed.
   Launcher l;

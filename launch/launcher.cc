@@ -36,7 +36,8 @@ constexpr absl::Duration kStoreCheckPeriod = absl::Milliseconds(250);
 constexpr absl::Duration kOutputDrain = absl::Seconds(1);
 
 // ---------------------------------------------------------------------------------------------
-// SIGINT / SIGTERM arrive through a self-pipe, so the monitor loop's poll() sees them.
+// SIGINT / SIGTERM / SIGHUP / SIGQUIT arrive through a self-pipe, so the monitor loop's poll() sees
+// them.
 
 int g_signal_write_fd = -1;
 
@@ -62,6 +63,10 @@ class SignalPipe {
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, &p->old_int_);
     sigaction(SIGTERM, &sa, &p->old_term_);
+    // The ranks have process groups of their own, so a closed terminal (SIGHUP) or Ctrl-backslash
+    // (SIGQUIT) reaches only the launcher: it forwards them too rather than orphan the ranks.
+    sigaction(SIGHUP, &sa, &p->old_hup_);
+    sigaction(SIGQUIT, &sa, &p->old_quit_);
     // A closed stdout must not kill the launcher (and orphan the ranks): writes fail instead.
     std::memset(&sa, 0, sizeof(sa));
     sa.sa_handler = SIG_IGN;
@@ -72,6 +77,8 @@ class SignalPipe {
   ~SignalPipe() {
     sigaction(SIGINT, &old_int_, nullptr);
     sigaction(SIGTERM, &old_term_, nullptr);
+    sigaction(SIGHUP, &old_hup_, nullptr);
+    sigaction(SIGQUIT, &old_quit_, nullptr);
     sigaction(SIGPIPE, &old_pipe_, nullptr);
     g_signal_write_fd = -1;
     close(read_fd_);
@@ -101,6 +108,8 @@ class SignalPipe {
   const int write_fd_;
   struct sigaction old_int_;
   struct sigaction old_term_;
+  struct sigaction old_hup_;
+  struct sigaction old_quit_;
   struct sigaction old_pipe_;
 };
 

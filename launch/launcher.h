@@ -8,8 +8,9 @@
 //   (TORCHELASTIC_USE_AGENT_STORE=True), presenting the job token FS_STORE_TOKEN.
 // * Every line a rank writes to stdout / stderr is copied to the launcher's stdout / stderr
 //   prefixed "[rank N] " (a last line without '\n' is flushed when the rank exits).
-// * SIGINT / SIGTERM to the launcher are forwarded to every rank (to its process group); ranks
-//   still running stop_timeout later are SIGKILLed; a second signal SIGKILLs at once.
+// * SIGINT / SIGTERM (and SIGHUP / SIGQUIT) to the launcher are forwarded to every rank (to its
+//   process group); ranks still running stop_timeout later are SIGKILLed; a second signal
+//   SIGKILLs at once.
 // * When a rank exits non-zero or is killed, the others get SIGTERM (SIGKILL after
 //   stop_timeout) and the job's status is that rank's: its exit code, or 128 + signal.
 // * With max_restarts = N, a failed job is stopped and started again, at most N times, with
@@ -19,8 +20,9 @@
 //   and FS_STORE_TOKEN, and node_rank 0..nnodes-1. The launchers meet in the store before each
 //   attempt, and a failure on any node stops (and restarts) the ranks of every node.
 //
-// Thread-safety: Launch installs SIGINT / SIGTERM handlers for its duration (the previous ones
-// are restored on return); run one Launch per process at a time.
+// Thread-safety: Launch installs SIGINT / SIGTERM / SIGHUP / SIGQUIT handlers and ignores
+// SIGPIPE for its duration (the previous dispositions are restored on return); run one Launch
+// per process at a time.
 #pragma once
 
 #include <string>
