@@ -13,6 +13,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <string>
@@ -438,6 +439,58 @@ TEST(FsLaunch, ErrorsBeforeAnyRankRuns) {
   no_token.StartRaw({"--nnodes=2", "--master_port=29519", "--", g_fake_rank}, {"FS_STORE_TOKEN="});
   EXPECT_EQ(no_token.Wait(), 1);
   EXPECT_THAT(no_token.err(), HasSubstr("FS_STORE_TOKEN"));
+}
+
+// The same binaries without fs_launch: the rank and size come from mpirun's or srun's variables
+// (emulated here: neither launcher is installed on the build machines). Under mpirun inside an
+// allocation the batch step's SLURM_* are also set, and must not win.
+TEST(WithoutFsLaunch, MpirunAndSlurmVariablesAreEnoughForAnAllReduce) {
+  struct Case {
+    int size;
+    int port;
+    std::function<std::vector<std::string>(int)> env;
+  };
+  const std::vector<Case> cases = {
+      {3, 29521,
+       [](int r) {
+         return std::vector<std::string>{absl::StrCat("OMPI_COMM_WORLD_RANK=", r),
+                                         "OMPI_COMM_WORLD_SIZE=3",
+                                         absl::StrCat("OMPI_COMM_WORLD_LOCAL_RANK=", r),
+                                         "SLURM_PROCID=0",
+                                         "SLURM_NTASKS=1",
+                                         "MASTER_ADDR=127.0.0.1",
+                                         "MASTER_PORT=29521",
+                                         "FS_STORE_TOKEN=0123"};
+       }},
+      {2, 29522,
+       [](int r) {
+         return std::vector<std::string>{absl::StrCat("SLURM_PROCID=", r), "SLURM_NTASKS=2",
+                                         absl::StrCat("SLURM_LOCALID=", r), "MASTER_ADDR=127.0.0.1",
+                                         "MASTER_PORT=29522"};
+       }},
+  };
+  for (const Case& c : cases) {
+    const std::string dir = NewDir();
+    std::vector<pid_t> pids;
+    for (int r = 0; r < c.size; ++r) {
+      const std::vector<std::string> env = c.env(r);
+      const int out = open(absl::StrCat(dir, "/out", r).c_str(),
+                           O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+      ASSERT_GE(out, 0);
+      absl::StatusOr<pid_t> pid = base::Spawn(g_fake_rank, {"--all_reduce"}, env, {{out, 1}});
+      close(out);
+      ASSERT_TRUE(pid.ok()) << pid.status();
+      pids.push_back(*pid);
+    }
+    const int sum = c.size * (c.size + 1) / 2;
+    for (int r = 0; r < c.size; ++r) {
+      absl::StatusOr<int> code = base::WaitChild(pids[r], kJobTimeout);
+      ASSERT_TRUE(code.ok()) << code.status();
+      EXPECT_EQ(*code, 0);
+      EXPECT_EQ(ReadFile(absl::StrCat(dir, "/out", r)),
+                absl::StrCat("ALLREDUCE rank=", r, " size=", c.size, " sum=", sum, "\n"));
+    }
+  }
 }
 
 TEST(LaunchOptions, ValidationNamesTheBadField) {

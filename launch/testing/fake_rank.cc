@@ -145,7 +145,7 @@ int main(int argc, char** argv) {
     if (const int rc = AllReduce(); rc != 0) return rc;
   }
   std::fflush(stdout);
-  if (rank == absl::GetFlag(FLAGS_fail_rank) &&
+  if (absl::GetFlag(FLAGS_fail_rank) >= 0 && rank == absl::GetFlag(FLAGS_fail_rank) &&
       IntEnv("FS_RESTART_COUNT", 0) < absl::GetFlag(FLAGS_fail_until_restart)) {
     // Fail while the others are surely running: once all their pid files exist (bounded).
     if (const std::string dir = absl::GetFlag(FLAGS_pid_dir); !dir.empty()) {
