@@ -40,7 +40,7 @@
 #include "examples/gpt/trainer.h"
 
 ABSL_FLAG(int, nproc, 2, "ranks to launch when not started by a launcher (RANK unset)");
-ABSL_FLAG(int64_t, steps, 300, "optimizer steps");
+ABSL_FLAG(int64_t, steps, 400, "optimizer steps");
 ABSL_FLAG(int64_t, batch, 16, "sequences per rank per step");
 ABSL_FLAG(int64_t, seq, 64, "characters per sequence (context length)");
 ABSL_FLAG(int64_t, width, 128, "model width");

@@ -52,12 +52,18 @@ std::string LinePlotSvg(const std::vector<PlotSeries>& series, const std::string
   if (!std::isfinite(x0)) x0 = 0, x1 = 1, y0 = 0, y1 = 1;
   if (x1 == x0) x1 = x0 + 1;
   if (y1 == y0) y1 = y0 + 1;
-  std::vector<double> xt = NiceTicks(x0, x1), yt = NiceTicks(y0, y1);
-  // Widen the ranges to whole ticks so the curves sit inside the frame.
-  const double xs = xt.size() > 1 ? xt[1] - xt[0] : 1, ys = yt.size() > 1 ? yt[1] - yt[0] : 1;
-  x0 = std::floor(x0 / xs) * xs, x1 = std::ceil(x1 / xs) * xs;
-  y0 = std::floor(y0 / ys) * ys, y1 = std::ceil(y1 / ys) * ys;
+  // Widen the ranges to whole ticks so the frame starts and ends on a labelled tick (twice:
+  // widening can change the step).
+  std::vector<double> xt, yt;
+  double xs = 1, ys = 1;
+  for (int pass = 0; pass < 2; ++pass) {
+    xt = NiceTicks(x0, x1), yt = NiceTicks(y0, y1);
+    xs = xt.size() > 1 ? xt[1] - xt[0] : 1, ys = yt.size() > 1 ? yt[1] - yt[0] : 1;
+    x0 = std::floor(x0 / xs + 1e-9) * xs, x1 = std::ceil(x1 / xs - 1e-9) * xs;
+    y0 = std::floor(y0 / ys + 1e-9) * ys, y1 = std::ceil(y1 / ys - 1e-9) * ys;
+  }
   xt = NiceTicks(x0, x1), yt = NiceTicks(y0, y1);
+  xs = xt.size() > 1 ? xt[1] - xt[0] : 1, ys = yt.size() > 1 ? yt[1] - yt[0] : 1;
   const double pw = w - left - right, ph = h - top - bottom;
   auto px = [&](double x) { return left + (x - x0) / (x1 - x0) * pw; };
   auto py = [&](double y) { return top + ph - (y - y0) / (y1 - y0) * ph; };

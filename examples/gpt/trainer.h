@@ -33,7 +33,7 @@ enum class ResumeMode {
 
 struct TrainConfig {
   // Model and data.
-  int64_t steps = 300;  // total optimizer steps of the run (sets the schedule)
+  int64_t steps = 400;  // total optimizer steps of the run (sets the schedule)
   int64_t batch = 16;   // sequences per rank per step
   int64_t seq = 64;     // tokens per sequence (= context length)
   int64_t width = 128;
