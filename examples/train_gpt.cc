@@ -28,7 +28,9 @@
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/logging.h"
@@ -80,6 +82,9 @@ ABSL_FLAG(int, max_restarts, 0,
 ABSL_FLAG(int, failure_grace_s, 10,
           "self-launch only: after a rank fails, the others get this long to exit, then SIGKILL");
 ABSL_FLAG(int, timeout_s, 3600, "self-launch only: ranks still running after this are killed");
+ABSL_FLAG(std::string, fault_kill, "",
+          "fault injection for tests, RANK:STEP: that rank SIGKILLs itself after that step, in "
+          "the first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0)");
 
 namespace fairscale::examples {
 namespace {
@@ -138,6 +143,15 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.temperature = absl::GetFlag(FLAGS_temperature);
   c.top_k = absl::GetFlag(FLAGS_top_k);
   c.threads = absl::GetFlag(FLAGS_threads);
+  const std::string fault = absl::GetFlag(FLAGS_fault_kill);
+  if (!fault.empty()) {
+    std::pair<std::string, std::string> rs = absl::StrSplit(fault, ':');
+    if (!absl::SimpleAtoi(rs.first, &c.fault_rank) || !absl::SimpleAtoi(rs.second, &c.fault_step)) {
+      return absl::InvalidArgumentError(absl::StrCat("--fault_kill=", fault, ": expected RANK:STEP"));
+    }
+    const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    if (restarts != nullptr && std::atoi(restarts) > 0) c.fault_rank = -1;
+  }
   FS_RETURN_IF_ERROR(c.Validate());
   return c;
 }
@@ -177,7 +191,7 @@ std::string DescribeExit(int status) {
 // One attempt: n ranks over a fresh TCPStore. Returns true when every rank exited 0. When a rank
 // fails the others get --failure_grace_s to notice (their collectives fail once the peer's
 // connections close) and are SIGKILLed after that.
-bool RunAttempt(int n, const std::vector<std::string>& args) {
+bool RunAttempt(int n, int attempt, const std::vector<std::string>& args) {
   comm::TCPStoreOptions opts;
   opts.is_server = true;
   opts.timeout = absl::Seconds(60);
@@ -194,7 +208,8 @@ bool RunAttempt(int n, const std::vector<std::string>& args) {
     std::vector<std::string> env = {
         absl::StrCat("RANK=", r),         absl::StrCat("LOCAL_RANK=", r),
         absl::StrCat("WORLD_SIZE=", n),   "MASTER_ADDR=127.0.0.1",
-        absl::StrCat("MASTER_PORT=", port), "TORCHELASTIC_USE_AGENT_STORE=True"};
+        absl::StrCat("MASTER_PORT=", port), "TORCHELASTIC_USE_AGENT_STORE=True",
+        absl::StrCat("TORCHELASTIC_RESTART_COUNT=", attempt)};
     if (default_timeout) env.push_back("FS_COMM_TIMEOUT_S=60");
     absl::StatusOr<pid_t> pid = base::SpawnSelf(args, env);
     if (!pid.ok()) {
@@ -261,7 +276,7 @@ int LaunchLocal(const std::vector<std::string>& args) {
   const int max_restarts = absl::GetFlag(FLAGS_max_restarts);
   std::vector<std::string> attempt_args = args;
   for (int attempt = 0;; ++attempt) {
-    if (RunAttempt(n, attempt_args)) return 0;
+    if (RunAttempt(n, attempt, attempt_args)) return 0;
     if (attempt >= max_restarts) {
       std::fprintf(stderr, "train_gpt: FAILED%s\n",
                    max_restarts > 0 ? absl::StrCat(" after ", attempt, " restart(s)").c_str() : "");

@@ -2,7 +2,9 @@
 // tcp on 127.0.0.1): the loss falls at 1 and 2 ranks, NO_SHARD ranks end with identical
 // parameters, a run stopped and resumed from its checkpoint matches an uninterrupted one
 // bitwise (every per-step loss and every rank's final parameters), an incomplete checkpoint is
-// skipped, and a corrupted one fails with the file's name. Tiny model, a few seconds per run.
+// skipped, a corrupted one fails with the file's name, a rank killed with SIGKILL stops the
+// job with a clear error, and with --max_restarts the job restarts from the last checkpoint and
+// ends with the uninterrupted run's parameters. Tiny model, a few seconds per run.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -200,6 +202,38 @@ TEST_F(TrainGptTest, CorruptCheckpointFailsNamingTheFile) {
   JobResult bad = Run("c", args);
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_THAT(bad.output, HasSubstr(victim + " is corrupt"));
+}
+
+TEST_F(TrainGptTest, KilledRankStopsTheJobWithAClearError) {
+  // Rank 1 SIGKILLs itself after step 7; rank 0 fails at its next collective naming the peer,
+  // and the launcher reports both and exits non-zero (no hang: the test's deadline is 150 s).
+  JobResult r = Run("killed", {"--nproc=2", "--steps=20", "--checkpoint_every=5",
+                               "--fault_kill=1:7", "--sample_tokens=0"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("fault injection: SIGKILL after step 7"));
+  EXPECT_THAT(r.output, HasSubstr("rank 1 (pid"));
+  EXPECT_THAT(r.output, HasSubstr("was killed by signal 9"));
+  EXPECT_THAT(r.output, HasSubstr("[rank 0] train_gpt:"));
+  EXPECT_THAT(r.output, HasSubstr("peer 1"));
+  EXPECT_THAT(r.output, HasSubstr("train_gpt: FAILED"));
+  EXPECT_TRUE(r.final_record.is_null());
+}
+
+TEST_F(TrainGptTest, RestartAfterAKilledRankEndsWithTheUninterruptedParameters) {
+  const std::vector<std::string> job = {"--nproc=2", "--steps=20", "--checkpoint_every=5",
+                                        "--sample_tokens=0"};
+  JobResult whole = Run("whole", job);
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  std::vector<std::string> faulty = job;
+  faulty.insert(faulty.end(), {"--fault_kill=1:13", "--max_restarts=1"});
+  JobResult r = Run("restarted", faulty);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("was killed by signal 9"));
+  EXPECT_THAT(r.output, HasSubstr("restart 1/1"));
+  EXPECT_THAT(r.output, HasSubstr("resumed at step 10"));
+  ASSERT_TRUE(r.final_record.is_object()) << r.output;
+  EXPECT_EQ(r.final_record["param_fnv1a64"], whole.final_record["param_fnv1a64"]);
+  EXPECT_EQ(r.train_losses, whole.train_losses);
 }
 
 }  // namespace

@@ -9,6 +9,8 @@
 #include <torch/utils.h>
 #include <unistd.h>
 
+#include <csignal>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -160,6 +162,10 @@ class Trainer {
         model_->parameters(), torch::optim::AdamOptions(config_.lr).betas({0.9, 0.99}));
 
     TrainResult result;
+    std::vector<int64_t> prompt;
+    if (config_.sample_tokens > 0) {  // a bad prompt fails now, not after training
+      FS_ASSIGN_OR_RETURN(prompt, tokenizer_.Encode(config_.prompt));
+    }
     FS_ASSIGN_OR_RETURN(result.start_step, MaybeResume());
     if (rank_ == 0) FS_RETURN_IF_ERROR(metrics_.Open(config_.metrics_path, result.start_step));
     if (rank_ == 0 && !config_.checkpoint_dir.empty()) {
@@ -197,6 +203,12 @@ class Trainer {
       loss.backward();
       if (config_.grad_clip > 0) model_->clip_grad_norm_(config_.grad_clip);
       opt_->step();
+      if (rank_ == config_.fault_rank && step == config_.fault_step) {
+        std::fprintf(stderr, "[rank %d] train_gpt: fault injection: SIGKILL after step %lld\n",
+                     rank_, static_cast<long long>(step));
+        std::fflush(stderr);
+        ::raise(SIGKILL);
+      }
       const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
       if (step > result.start_step + 1) timed_s += step_s, ++timed_steps;
 
@@ -253,7 +265,6 @@ class Trainer {
     if (last < config_.steps) return result;  // stopped early, as if killed
 
     if (config_.sample_tokens > 0) {
-      FS_ASSIGN_OR_RETURN(std::vector<int64_t> prompt, tokenizer_.Encode(config_.prompt));
       std::vector<int64_t> ids = generate(
           [&](torch::Tensor t) { return model_(t); }, prompt, config_.sample_tokens, config_.seq,
           SampleOptions().temperature(config_.temperature).top_k(config_.top_k).seed(config_.seed));

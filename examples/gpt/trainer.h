@@ -68,6 +68,10 @@ struct TrainConfig {
   // 0 = run to `steps`. For resume tests.
   int64_t stop_after = 0;
   int threads = 0;  // intra-op threads per rank; 0 = max(1, cores / world size)
+  // Fault injection for tests: rank `fault_rank` SIGKILLs itself right after the optimizer step
+  // of `fault_step` (before that step's checkpoint). -1 = off.
+  int fault_rank = -1;
+  int64_t fault_step = 0;
 
   // Validates the values (kInvalidArgument naming the field).
   absl::Status Validate() const;
