@@ -191,6 +191,10 @@ class Trainer {
     int64_t timed_steps = 0;
     double val_loss = std::numeric_limits<double>::quiet_NaN();
     double train_loss = std::numeric_limits<double>::quiet_NaN();
+    for (const nlohmann::json& j : metrics_.records()) {  // the last losses before a resume
+      if (j.value("type", "") == "train") train_loss = j["loss"].get<double>();
+      if (j.value("type", "") == "val") val_loss = j["loss"].get<double>();
+    }
     for (int64_t step = result.start_step + 1; step <= last; ++step) {
       const auto t0 = Clock::now();
       const double lr = LearningRate(config_, step);

@@ -90,7 +90,8 @@ struct TrainResult {
   std::vector<uint64_t> param_hashes;
 };
 
-// Collective over `comm`: every rank calls it with the same config. Errors (bad config,
+// Collective over `comm`: every rank calls it with the same config, one rank per process (the
+// initial weights come from torch's global generator, seeded here, which threads would share). Errors (bad config,
 // corrupt checkpoint, a peer that died) come back as a Status naming the rank, file or step.
 absl::StatusOr<TrainResult> TrainRank(const TrainConfig& config,
                                       std::shared_ptr<comm::Communicator> comm);
