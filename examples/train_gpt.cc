@@ -55,7 +55,8 @@ ABSL_FLAG(double, grad_clip, 1.0, "max global gradient norm (0: off)");
 ABSL_FLAG(uint64_t, seed, 1234, "initial weights, data order and sampling");
 ABSL_FLAG(std::string, strategy, "full_shard", "full_shard | shard_grad_op | no_shard");
 ABSL_FLAG(std::string, precision, "bf16",
-          "bf16 | fp16 | fp32: compute and all-gather dtype (f32 master shards, f32 reduction)");
+          "bf16 | fp32: compute and all-gather dtype (f32 master shards, f32 gradient reduction); "
+          "fp16 is rejected on CPU (LibTorch has no float16 LayerNorm kernel there)");
 ABSL_FLAG(std::string, out_dir, "",
           "output directory (default: $BUILD_WORKSPACE_DIRECTORY/out/train_gpt under bazel run, "
           "else ./out/train_gpt)");

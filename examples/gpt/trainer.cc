@@ -493,6 +493,12 @@ absl::Status TrainConfig::Validate() const {
   }
   FS_RETURN_IF_ERROR(ParseStrategy(strategy).status());
   FS_RETURN_IF_ERROR(ParsePrecision(precision).status());
+  if (precision == "fp16") {
+    // The job runs on CPU tensors, and LibTorch 1.13's CPU LayerNorm has no Half kernel
+    // ("LayerNormKernelImpl" not implemented for 'Half'): fail before launching anything.
+    return absl::InvalidArgumentError(
+        "precision fp16: LibTorch's CPU LayerNorm has no float16 kernel; use bf16 or fp32");
+  }
   return absl::OkStatus();
 }
 

@@ -47,7 +47,9 @@ struct TrainConfig {
   double grad_clip = 1.0;  // max global grad norm; 0 = off
   // FSDP.
   std::string strategy = "full_shard";  // full_shard | shard_grad_op | no_shard
-  std::string precision = "bf16";       // bf16 | fp16 | fp32 (compute/all-gather dtype)
+  // bf16 | fp32: the compute and all-gather dtype. fp16 parses but is rejected on CPU (no
+  // float16 LayerNorm kernel in LibTorch 1.13); it would also want a loss scaler.
+  std::string precision = "bf16";
   // Evaluation and output (rank 0 writes; empty paths are skipped).
   int64_t eval_every = 50;    // validation loss every N steps and at the end
   int64_t eval_batches = 4;   // per rank

@@ -52,6 +52,10 @@ TEST(TrainConfigTest, ValidateNamesTheField) {
   c.strategy = "zero3";
   EXPECT_THAT(c.Validate(), base::testing::StatusIs(absl::StatusCode::kInvalidArgument,
                                                     ::testing::HasSubstr("strategy 'zero3'")));
+  c = TrainConfig();
+  c.precision = "fp16";
+  EXPECT_THAT(c.Validate(), base::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                                    ::testing::HasSubstr("float16")));
 }
 
 TrainConfig TinyConfig(const std::string& metrics) {
