@@ -85,7 +85,8 @@ ABSL_FLAG(int, failure_grace_s, 10,
 ABSL_FLAG(int, timeout_s, 3600, "self-launch only: ranks still running after this are killed");
 ABSL_FLAG(std::string, fault_kill, "",
           "fault injection for tests, RANK:STEP: that rank SIGKILLs itself after that step, in "
-          "the first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0)");
+          "the first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0); RANK:STEP:save: "
+          "inside that step's checkpoint save instead (its file written, COMPLETE not yet)");
 
 namespace fairscale::examples {
 namespace {
@@ -146,10 +147,13 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.threads = absl::GetFlag(FLAGS_threads);
   const std::string fault = absl::GetFlag(FLAGS_fault_kill);
   if (!fault.empty()) {
-    std::pair<std::string, std::string> rs = absl::StrSplit(fault, ':');
-    if (!absl::SimpleAtoi(rs.first, &c.fault_rank) || !absl::SimpleAtoi(rs.second, &c.fault_step)) {
-      return absl::InvalidArgumentError(absl::StrCat("--fault_kill=", fault, ": expected RANK:STEP"));
+    std::vector<std::string> rs = absl::StrSplit(fault, ':');
+    if (rs.size() < 2 || rs.size() > 3 || !absl::SimpleAtoi(rs[0], &c.fault_rank) ||
+        !absl::SimpleAtoi(rs[1], &c.fault_step) || (rs.size() == 3 && rs[2] != "save")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--fault_kill=", fault, ": expected RANK:STEP or RANK:STEP:save"));
     }
+    c.fault_in_save = rs.size() == 3;
     const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
     if (restarts != nullptr && std::atoi(restarts) > 0) c.fault_rank = -1;
   }

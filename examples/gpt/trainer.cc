@@ -19,6 +19,7 @@
 #include <fstream>
 #include <limits>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -207,7 +208,7 @@ class Trainer {
       loss.backward();
       if (config_.grad_clip > 0) model_->clip_grad_norm_(config_.grad_clip);
       opt_->step();
-      if (rank_ == config_.fault_rank && step == config_.fault_step) {
+      if (rank_ == config_.fault_rank && step == config_.fault_step && !config_.fault_in_save) {
         std::fprintf(stderr, "[rank %d] train_gpt: fault injection: SIGKILL after step %lld\n",
                      rank_, static_cast<long long>(step));
         std::fflush(stderr);
@@ -266,6 +267,7 @@ class Trainer {
     result.train_loss = train_loss;
     result.val_loss = val_loss;
     FS_ASSIGN_OR_RETURN(result.param_hashes, ParamHashes());
+    FS_ASSIGN_OR_RETURN(result.full_param_hashes, FullParamHashes());
     if (last < config_.steps) return result;  // stopped early, as if killed
 
     if (config_.sample_tokens > 0) {
@@ -278,12 +280,15 @@ class Trainer {
       const double wall_s = std::chrono::duration<double>(Clock::now() - run_start).count();
       nlohmann::json hashes = nlohmann::json::array();
       for (uint64_t h : result.param_hashes) hashes.push_back(absl::StrFormat("%016x", h));
+      nlohmann::json full_hashes = nlohmann::json::array();
+      for (uint64_t h : result.full_param_hashes) full_hashes.push_back(absl::StrFormat("%016x", h));
       metrics_.Write({{"type", "final"},
                       {"step", config_.steps},
                       {"train_loss", train_loss},
                       {"val_loss", val_loss},
                       {"wall_s", wall_s},
-                      {"param_fnv1a64", hashes}});
+                      {"param_fnv1a64", hashes},
+                      {"full_param_fnv1a64", full_hashes}});
       if (config_.sample_tokens > 0) {
         metrics_.Write({{"type", "sample"}, {"step", config_.steps}, {"text", result.sample}});
       }
@@ -346,6 +351,36 @@ class Trainer {
       at::Tensor c = p.detach().contiguous();
       h = Fnv1a(c.data_ptr(), c.numel() * c.element_size(), h);
     }
+    return GatherHashes(h);
+  }
+
+  // Collective: gathers every unit's full parameters and hashes the original parameters (not
+  // the shards, which differ between ranks) in a fixed order.
+  absl::StatusOr<std::vector<uint64_t>> FullParamHashes() {
+    uint64_t h = 0xcbf29ce484222325ULL;
+    try {
+      auto guard = model_->summon_full_params(/*writeback=*/false);
+      std::set<const c10::TensorImpl*> shards;
+      for (fsdp::FullyShardedDataParallelImpl* u : model_->fsdp_units()) {
+        for (const at::Tensor& p : u->parameters(/*recurse=*/false)) {
+          shards.insert(p.unsafeGetTensorImpl());
+        }
+      }
+      for (fsdp::FullyShardedDataParallelImpl* u : model_->fsdp_units()) {
+        for (const auto& item : u->module()->named_parameters()) {
+          if (shards.count(item.value().unsafeGetTensorImpl()) > 0) continue;
+          at::Tensor c = item.value().detach().contiguous();
+          h = Fnv1a(item.key().data(), item.key().size(), h);
+          h = Fnv1a(c.data_ptr(), c.numel() * c.element_size(), h);
+        }
+      }
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("rank ", rank_, ": summon_full_params: ", e.what()));
+    }
+    return GatherHashes(h);
+  }
+
+  absl::StatusOr<std::vector<uint64_t>> GatherHashes(uint64_t h) {
     // Exchanged as two 32-bit halves in doubles (exact), since the gather helper carries doubles.
     FS_ASSIGN_OR_RETURN(std::vector<double> all,
                         Gather({static_cast<double>(h >> 32), static_cast<double>(h & 0xffffffffu)}));
@@ -410,6 +445,14 @@ class Trainer {
       fsdp::save_local_checkpoint(model_, opt_.get(), file);
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat("cannot save checkpoint ", file, ": ", e.what()));
+    }
+    if (rank_ == config_.fault_rank && step == config_.fault_step && config_.fault_in_save) {
+      std::fprintf(stderr,
+                   "[rank %d] train_gpt: fault injection: SIGKILL in the checkpoint save of "
+                   "step %lld (%s written, COMPLETE not yet)\n",
+                   rank_, static_cast<long long>(step), file.c_str());
+      std::fflush(stderr);
+      ::raise(SIGKILL);
     }
     // Every rank's file is in place before rank 0 declares the step complete.
     FS_RETURN_IF_ERROR(comm_->Barrier().Wait());

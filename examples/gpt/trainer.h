@@ -71,9 +71,11 @@ struct TrainConfig {
   int64_t stop_after = 0;
   int threads = 0;  // intra-op threads per rank; 0 = max(1, cores / world size)
   // Fault injection for tests: rank `fault_rank` SIGKILLs itself right after the optimizer step
-  // of `fault_step` (before that step's checkpoint). -1 = off.
+  // of `fault_step` (before that step's checkpoint), or with `fault_in_save` inside that step's
+  // checkpoint save: after its own rank file is written, before rank 0 writes COMPLETE. -1 = off.
   int fault_rank = -1;
   int64_t fault_step = 0;
+  bool fault_in_save = false;
 
   // Validates the values (kInvalidArgument naming the field).
   absl::Status Validate() const;
@@ -90,6 +92,9 @@ struct TrainResult {
   // FNV-1a 64 of every rank's parameter shards (f32 master copies) after the last step, by
   // rank: equal between an interrupted-and-resumed run and an uninterrupted one.
   std::vector<uint64_t> param_hashes;
+  // FNV-1a 64 of the full parameters (every unit's, gathered with summon_full_params, in the
+  // compute dtype) as each rank sees them: equal on all ranks when they agree on the model.
+  std::vector<uint64_t> full_param_hashes;
 };
 
 // Collective over `comm`: every rank calls it with the same config, one rank per process (the
