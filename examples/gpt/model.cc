@@ -42,26 +42,46 @@ torch::Tensor TransformerBlockImpl::forward(torch::Tensor x) {
   return x + fc2_(at::gelu(fc1_(ln2_(x))));
 }
 
+EmbeddingsImpl::EmbeddingsImpl(int64_t vocab, int64_t seq, int64_t width) {
+  tok_ = register_module("tok", torch::nn::Embedding(vocab, width));
+  pos_ = register_module("pos", torch::nn::Embedding(seq, width));
+}
+
+torch::Tensor EmbeddingsImpl::forward(torch::Tensor tokens) {
+  return tok_(tokens) + pos_(at::arange(tokens.size(1), tokens.options()));
+}
+
+LmHeadImpl::LmHeadImpl(int64_t width, int64_t vocab) {
+  ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+  head_ = register_module("head", torch::nn::Linear(width, vocab));
+}
+
+torch::Tensor LmHeadImpl::forward(torch::Tensor x) { return head_(ln_f_(x)); }
+
 GptImpl::GptImpl(const GptConfig& config) : config_(config) {
   TORCH_CHECK(config.vocab() > 0 && config.seq() > 0 && config.blocks() >= 0,
               "Gpt: vocab, seq must be positive and blocks non-negative");
-  tok_ = register_module("tok", torch::nn::Embedding(config.vocab(), config.width()));
-  pos_ = register_module("pos", torch::nn::Embedding(config.seq(), config.width()));
+  // Construction order = initialization order: embeddings, blocks, head.
+  embed_ = fsdp::wrap(Embeddings(config.vocab(), config.seq(), config.width()));
+  register_module("embed", embed_.ptr());
   for (int64_t i = 0; i < config.blocks(); ++i) {
     blocks_.push_back(fsdp::wrap(TransformerBlock(config.width(), config.heads())));
     register_module("block" + std::to_string(i), blocks_.back().ptr());
   }
-  ln_f_ = register_module("ln_f",
-                          torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.width()})));
-  head_ = register_module("head", torch::nn::Linear(config.width(), config.vocab()));
+  lm_head_ = fsdp::wrap(LmHead(config.width(), config.vocab()));
+  register_module("lm_head", lm_head_.ptr());
 }
 
 torch::Tensor GptImpl::forward(torch::Tensor tokens) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) <= config_.seq(), "Gpt: tokens must be [batch, t] with t <= ",
               config_.seq(), ", got ", tokens.sizes());
-  at::Tensor x = tok_(tokens) + pos_(at::arange(tokens.size(1), tokens.options()));
+  at::Tensor x = embed_(tokens);
   for (auto& block : blocks_) x = block(x);
-  return head_(ln_f_(x));
+  return lm_head_(x);
+}
+
+fsdp::AutoWrapPolicy GptWrapPolicy() {
+  return fsdp::module_type_auto_wrap_policy<TransformerBlockImpl, EmbeddingsImpl, LmHeadImpl>();
 }
 
 namespace {

@@ -49,8 +49,35 @@ class TransformerBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TransformerBlock);
 
+// Token + position embeddings: int64 tokens [batch, t] -> [batch, t, width].
+class EmbeddingsImpl : public torch::nn::Module {
+ public:
+  EmbeddingsImpl(int64_t vocab, int64_t seq, int64_t width);
+  torch::Tensor forward(torch::Tensor tokens);
+
+ private:
+  torch::nn::Embedding tok_{nullptr}, pos_{nullptr};
+};
+TORCH_MODULE(Embeddings);
+
+// Final LayerNorm and the linear LM head: [batch, t, width] -> logits [batch, t, vocab].
+class LmHeadImpl : public torch::nn::Module {
+ public:
+  LmHeadImpl(int64_t width, int64_t vocab);
+  torch::Tensor forward(torch::Tensor x);
+
+ private:
+  torch::nn::LayerNorm ln_f_{nullptr};
+  torch::nn::Linear head_{nullptr};
+};
+TORCH_MODULE(LmHead);
+
 // forward: int64 tokens [batch, t] with t <= seq -> logits [batch, t, vocab].
-// Submodule names: tok, pos, block0..block{n-1}, ln_f, head.
+// Submodule names: embed (tok, pos), block0..block{n-1}, lm_head (ln_f, head). The embeddings,
+// every block and the head each go through fsdp::wrap(): GptWrapPolicy() makes each of them its
+// own FSDP unit, so the root holds no parameters. (A root holding the embeddings and the head
+// would keep both, and their full gradient, alive for the whole backward pass: they are used
+// first and last.)
 class GptImpl : public torch::nn::Module {
  public:
   explicit GptImpl(const GptConfig& config);
@@ -59,12 +86,13 @@ class GptImpl : public torch::nn::Module {
 
  private:
   GptConfig config_;
-  torch::nn::Embedding tok_{nullptr}, pos_{nullptr};
-  torch::nn::LayerNorm ln_f_{nullptr};
-  torch::nn::Linear head_{nullptr};
+  fsdp::Wrapped embed_, lm_head_;
   std::vector<fsdp::Wrapped> blocks_;
 };
 TORCH_MODULE(Gpt);
+
+// The wrap policy of the GPT model: every TransformerBlock, the Embeddings and the LmHead.
+fsdp::AutoWrapPolicy GptWrapPolicy();
 
 struct SampleOptions {
   TORCH_ARG(double, temperature) = 0.8;  // > 0; logits are divided by it

@@ -156,7 +156,7 @@ class Trainer {
                              .blocks(config_.blocks);
     torch::manual_seed(config_.seed);  // the same initial weights on every rank
     {
-      fsdp::EnableWrap scope(comm_, opts, fsdp::module_type_auto_wrap_policy<TransformerBlockImpl>());
+      fsdp::EnableWrap scope(comm_, opts, GptWrapPolicy());
       model_ = fsdp::FullyShardedDataParallel(Gpt(gc), comm_, opts);
     }
     opt_ = std::make_unique<torch::optim::Adam>(

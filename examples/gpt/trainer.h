@@ -3,8 +3,8 @@
 //
 //   absl::StatusOr<TrainResult> r = TrainRank(config, comm);  // every rank, same config
 //
-// The model is examples/gpt/model.h's Gpt with every transformer block its own FSDP unit plus
-// the root; the data are the embedded corpus at character level (examples/gpt/data.h), the
+// The model is examples/gpt/model.h's Gpt with the embeddings, every transformer block and the
+// head each its own FSDP unit (GptWrapPolicy) under a parameterless root; the data are the embedded corpus at character level (examples/gpt/data.h), the
 // batch of (step, rank) a pure function of (seed, step, rank). Rank 0 prints the progress line
 // and writes the metrics (JSON lines), the loss plot (SVG) and the sample; every rank writes its
 // shard of each checkpoint (examples/gpt/checkpoint_dir.h for the layout and the guarantees).

@@ -192,7 +192,7 @@ int RunRank(int rank, int n, const std::string& dir) {
       if (config_name == "FULL_SHARD_LOWMEM") opts.backward_prefetch(false).reductions_in_flight(0);
       FullyShardedDataParallel model{nullptr};
       {
-        EnableWrap scope(comm, opts, module_type_auto_wrap_policy<gpt::TransformerBlockImpl>());
+        EnableWrap scope(comm, opts, gpt::GptWrapPolicy());
         model = FullyShardedDataParallel(gpt::Gpt(ConfigOf(s)), comm, opts);
       }
       r = Train(config_name, model, tracker, s, rank, comm.get());
@@ -307,8 +307,12 @@ int Main(const char* self) {
     if (RunWorld(n, self, &w) != 0) return 1;
     worlds.push_back(std::move(w));
   }
-  // The largest unit is a transformer block: 12 w^2 + 13 w parameters.
-  const int64_t unit_bytes = (12 * s.width * s.width + 13 * s.width) * 4;
+  // The units: each transformer block (12 w^2 + 13 w parameters), the embeddings
+  // ((vocab + seq) w) and the head (final LayerNorm + linear: w vocab + vocab + 2 w).
+  const int64_t unit_bytes =
+      std::max({12 * s.width * s.width + 13 * s.width, (s.vocab + s.seq) * s.width,
+                s.width * s.vocab + s.vocab + 2 * s.width}) *
+      4;
   std::string table = absl::StrFormat(
       "GPT: %d blocks, width %d, %d heads, seq %d, batch %d/rank, vocab %d; Adam; "
       "%d warm-up + %d timed steps; params %.1f MiB, largest unit %.1f MiB, activations %.1f "
