@@ -83,6 +83,12 @@ ABSL_FLAG(int, max_restarts, 0,
 ABSL_FLAG(int, failure_grace_s, 10,
           "self-launch only: after a rank fails, the others get this long to exit, then SIGKILL");
 ABSL_FLAG(int, timeout_s, 3600, "self-launch only: ranks still running after this are killed");
+ABSL_FLAG(std::string, trace, "",
+          "write a Chrome trace here (one track per rank: forward, backward, optimizer, every "
+          "collective with its bytes); open it in ui.perfetto.dev");
+ABSL_FLAG(bool, profile, false,
+          "print time in compute vs communication vs idle per rank at the end (traces to "
+          "--trace, default <out_dir>/trace.json)");
 ABSL_FLAG(std::string, fault_kill, "",
           "fault injection for tests, RANK:STEP: that rank SIGKILLs itself after that step, in "
           "the first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0); RANK:STEP:save: "
@@ -145,6 +151,9 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.temperature = absl::GetFlag(FLAGS_temperature);
   c.top_k = absl::GetFlag(FLAGS_top_k);
   c.threads = absl::GetFlag(FLAGS_threads);
+  c.trace_path = absl::GetFlag(FLAGS_trace);
+  c.profile = absl::GetFlag(FLAGS_profile);
+  if (c.profile && c.trace_path.empty()) c.trace_path = out + "/trace.json";
   const std::string fault = absl::GetFlag(FLAGS_fault_kill);
   if (!fault.empty()) {
     std::vector<std::string> rs = absl::StrSplit(fault, ':');

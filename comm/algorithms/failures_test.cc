@@ -139,7 +139,10 @@ TEST(Failures, DisagreementOnDtypeOpOrRootIsAnError) {
 TEST(Failures, BrokenCommunicatorFailsLaterOps) {
   Comms comms = MakeGroup(2);
   comms[0]->Abort(absl::AbortedError("stop"));
-  EXPECT_THAT(comms[0]->Barrier().Wait(kWait), StatusIs(absl::StatusCode::kAborted, "stop"));
+  // A later op fails at once with the communicator's error, naming itself.
+  EXPECT_THAT(comms[0]->Barrier().Wait(kWait),
+              StatusIs(absl::StatusCode::kAborted,
+                       AllOf(HasSubstr("barrier #1 rank 0/2"), HasSubstr(": stop"))));
   EXPECT_THAT(comms[0]->status(), StatusIs(absl::StatusCode::kAborted, "stop"));
   // The peer hears about it while idle (Poll) and fails fast too.
   const absl::Time start = absl::Now();

@@ -199,7 +199,10 @@ class TransportCommunicator final : public Communicator {
     auto [work, done] = Work::Pending(ctx.Label());
     absl::MutexLock lock(&mu_);
     if (!error_.ok()) {
-      done.Complete(error_);
+      // Name this op too: the stored error may come from the idle poll ("(idle): peer 1
+      // closed the connection") and say nothing about what the caller just issued.
+      done.Complete(ctx.Error(error_.code(), absl::StrCat("not run, the communicator is broken: ",
+                                                          error_.message())));
     } else {
       queue_.push_back({ctx, std::move(run), done});
     }
@@ -207,7 +210,10 @@ class TransportCommunicator final : public Communicator {
   }
 
   void FailQueueLocked(const absl::Status& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (Op& op : queue_) op.done.Complete(error);
+    for (Op& op : queue_) {
+      op.done.Complete(op.ctx.Error(
+          error.code(), absl::StrCat("not run, the communicator is broken: ", error.message())));
+    }
     queue_.clear();
   }
 

@@ -33,6 +33,10 @@
 #include "examples/gpt/data.h"
 #include "examples/gpt/model.h"
 #include "examples/gpt/svg_plot.h"
+#include "trace/chrome_trace.h"
+#include "trace/profile.h"
+#include "trace/recorder.h"
+#include "trace/tracing_communicator.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/local_checkpoint.h"
 #include "fsdp/wrap.h"
@@ -128,11 +132,19 @@ class Trainer {
  public:
   Trainer(const TrainConfig& config, std::shared_ptr<comm::Communicator> comm)
       : config_(config),
+        plain_comm_(comm),
         comm_(std::move(comm)),
         rank_(comm_->rank()),
         world_(comm_->size()),
         tokenizer_(Corpus()),
-        data_(tokenizer_, Corpus()) {}
+        data_(tokenizer_, Corpus()) {
+    // Tracing: every collective (FSDP's included) goes through the recording wrapper.
+    recorder_ = std::make_shared<trace::Recorder>(rank_, !config_.trace_path.empty());
+    if (recorder_->enabled()) {
+      recorder_->SetThreadName("main");
+      comm_ = std::make_shared<trace::TracingCommunicator>(comm_, recorder_);
+    }
+  }
 
   absl::StatusOr<TrainResult> Run() {
     const int threads = config_.threads > 0
@@ -202,12 +214,23 @@ class Trainer {
       for (auto& group : opt_->param_groups()) {
         static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
       }
-      opt_->zero_grad();
-      at::Tensor loss = Loss(data_.Batch(config_.seed, step, rank_, Split::kTrain, config_.batch,
-                                         config_.seq));
-      loss.backward();
-      if (config_.grad_clip > 0) model_->clip_grad_norm_(config_.grad_clip);
-      opt_->step();
+      at::Tensor loss;
+      {
+        trace::Scope scope(recorder_.get(), "forward", trace::kCategoryCompute, {{"step", step}});
+        opt_->zero_grad();
+        loss = Loss(data_.Batch(config_.seed, step, rank_, Split::kTrain, config_.batch,
+                                config_.seq));
+      }
+      {
+        trace::Scope scope(recorder_.get(), "backward", trace::kCategoryCompute, {{"step", step}});
+        loss.backward();
+      }
+      {
+        trace::Scope scope(recorder_.get(), "optimizer", trace::kCategoryCompute,
+                           {{"step", step}});
+        if (config_.grad_clip > 0) model_->clip_grad_norm_(config_.grad_clip);
+        opt_->step();
+      }
       if (rank_ == config_.fault_rank && step == config_.fault_step && !config_.fault_in_save) {
         std::fprintf(stderr, "[rank %d] train_gpt: fault injection: SIGKILL after step %lld\n",
                      rank_, static_cast<long long>(step));
@@ -235,6 +258,7 @@ class Trainer {
       const bool eval = step == config_.steps ||
                         (config_.eval_every > 0 && step % config_.eval_every == 0);
       if (eval) {
+        trace::Scope scope(recorder_.get(), "eval", trace::kCategoryCompute, {{"step", step}});
         FS_ASSIGN_OR_RETURN(val_loss, ValLoss());
       }
       if (rank_ == 0) {
@@ -260,10 +284,12 @@ class Trainer {
       if (!config_.checkpoint_dir.empty() &&
           ((config_.checkpoint_every > 0 && step % config_.checkpoint_every == 0) ||
            step == config_.steps)) {
+        trace::Scope scope(recorder_.get(), "checkpoint", "io", {{"step", step}});
         FS_RETURN_IF_ERROR(SaveCheckpoint(step));
       }
       result.last_step = step;
     }
+    FS_RETURN_IF_ERROR(FinishTrace());
     result.train_loss = train_loss;
     result.val_loss = val_loss;
     FS_ASSIGN_OR_RETURN(result.param_hashes, ParamHashes());
@@ -343,6 +369,30 @@ class Trainer {
                                         MakeBuffer(all.data(), all.size()))
                            .Wait());
     return all;
+  }
+
+  // Each rank writes its events, then rank 0 merges them into config_.trace_path and prints the
+  // profile table. The barrier runs on the plain communicator: it is not part of the trace.
+  absl::Status FinishTrace() {
+    if (!recorder_->enabled()) return absl::OkStatus();
+    recorder_->set_enabled(false);
+    const std::string& path = config_.trace_path;
+    FS_RETURN_IF_ERROR(recorder_->WriteChromeTrace(trace::RankTracePath(path, rank_)));
+    FS_RETURN_IF_ERROR(plain_comm_->Barrier().Wait());
+    if (rank_ != 0) return absl::OkStatus();
+    std::vector<std::string> inputs;
+    for (int r = 0; r < world_; ++r) inputs.push_back(trace::RankTracePath(path, r));
+    FS_RETURN_IF_ERROR(trace::MergeChromeTraces(inputs, path));
+    for (const std::string& input : inputs) std::remove(input.c_str());
+    if (config_.progress) std::printf("  trace:   %s (open in ui.perfetto.dev)\n", path.c_str());
+    if (config_.profile) {
+      FS_ASSIGN_OR_RETURN(std::vector<trace::ProfileSummary> summaries,
+                          trace::SummarizeTraceFile(path));
+      std::printf("profile (compute = forward/backward/optimizer/eval less blocking waits):\n%s",
+                  trace::FormatProfileTable(summaries).c_str());
+    }
+    std::fflush(stdout);
+    return absl::OkStatus();
   }
 
   absl::StatusOr<std::vector<uint64_t>> ParamHashes() {
@@ -497,7 +547,9 @@ class Trainer {
   }
 
   TrainConfig config_;
-  std::shared_ptr<comm::Communicator> comm_;
+  std::shared_ptr<comm::Communicator> plain_comm_;  // the caller's, untraced
+  std::shared_ptr<comm::Communicator> comm_;        // plain_comm_, or its tracing wrapper
+  std::shared_ptr<trace::Recorder> recorder_;
   int rank_, world_;
   CharTokenizer tokenizer_;
   TokenData data_;

@@ -70,6 +70,13 @@ struct TrainConfig {
   // 0 = run to `steps`. For resume tests.
   int64_t stop_after = 0;
   int threads = 0;  // intra-op threads per rank; 0 = max(1, cores / world size)
+  // Observability (//trace). With `trace_path`, every rank records forward / backward /
+  // optimizer spans and each collective (with its bytes) and rank 0 writes one Chrome trace
+  // (a track per rank; open it in ui.perfetto.dev or chrome://tracing) at the end. With
+  // `profile`, rank 0 also prints the time in compute vs communication vs idle per rank
+  // (profile needs a trace_path: the summary is computed from the merged trace).
+  std::string trace_path;
+  bool profile = false;
   // Fault injection for tests: rank `fault_rank` SIGKILLs itself right after the optimizer step
   // of `fault_step` (before that step's checkpoint), or with `fault_in_save` inside that step's
   // checkpoint save: after its own rank file is written, before rank 0 writes COMPLETE. -1 = off.
