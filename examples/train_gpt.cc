@@ -5,9 +5,9 @@
 //   ./bazelw run //examples:train_gpt -- --nproc=1 --steps=600 --precision=fp32
 //   ./bazelw run //examples:train_gpt -- --resume           # continue from the last checkpoint
 //
-// Without RANK in the environment the binary is its own launcher (LaunchLocal below): it hosts
-// the TCPStore, starts --nproc copies of itself with the torchrun environment (RANK, WORLD_SIZE,
-// LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE), stops every rank within
+// Without RANK in the environment the binary is its own launcher (LaunchLocal below, which runs
+// //launch's Launch(), the fs_launch engine): it hosts the TCPStore with a job token, starts
+// --nproc copies of itself with the torchrun environment, stops every rank within
 // --failure_grace_s when one fails, and with --max_restarts restarts them all from the newest
 // complete checkpoint. With RANK set (a launcher such as torchrun-style fs_launch started it)
 // it runs as that rank through CreateCommunicatorFromEnv(). Outputs go to --out_dir (default
@@ -38,6 +38,7 @@
 #include "base/subprocess.h"
 #include "comm/communicator.h"
 #include "comm/registry.h"
+#include "launch/launcher.h"
 #include "comm/store/tcp_store.h"
 #include "examples/gpt/trainer.h"
 
@@ -82,7 +83,6 @@ ABSL_FLAG(int, max_restarts, 0,
           "times after a rank fails");
 ABSL_FLAG(int, failure_grace_s, 10,
           "self-launch only: after a rank fails, the others get this long to exit, then SIGKILL");
-ABSL_FLAG(int, timeout_s, 3600, "self-launch only: ranks still running after this are killed");
 ABSL_FLAG(std::string, trace, "",
           "write a Chrome trace here (one track per rank: forward, backward, optimizer, every "
           "collective with its bytes); open it in ui.perfetto.dev");
@@ -130,6 +130,9 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   const std::string resume = absl::GetFlag(FLAGS_resume);
   if (resume == "never" || resume == "false" || resume.empty()) {
     c.resume = gpt::ResumeMode::kNever;
+    // A restarted attempt (fs_launch --max_restarts, or ours) continues from its checkpoint.
+    const char* restarts = std::getenv("FS_RESTART_COUNT");
+    if (restarts != nullptr && std::atoi(restarts) > 0) c.resume = gpt::ResumeMode::kAuto;
   } else if (resume == "auto") {
     c.resume = gpt::ResumeMode::kAuto;
   } else if (resume == "true" || resume == "required") {
@@ -194,88 +197,10 @@ int RunRank() {
   return 0;
 }
 
-std::string DescribeExit(int status) {
-  if (WIFSIGNALED(status)) {
-    return absl::StrCat("was killed by signal ", WTERMSIG(status), " (", strsignal(WTERMSIG(status)),
-                        ")");
-  }
-  return absl::StrCat("exited with code ", WEXITSTATUS(status));
-}
-
-// One attempt: n ranks over a fresh TCPStore. Returns true when every rank exited 0. When a rank
-// fails the others get --failure_grace_s to notice (their collectives fail once the peer's
-// connections close) and are SIGKILLed after that.
-bool RunAttempt(int n, int attempt, const std::vector<std::string>& args) {
-  comm::TCPStoreOptions opts;
-  opts.is_server = true;
-  opts.timeout = absl::Seconds(60);
-  auto store = comm::TCPStore::Create(opts);
-  if (!store.ok()) {
-    std::fprintf(stderr, "train_gpt: cannot start the TCPStore: %s\n",
-                 store.status().ToString().c_str());
-    return false;
-  }
-  const int port = (*store)->port();
-  const bool default_timeout = std::getenv("FS_COMM_TIMEOUT_S") == nullptr;
-  std::vector<pid_t> pids;
-  for (int r = 0; r < n; ++r) {
-    std::vector<std::string> env = {
-        absl::StrCat("RANK=", r),         absl::StrCat("LOCAL_RANK=", r),
-        absl::StrCat("WORLD_SIZE=", n),   "MASTER_ADDR=127.0.0.1",
-        absl::StrCat("MASTER_PORT=", port), "TORCHELASTIC_USE_AGENT_STORE=True",
-        absl::StrCat("TORCHELASTIC_RESTART_COUNT=", attempt)};
-    if (default_timeout) env.push_back("FS_COMM_TIMEOUT_S=60");
-    absl::StatusOr<pid_t> pid = base::SpawnSelf(args, env);
-    if (!pid.ok()) {
-      std::fprintf(stderr, "train_gpt: cannot start rank %d: %s\n", r,
-                   pid.status().ToString().c_str());
-      for (pid_t p : pids) kill(p, SIGKILL), waitpid(p, nullptr, 0);
-      return false;
-    }
-    pids.push_back(*pid);
-  }
-  std::vector<bool> done(n, false);
-  int running = n;
-  bool ok = true;
-  absl::Time deadline = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
-  while (running > 0) {
-    int status = 0;
-    const pid_t pid = waitpid(-1, &status, WNOHANG);
-    if (pid < 0 && errno != EINTR) break;
-    if (pid <= 0) {
-      if (absl::Now() > deadline) {
-        std::fprintf(stderr, "train_gpt: %d rank(s) still running after %s; killing them\n",
-                     running, ok ? absl::FormatDuration(absl::Seconds(absl::GetFlag(FLAGS_timeout_s))).c_str()
-                                 : "the grace period");
-        for (int r = 0; r < n; ++r) {
-          if (!done[r]) kill(pids[r], SIGKILL);
-        }
-        ok = false;
-        deadline = absl::InfiniteFuture();
-      }
-      absl::SleepFor(absl::Milliseconds(50));
-      continue;
-    }
-    for (int r = 0; r < n; ++r) {
-      if (pids[r] != pid || done[r]) continue;
-      done[r] = true;
-      --running;
-      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) break;
-      std::fprintf(stderr, "train_gpt: rank %d (pid %d) %s\n", r, pid,
-                   DescribeExit(status).c_str());
-      if (ok && running > 0) {
-        std::fprintf(stderr, "train_gpt: stopping the other ranks (SIGKILL after %ds)\n",
-                     absl::GetFlag(FLAGS_failure_grace_s));
-        deadline = std::min(deadline,
-                            absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_failure_grace_s)));
-      }
-      ok = false;
-    }
-  }
-  return ok;
-}
-
-// The self-launcher: one function, so that a launcher library can replace it.
+// The self-launcher: //launch's Launch() (what fs_launch runs) with --nproc ranks of this binary
+// on this machine, a free port and the ranks' output going straight to this terminal (only rank
+// 0 prints, and its progress line may redraw itself). Restarts resume from the newest complete
+// checkpoint (ConfigFromFlags turns --resume=never into auto when FS_RESTART_COUNT > 0).
 int LaunchLocal(const std::vector<std::string>& args) {
   const int n = absl::GetFlag(FLAGS_nproc);
   if (n < 1) {
@@ -287,24 +212,25 @@ int LaunchLocal(const std::vector<std::string>& args) {
     std::fprintf(stderr, "train_gpt: %s\n", std::string(config.status().message()).c_str());
     return 2;
   }
-  const int max_restarts = absl::GetFlag(FLAGS_max_restarts);
-  std::vector<std::string> attempt_args = args;
-  for (int attempt = 0;; ++attempt) {
-    if (RunAttempt(n, attempt, attempt_args)) return 0;
-    if (attempt >= max_restarts) {
-      std::fprintf(stderr, "train_gpt: FAILED%s\n",
-                   max_restarts > 0 ? absl::StrCat(" after ", attempt, " restart(s)").c_str() : "");
-      return 1;
-    }
-    if (config->checkpoint_dir.empty()) {
-      std::fprintf(stderr, "train_gpt: cannot restart without checkpoints (--checkpoint_dir)\n");
-      return 1;
-    }
-    std::fprintf(stderr, "train_gpt: restart %d/%d from the newest complete checkpoint in %s\n",
-                 attempt + 1, max_restarts, config->checkpoint_dir.c_str());
-    attempt_args = args;
-    attempt_args.push_back("--resume=auto");  // the last occurrence of a flag wins
+  launch::LaunchOptions o;
+  o.nproc_per_node = n;
+  o.master_port = 0;
+  o.max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  o.stop_timeout = absl::Seconds(absl::GetFlag(FLAGS_failure_grace_s));
+  o.program = "/proc/self/exe";
+  o.args = args;
+  o.capture_output = false;
+  if (std::getenv("FS_COMM_TIMEOUT_S") == nullptr) o.env.push_back("FS_COMM_TIMEOUT_S=60");
+  if (o.max_restarts > 0 && config->checkpoint_dir.empty()) {
+    std::fprintf(stderr, "train_gpt: --max_restarts needs checkpoints (--checkpoint_dir)\n");
+    return 2;
   }
+  absl::StatusOr<int> status = launch::Launch(o);
+  if (!status.ok()) {
+    std::fprintf(stderr, "train_gpt: %s\n", status.status().ToString().c_str());
+    return 1;
+  }
+  return *status;
 }
 
 }  // namespace

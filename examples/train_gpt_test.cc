@@ -65,7 +65,7 @@ class TrainGptTest : public ::testing::Test {
         "--width=32", "--blocks=2", "--heads=2", "--seq=32", "--batch=8",
         "--lr=1e-2",  "--warmup_steps=4", "--eval_every=10", "--eval_batches=2",
         "--sample_tokens=40", "--log_every=5", absl::StrCat("--out_dir=", out_dir),
-        "--timeout_s=120", "--failure_grace_s=5"};
+        "--failure_grace_s=5"};
     args.insert(args.end(), extra.begin(), extra.end());
     const std::string log = absl::StrCat(out_dir, ".log");
     const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -205,17 +205,16 @@ TEST_F(TrainGptTest, CorruptCheckpointFailsNamingTheFile) {
 }
 
 TEST_F(TrainGptTest, KilledRankStopsTheJobWithAClearError) {
-  // Rank 1 SIGKILLs itself after step 7; rank 0 fails at its next collective naming the peer,
-  // and the launcher reports both and exits non-zero (no hang: the test's deadline is 150 s).
+  // Rank 1 SIGKILLs itself after step 7; the launcher (//launch, as fs_launch) names it, stops
+  // rank 0 and exits with rank 1's status (no hang: the test's deadline is 150 s). Rank 0's own
+  // error (its next collective fails naming peer 1) races with the launcher's SIGTERM, so it is
+  // not required here; the comm conformance suite checks that error.
   JobResult r = Run("killed", {"--nproc=2", "--steps=20", "--checkpoint_every=5",
                                "--fault_kill=1:7", "--sample_tokens=0"});
-  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(r.exit_code, 128 + 9);
   EXPECT_THAT(r.output, HasSubstr("fault injection: SIGKILL after step 7"));
-  EXPECT_THAT(r.output, HasSubstr("rank 1 (pid"));
-  EXPECT_THAT(r.output, HasSubstr("was killed by signal 9"));
-  EXPECT_THAT(r.output, HasSubstr("[rank 0] train_gpt:"));
-  EXPECT_THAT(r.output, HasSubstr("peer 1"));
-  EXPECT_THAT(r.output, HasSubstr("train_gpt: FAILED"));
+  EXPECT_THAT(r.output, HasSubstr("rank 1 (local rank 1 on node 0, pid"));
+  EXPECT_THAT(r.output, HasSubstr("job failed: rank 1 was killed by SIGKILL"));
   EXPECT_TRUE(r.final_record.is_null());
 }
 
@@ -228,8 +227,8 @@ TEST_F(TrainGptTest, RestartAfterAKilledRankEndsWithTheUninterruptedParameters) 
   faulty.insert(faulty.end(), {"--fault_kill=1:13", "--max_restarts=1"});
   JobResult r = Run("restarted", faulty);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("was killed by signal 9"));
-  EXPECT_THAT(r.output, HasSubstr("restart 1/1"));
+  EXPECT_THAT(r.output, HasSubstr("rank 1 was killed by SIGKILL"));
+  EXPECT_THAT(r.output, HasSubstr("restarting the job (restart 1 of at most 1"));
   EXPECT_THAT(r.output, HasSubstr("resumed at step 10"));
   ASSERT_TRUE(r.final_record.is_object()) << r.output;
   EXPECT_EQ(r.final_record["param_fnv1a64"], whole.final_record["param_fnv1a64"]);

@@ -269,6 +269,18 @@ absl::Status Job::SpawnRanks(int attempt) {
     Rank& r = ranks_[local];
     r.local_rank = local;
     r.rank = o_.node_rank * o_.nproc_per_node + local;
+    if (!o_.capture_output) {  // the ranks write to the launcher's own stdout / stderr
+      absl::StatusOr<pid_t> pid =
+          base::Spawn(o_.program, o_.args, RankEnv(o_, local, master_port_, token_, attempt), {},
+                      /*new_process_group=*/true);
+      if (!pid.ok()) {
+        return absl::Status(pid.status().code(), absl::StrCat("fs_launch: cannot start rank ",
+                                                              r.rank, ": ", pid.status().message()));
+      }
+      r.pid = *pid;
+      r.running = true;
+      continue;
+    }
     int out[2];
     int err[2];
     if (pipe2(out, O_CLOEXEC) != 0) {

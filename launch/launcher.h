@@ -59,6 +59,9 @@ struct LaunchOptions {
   std::string store_token;
   // Prefix each output line with "[rank N] ".
   bool prefix_output = true;
+  // false: the ranks inherit the launcher's stdout / stderr instead of pipes (no prefixes, no
+  // line splitting), e.g. for a job whose rank 0 draws a progress bar on the terminal.
+  bool capture_output = true;
   // Where prefixed rank output and the launcher's own messages go.
   int stdout_fd = 1;
   int stderr_fd = 2;
