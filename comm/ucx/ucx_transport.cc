@@ -1,0 +1,539 @@
+#include "comm/ucx/ucx_transport.h"
+
+#include <sched.h>
+#include <time.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status_macros.h"
+
+namespace fairscale::comm {
+namespace {
+
+constexpr int kRankShift = 48;
+constexpr uint64_t kLowMask = (uint64_t{1} << kRankShift) - 1;
+constexpr uint64_t kControlBit = uint64_t{1} << 63;
+constexpr uint64_t kRankMask = ~kLowMask;  // control bit + sender rank
+constexpr int kMaxRanks = 1 << 15;
+constexpr size_t kControlBytes = 1024;
+constexpr char kBye = 'B';
+constexpr char kFailed = 'F';
+// Bounds of Shutdown: the failure notices and a clean flush of every endpoint.
+constexpr absl::Duration kNoticeBudget = absl::Milliseconds(200);
+constexpr absl::Duration kFlushBudget = absl::Seconds(2);
+constexpr absl::Duration kForceBudget = absl::Seconds(2);
+
+uint64_t DataTag(int sender, uint64_t tag) {
+  return (static_cast<uint64_t>(sender) << kRankShift) | (tag & kLowMask);
+}
+uint64_t ControlTag(int sender) {
+  return kControlBit | (static_cast<uint64_t>(sender) << kRankShift);
+}
+
+std::string UcsError(ucs_status_t status) { return ucs_status_string(status); }
+
+absl::Status UcxError(absl::string_view what, ucs_status_t status) {
+  return absl::InternalError(absl::StrCat("[ucx] ", what, ": ", UcsError(status)));
+}
+
+// Busy-wait backoff of the progress loops: spin, then yield, then nap.
+class Backoff {
+ public:
+  void Reset() { idle_ = 0; }
+  void Idle() {
+    ++idle_;
+    if (idle_ < 256) return;
+    if (idle_ < 4096) {
+      sched_yield();
+      return;
+    }
+    const timespec nap{0, 20'000};  // 20 us
+    nanosleep(&nap, nullptr);
+  }
+
+ private:
+  int idle_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(std::shared_ptr<Store> store,
+                                                                   int rank, int size,
+                                                                   const CommConfig& config) {
+  if (store == nullptr && size > 1) {
+    return absl::InvalidArgumentError("[ucx] the ucx backend needs CommConfig::store");
+  }
+  if (size < 1 || size > kMaxRanks || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("[ucx] rank ", rank, " / size ", size, " out of range (size <= 32768)"));
+  }
+  for (const auto& [key, value] : config.options) {
+    if (!absl::StartsWith(key, "algo.")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "[ucx] unknown option '", key,
+          "'; the ucx backend accepts algo.* only (choose UCX transports with UCX_TLS)"));
+    }
+  }
+  std::unique_ptr<UcxTransport> t(new UcxTransport(rank, size));
+  FS_RETURN_IF_ERROR(t->Init(*store, config));
+  return t;
+}
+
+UcxTransport::UcxTransport(int rank, int size) : rank_(rank), size_(size), peers_(size) {}
+
+absl::Status UcxTransport::Init(Store& store, const CommConfig& config) {
+  ucp_config_t* ucp_config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &ucp_config);
+  if (st != UCS_OK) return UcxError("ucp_config_read", st);
+  // A peer that dies without closing its connection (shared memory has none) is found by UCX's
+  // keepalive; its default round (20 s in 1.13) is as long as a typical op timeout.
+  if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
+    (void)ucp_config_modify(ucp_config, "KEEPALIVE_INTERVAL", "1s");
+  }
+  const char* tls = std::getenv("UCX_TLS");
+  transports_ = tls != nullptr ? tls : "all";
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG;
+  st = ucp_init(&params, ucp_config, &context_);
+  ucp_config_release(ucp_config);
+  if (st != UCS_OK) {
+    return UcxError(absl::StrCat("ucp_init (UCX_TLS=", transports_, ")"), st);
+  }
+  ucp_worker_params_t wparams{};
+  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  st = ucp_worker_create(context_, &wparams, &worker_);
+  if (st != UCS_OK) return UcxError("ucp_worker_create", st);
+  if (size_ == 1) return absl::OkStatus();
+
+  ucp_address_t* address = nullptr;
+  size_t address_bytes = 0;
+  st = ucp_worker_get_address(worker_, &address, &address_bytes);
+  if (st != UCS_OK) return UcxError("ucp_worker_get_address", st);
+  const std::string mine = absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(address), address_bytes));
+  ucp_worker_release_address(worker_, address);
+  FS_RETURN_IF_ERROR(store.Set(absl::StrCat("ucx/address/", rank_), mine));
+
+  const absl::Time deadline = absl::Now() + config.timeout;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    absl::StatusOr<std::string> hex =
+        store.Get(absl::StrCat("ucx/address/", p), std::max(deadline - absl::Now(), absl::ZeroDuration()));
+    if (!hex.ok()) {
+      return absl::Status(hex.status().code(),
+                          absl::StrCat("[ucx] rank ", rank_, " waiting for the address of peer ",
+                                       p, ": ", hex.status().message()));
+    }
+    const std::string remote = absl::HexStringToBytes(*hex);
+    err_args_.push_back(std::make_unique<ErrArg>(ErrArg{this, p}));
+    ucp_ep_params_t ep_params{};
+    ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                           UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep_params.address = reinterpret_cast<const ucp_address_t*>(remote.data());
+    ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep_params.err_handler.cb = &UcxTransport::OnEndpointError;
+    ep_params.err_handler.arg = err_args_.back().get();
+    st = ucp_ep_create(worker_, &ep_params, &peers_[p].ep);
+    if (st != UCS_OK) {
+      return UcxError(absl::StrCat("ucp_ep_create to peer ", p, " (UCX_TLS=", transports_, ")"),
+                      st);
+    }
+    peers_[p].control_buffer.resize(kControlBytes);
+    PostControlRecv(p);
+  }
+  return broken_;
+}
+
+UcxTransport::~UcxTransport() {
+  if (!shut_down_ && worker_ != nullptr) Shutdown(absl::OkStatus());
+  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  if (context_ != nullptr) ucp_cleanup(context_);
+}
+
+void UcxTransport::OnEndpointError(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* a = static_cast<ErrArg*>(arg);
+  a->self->endpoint_errors_.emplace_back(a->peer, status);
+}
+
+void UcxTransport::Fail(absl::Status status) {
+  if (broken_.ok()) broken_ = std::move(status);
+}
+
+void UcxTransport::CheckCancel() {
+  if (!cancelled_.load(std::memory_order_acquire)) return;
+  absl::MutexLock lock(&cancel_mu_);
+  Fail(cancel_reason_);
+}
+
+void UcxTransport::Cancel(const absl::Status& reason) {
+  {
+    absl::MutexLock lock(&cancel_mu_);
+    if (cancel_reason_.ok()) {
+      cancel_reason_ = reason.ok() ? absl::AbortedError("transport cancelled") : reason;
+    }
+  }
+  cancelled_.store(true, std::memory_order_release);
+}
+
+void UcxTransport::PostControlRecv(int p) {
+  Peer& peer = peers_[p];
+  ucp_tag_recv_info_t info{};
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
+  param.recv_info.tag_info = &info;
+  void* r = ucp_tag_recv_nbx(worker_, peer.control_buffer.data(), kControlBytes, ControlTag(p),
+                             ~uint64_t{0}, &param);
+  if (r == nullptr) {
+    HandleControl(p, UCS_OK, info.length);
+  } else if (UCS_PTR_IS_ERR(r)) {
+    HandleControl(p, UCS_PTR_STATUS(r), 0);
+  } else {
+    peer.control = r;
+  }
+}
+
+void UcxTransport::HandleControl(int p, ucs_status_t status, size_t length) {
+  Peer& peer = peers_[p];
+  if (status == UCS_ERR_CANCELED || peer.departed != Departure::kNone) return;
+  if (status != UCS_OK && status != UCS_ERR_MESSAGE_TRUNCATED) {
+    peer.departed = Departure::kVanished;
+    peer.detail = UcsError(status);
+    departures_ = true;
+    return;
+  }
+  const char* data = peer.control_buffer.data();
+  if (length >= 1 && data[0] == kBye) {
+    peer.departed = Departure::kShutDown;
+  } else {
+    peer.departed = Departure::kFailed;
+    peer.detail = length >= 1 ? std::string(data + 1, std::min(length, kControlBytes) - 1)
+                              : "(no reason given)";
+    departures_ = true;
+  }
+}
+
+void UcxTransport::HandleEndpointErrors() {
+  for (const auto& [p, status] : endpoint_errors_) {
+    Peer& peer = peers_[p];
+    if (peer.departed != Departure::kNone) continue;
+    peer.departed = Departure::kVanished;
+    peer.detail = UcsError(status);
+    departures_ = true;
+  }
+  endpoint_errors_.clear();
+}
+
+unsigned UcxTransport::Progress() {
+  unsigned events = 0;
+  while (unsigned n = ucp_worker_progress(worker_)) {
+    events += n;
+    if (events > 64) break;
+  }
+  // Control messages first: a peer that said goodbye and then closed is not a failure.
+  for (int p = 0; p < size_; ++p) {
+    Peer& peer = peers_[p];
+    if (peer.control == nullptr) continue;
+    ucp_tag_recv_info_t info{};
+    const ucs_status_t st = ucp_tag_recv_request_test(peer.control, &info);
+    if (st == UCS_INPROGRESS) continue;
+    ucp_request_free(peer.control);
+    peer.control = nullptr;
+    HandleControl(p, st, info.length);
+  }
+  HandleEndpointErrors();
+  return events;
+}
+
+Transport::Request UcxTransport::AddOp(Op op, void* status_ptr, bool immediate_ok) {
+  const Request id = next_request_++;
+  if (status_ptr == nullptr) {
+    op.done = true;
+    (void)immediate_ok;
+  } else if (UCS_PTR_IS_ERR(status_ptr)) {
+    op.done = true;
+    const ucs_status_t st = UCS_PTR_STATUS(status_ptr);
+    Fail(absl::UnavailableError(absl::StrCat(op.recv ? "receive of " : "send of ",
+                                             DescribeTag(op.tag), op.recv ? " from" : " to",
+                                             " peer ", op.peer, " failed: ", UcsError(st))));
+  } else {
+    op.ucx = status_ptr;
+  }
+  ops_.emplace(id, op);
+  return id;
+}
+
+Transport::Request UcxTransport::Isend(int peer, uint64_t tag, const void* data, size_t bytes) {
+  Op op{peer, /*recv=*/false, tag, bytes};
+  if (peer < 0 || peer >= size_ || peer == rank_) {
+    Fail(absl::InvalidArgumentError(
+        absl::StrCat("send of ", DescribeTag(tag), " to invalid peer ", peer)));
+    return AddOp(op, nullptr, false);
+  }
+  if (!broken_.ok() || shut_down_) return AddOp(op, nullptr, false);
+  if (peers_[peer].departed != Departure::kNone) {
+    Fail(DepartureError(peer));
+    return AddOp(op, nullptr, false);
+  }
+  ucp_request_param_t param{};
+  void* r = ucp_tag_send_nbx(peers_[peer].ep, data, bytes, DataTag(rank_, tag), &param);
+  return AddOp(op, r, true);
+}
+
+Transport::Request UcxTransport::Irecv(int peer, uint64_t tag, void* data, size_t bytes) {
+  Op op{peer, /*recv=*/true, tag, bytes};
+  if (peer < 0 || peer >= size_ || peer == rank_) {
+    Fail(absl::InvalidArgumentError(
+        absl::StrCat("receive of ", DescribeTag(tag), " from invalid peer ", peer)));
+    return AddOp(op, nullptr, false);
+  }
+  if (!broken_.ok() || shut_down_) return AddOp(op, nullptr, false);
+  ucp_tag_recv_info_t info{};
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
+  param.recv_info.tag_info = &info;
+  void* r = ucp_tag_recv_nbx(worker_, data, bytes, DataTag(peer, 0), kRankMask, &param);
+  if (r == nullptr) {
+    // Completed at once from UCX's unexpected queue: check it like a late completion.
+    const Request id = AddOp(op, nullptr, true);
+    if (info.length != bytes || (info.sender_tag & kLowMask) != (tag & kLowMask)) {
+      const uint64_t theirs = (tag & ~kLowMask) | (info.sender_tag & kLowMask);
+      Fail(absl::InvalidArgumentError(absl::StrCat(
+          "message mismatch with peer ", peer, ": it sent ", DescribeTag(theirs), " (",
+          info.length, " bytes), this rank expected ", DescribeTag(tag), " (", bytes, " bytes)")));
+    }
+    return id;
+  }
+  return AddOp(op, r, true);
+}
+
+void UcxTransport::UpdateOp(Request, Op& op) {
+  if (op.done || op.ucx == nullptr) return;
+  ucp_tag_recv_info_t info{};
+  const ucs_status_t st =
+      op.recv ? ucp_tag_recv_request_test(op.ucx, &info) : ucp_request_check_status(op.ucx);
+  if (st == UCS_INPROGRESS) return;
+  ucp_request_free(op.ucx);
+  op.ucx = nullptr;
+  op.done = true;
+  if (st == UCS_OK) {
+    if (op.recv &&
+        (info.length != op.bytes || (info.sender_tag & kLowMask) != (op.tag & kLowMask))) {
+      const uint64_t theirs = (op.tag & ~kLowMask) | (info.sender_tag & kLowMask);
+      Fail(absl::InvalidArgumentError(absl::StrCat(
+          "message mismatch with peer ", op.peer, ": it sent ", DescribeTag(theirs), " (",
+          info.length, " bytes), this rank expected ", DescribeTag(op.tag), " (", op.bytes,
+          " bytes)")));
+    }
+    return;
+  }
+  if (st == UCS_ERR_MESSAGE_TRUNCATED) {
+    Fail(absl::InvalidArgumentError(
+        absl::StrCat("message mismatch with peer ", op.peer, ": it sent more than the ", op.bytes,
+                     " bytes this rank expected for ", DescribeTag(op.tag))));
+    return;
+  }
+  if (st == UCS_ERR_CANCELED) {
+    Fail(absl::AbortedError(absl::StrCat(op.recv ? "receive of " : "send of ", DescribeTag(op.tag),
+                                         " cancelled")));
+    return;
+  }
+  HandleEndpointErrors();
+  if (peers_[op.peer].departed != Departure::kNone) {
+    Fail(DepartureError(op.peer));
+  } else {
+    Fail(absl::UnavailableError(absl::StrCat(op.recv ? "receive of " : "send of ",
+                                             DescribeTag(op.tag), op.recv ? " from" : " to",
+                                             " peer ", op.peer, " failed: ", UcsError(st))));
+  }
+}
+
+absl::Status UcxTransport::DepartureError(int p) const {
+  const Peer& peer = peers_[p];
+  switch (peer.departed) {
+    case Departure::kShutDown:
+      return absl::UnavailableError(
+          absl::StrCat("peer ", p, " has shut down its communicator (it finished or was destroyed)"));
+    case Departure::kFailed:
+      return absl::UnavailableError(absl::StrCat("peer ", p, " failed: ", peer.detail));
+    case Departure::kVanished:
+      return absl::UnavailableError(
+          absl::StrCat("peer ", p, " is unreachable (died or closed its endpoint): ", peer.detail));
+    case Departure::kNone:
+      break;
+  }
+  return absl::InternalError(absl::StrCat("peer ", p, " has not departed"));
+}
+
+absl::Status UcxTransport::DeadlineError(absl::Span<const Request> requests) const {
+  std::vector<int> to, from;
+  for (const Request r : requests) {
+    auto it = ops_.find(r);
+    if (it == ops_.end() || it->second.done) continue;
+    (it->second.recv ? from : to).push_back(it->second.peer);
+  }
+  std::sort(to.begin(), to.end());
+  to.erase(std::unique(to.begin(), to.end()), to.end());
+  std::sort(from.begin(), from.end());
+  from.erase(std::unique(from.begin(), from.end()), from.end());
+  std::string message = "deadline exceeded";
+  if (!from.empty()) absl::StrAppend(&message, "; still receiving from peer ", absl::StrJoin(from, ", peer "));
+  if (!to.empty()) absl::StrAppend(&message, "; still sending to peer ", absl::StrJoin(to, ", peer "));
+  return absl::DeadlineExceededError(message);
+}
+
+absl::Status UcxTransport::Wait(absl::Span<const Request> requests, absl::Time deadline) {
+  CheckCancel();
+  if (!broken_.ok()) return broken_;
+  if (shut_down_) return absl::FailedPreconditionError("[ucx] transport already shut down");
+  for (const Request r : requests) {
+    if (!ops_.contains(r)) {
+      Fail(absl::InternalError(absl::StrCat("Wait on unknown request ", r)));
+      return broken_;
+    }
+  }
+  Backoff backoff;
+  while (true) {
+    const unsigned events = Progress();
+    bool all_done = true;
+    for (const Request r : requests) {
+      Op& op = ops_.at(r);
+      UpdateOp(r, op);
+      all_done = all_done && op.done;
+    }
+    CheckCancel();
+    if (!broken_.ok()) return broken_;
+    if (all_done) {
+      for (const Request r : requests) ops_.erase(r);
+      return absl::OkStatus();
+    }
+    // Requests that can no longer complete: a peer failed or vanished, or a peer that shut down
+    // cleanly (everything it sent has arrived before its goodbye) still owes a message.
+    for (const Request r : requests) {
+      const Op& op = ops_.at(r);
+      if (op.done) continue;
+      const Departure d = peers_[op.peer].departed;
+      if (d == Departure::kFailed || d == Departure::kVanished ||
+          (d == Departure::kShutDown && events == 0)) {
+        Fail(DepartureError(op.peer));
+        return broken_;
+      }
+    }
+    if (absl::Now() >= deadline) {
+      Fail(DeadlineError(requests));
+      return broken_;
+    }
+    if (events > 0) {
+      backoff.Reset();
+    } else {
+      backoff.Idle();
+    }
+  }
+}
+
+absl::Status UcxTransport::Poll() {
+  CheckCancel();
+  if (!broken_.ok() || shut_down_) return broken_;
+  Progress();
+  if (departures_) {
+    for (int p = 0; p < size_; ++p) {
+      const Departure d = peers_[p].departed;
+      if (d == Departure::kFailed || d == Departure::kVanished) {
+        Fail(DepartureError(p));
+        break;
+      }
+    }
+  }
+  return broken_;
+}
+
+void UcxTransport::Shutdown(const absl::Status& reason) {
+  if (shut_down_ || worker_ == nullptr) return;
+  shut_down_ = true;
+  // 1. Tell the peers (bounded): "bye" or the reason of the failure.
+  std::string notice(1, reason.ok() ? kBye : kFailed);
+  if (!reason.ok()) {
+    absl::StrAppend(&notice, absl::StatusCodeToString(reason.code()), ": ",
+                    reason.message().substr(0, kControlBytes - 64));
+  }
+  std::vector<void*> pending;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_ || peers_[p].ep == nullptr || peers_[p].departed != Departure::kNone) continue;
+    ucp_request_param_t param{};
+    void* r = ucp_tag_send_nbx(peers_[p].ep, notice.data(), notice.size(), ControlTag(rank_),
+                               &param);
+    if (UCS_PTR_IS_PTR(r)) pending.push_back(r);
+  }
+  // 2. Cancel every posted receive: nothing may write into the caller's buffers after we return.
+  for (auto& [id, op] : ops_) {
+    if (op.recv && op.ucx != nullptr) ucp_request_cancel(worker_, op.ucx);
+  }
+  for (Peer& peer : peers_) {
+    if (peer.control != nullptr) ucp_request_cancel(worker_, peer.control);
+  }
+  const auto drain = [&](absl::Duration budget) {
+    const absl::Time until = absl::Now() + budget;
+    Backoff backoff;
+    while (true) {
+      ucp_worker_progress(worker_);
+      pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                   [](void* r) {
+                                     if (ucp_request_check_status(r) == UCS_INPROGRESS) {
+                                       return false;
+                                     }
+                                     ucp_request_free(r);
+                                     return true;
+                                   }),
+                    pending.end());
+      if (pending.empty() || absl::Now() >= until) return pending.empty();
+      backoff.Idle();
+    }
+  };
+  drain(kNoticeBudget);
+  // 3. Close the endpoints: flush when clean (the goodbye and our last messages arrive), force
+  //    otherwise. Force completes every send still in flight with an error.
+  for (int p = 0; p < size_; ++p) {
+    Peer& peer = peers_[p];
+    if (peer.ep == nullptr) continue;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = (reason.ok() && peer.departed == Departure::kNone) ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
+    void* r = ucp_ep_close_nbx(peer.ep, &param);
+    if (UCS_PTR_IS_PTR(r)) pending.push_back(r);
+    peer.ep = nullptr;
+  }
+  drain(reason.ok() ? kFlushBudget : kForceBudget);
+  for (void* r : pending) {
+    ucp_request_cancel(worker_, r);
+  }
+  pending.clear();
+  // 4. Collect every data request (all complete now: receives cancelled, endpoints closed).
+  for (auto& [id, op] : ops_) pending.push_back(op.ucx);
+  pending.erase(std::remove(pending.begin(), pending.end(), nullptr), pending.end());
+  drain(kForceBudget);
+  for (auto& [id, op] : ops_) op.ucx = nullptr;
+  for (Peer& peer : peers_) {
+    if (peer.control == nullptr) continue;
+    if (ucp_request_check_status(peer.control) != UCS_INPROGRESS) ucp_request_free(peer.control);
+    peer.control = nullptr;
+  }
+  Fail(reason.ok() ? absl::FailedPreconditionError("[ucx] transport shut down") : reason);
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(std::shared_ptr<Store> store,
+                                                              int rank, int size,
+                                                              const CommConfig& config) {
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<UcxTransport> t,
+                      UcxTransport::Create(std::move(store), rank, size, config));
+  return std::unique_ptr<Transport>(std::move(t));
+}
+
+}  // namespace fairscale::comm
