@@ -451,8 +451,13 @@ class NcclCommunicator : public Communicator {
     bool first = true;
     for (Pending& p : pending_) {
       cudaEventDestroy(p.event);
-      absl::Status s = first && absl::StartsWith(status.message(), p.label) ? status
-                                                                            : NotRun(p.label);
+      // The op that failed carries the error as is; the others name themselves.
+      absl::Status s =
+          first && absl::StartsWith(status.message(), p.label)
+              ? status
+              : absl::Status(status.code(),
+                             absl::StrCat(p.label, ": interrupted, the communicator broke: ",
+                                          status.message()));
       done->emplace_back(std::move(p.completer), std::move(s));
       first = false;
     }
