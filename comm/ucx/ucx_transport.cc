@@ -184,17 +184,34 @@ void UcxTransport::Cancel(const absl::Status& reason) {
   cancelled_.store(true, std::memory_order_release);
 }
 
+void UcxTransport::OnRecv(void*, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                          void* user_data) {
+  auto* result = static_cast<RecvResult*>(user_data);
+  result->completed = true;
+  result->status = status;
+  if (info != nullptr) {
+    result->length = info->length;
+    result->sender_tag = info->sender_tag;
+  }
+}
+
+// Every completion, even an immediate one, goes through OnRecv (UCP_OP_ATTR_FLAG_NO_IMM_CMPL).
+void* UcxTransport::PostRecv(void* data, size_t bytes, uint64_t tag, uint64_t mask,
+                             RecvResult* result) {
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  param.cb.recv = &UcxTransport::OnRecv;
+  param.user_data = result;
+  return ucp_tag_recv_nbx(worker_, data, bytes, tag, mask, &param);
+}
+
 void UcxTransport::PostControlRecv(int p) {
   Peer& peer = peers_[p];
-  ucp_tag_recv_info_t info{};
-  ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
-  param.recv_info.tag_info = &info;
-  void* r = ucp_tag_recv_nbx(worker_, peer.control_buffer.data(), kControlBytes, ControlTag(p),
-                             ~uint64_t{0}, &param);
-  if (r == nullptr) {
-    HandleControl(p, UCS_OK, info.length);
-  } else if (UCS_PTR_IS_ERR(r)) {
+  peer.control_result = RecvResult();
+  void* r = PostRecv(peer.control_buffer.data(), kControlBytes, ControlTag(p), ~uint64_t{0},
+                     &peer.control_result);
+  if (UCS_PTR_IS_ERR(r)) {
     HandleControl(p, UCS_PTR_STATUS(r), 0);
   } else {
     peer.control = r;
@@ -242,89 +259,96 @@ unsigned UcxTransport::Progress() {
   for (int p = 0; p < size_; ++p) {
     Peer& peer = peers_[p];
     if (peer.control == nullptr) continue;
-    ucp_tag_recv_info_t info{};
-    const ucs_status_t st = ucp_tag_recv_request_test(peer.control, &info);
-    if (st == UCS_INPROGRESS) continue;
+    if (!peer.control_result.completed) continue;
     ucp_request_free(peer.control);
     peer.control = nullptr;
-    HandleControl(p, st, info.length);
+    HandleControl(p, peer.control_result.status, peer.control_result.length);
   }
   HandleEndpointErrors();
   return events;
 }
 
-Transport::Request UcxTransport::AddOp(Op op, void* status_ptr, bool immediate_ok) {
-  const Request id = next_request_++;
+UcxTransport::Op& UcxTransport::AddOp(Request* id, Op op, void* status_ptr) {
+  *id = next_request_++;
+  Op& added = ops_.emplace(*id, op).first->second;
   if (status_ptr == nullptr) {
-    op.done = true;
-    (void)immediate_ok;
+    added.done = true;
   } else if (UCS_PTR_IS_ERR(status_ptr)) {
-    op.done = true;
+    added.done = true;
     const ucs_status_t st = UCS_PTR_STATUS(status_ptr);
     Fail(absl::UnavailableError(absl::StrCat(op.recv ? "receive of " : "send of ",
                                              DescribeTag(op.tag), op.recv ? " from" : " to",
                                              " peer ", op.peer, " failed: ", UcsError(st))));
   } else {
-    op.ucx = status_ptr;
+    added.ucx = status_ptr;
   }
-  ops_.emplace(id, op);
-  return id;
+  return added;
 }
 
 Transport::Request UcxTransport::Isend(int peer, uint64_t tag, const void* data, size_t bytes) {
   Op op{peer, /*recv=*/false, tag, bytes};
+  Request id = 0;
   if (peer < 0 || peer >= size_ || peer == rank_) {
     Fail(absl::InvalidArgumentError(
         absl::StrCat("send of ", DescribeTag(tag), " to invalid peer ", peer)));
-    return AddOp(op, nullptr, false);
+    AddOp(&id, op, nullptr);
+    return id;
   }
-  if (!broken_.ok() || shut_down_) return AddOp(op, nullptr, false);
+  if (!broken_.ok() || shut_down_) {
+    AddOp(&id, op, nullptr);
+    return id;
+  }
   if (peers_[peer].departed != Departure::kNone) {
     Fail(DepartureError(peer));
-    return AddOp(op, nullptr, false);
+    AddOp(&id, op, nullptr);
+    return id;
   }
   ucp_request_param_t param{};
-  void* r = ucp_tag_send_nbx(peers_[peer].ep, data, bytes, DataTag(rank_, tag), &param);
-  return AddOp(op, r, true);
+  AddOp(&id, op, ucp_tag_send_nbx(peers_[peer].ep, data, bytes, DataTag(rank_, tag), &param));
+  return id;
 }
 
 Transport::Request UcxTransport::Irecv(int peer, uint64_t tag, void* data, size_t bytes) {
   Op op{peer, /*recv=*/true, tag, bytes};
+  Request id = 0;
   if (peer < 0 || peer >= size_ || peer == rank_) {
     Fail(absl::InvalidArgumentError(
         absl::StrCat("receive of ", DescribeTag(tag), " from invalid peer ", peer)));
-    return AddOp(op, nullptr, false);
-  }
-  if (!broken_.ok() || shut_down_) return AddOp(op, nullptr, false);
-  ucp_tag_recv_info_t info{};
-  ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
-  param.recv_info.tag_info = &info;
-  void* r = ucp_tag_recv_nbx(worker_, data, bytes, DataTag(peer, 0), kRankMask, &param);
-  if (r == nullptr) {
-    // Completed at once from UCX's unexpected queue: check it like a late completion.
-    const Request id = AddOp(op, nullptr, true);
-    if (info.length != bytes || (info.sender_tag & kLowMask) != (tag & kLowMask)) {
-      const uint64_t theirs = (tag & ~kLowMask) | (info.sender_tag & kLowMask);
-      Fail(absl::InvalidArgumentError(absl::StrCat(
-          "message mismatch with peer ", peer, ": it sent ", DescribeTag(theirs), " (",
-          info.length, " bytes), this rank expected ", DescribeTag(tag), " (", bytes, " bytes)")));
-    }
+    AddOp(&id, op, nullptr);
     return id;
   }
-  return AddOp(op, r, true);
+  if (!broken_.ok() || shut_down_) {
+    AddOp(&id, op, nullptr);
+    return id;
+  }
+  Op& added = AddOp(&id, op, nullptr);
+  added.done = false;
+  void* r = PostRecv(data, bytes, DataTag(peer, 0), kRankMask, &added.result);
+  if (UCS_PTR_IS_ERR(r)) {
+    added.done = true;
+    Fail(absl::UnavailableError(absl::StrCat("receive of ", DescribeTag(tag), " from peer ", peer,
+                                             " failed: ", UcsError(UCS_PTR_STATUS(r)))));
+  } else {
+    added.ucx = r;
+  }
+  return id;
 }
 
 void UcxTransport::UpdateOp(Request, Op& op) {
   if (op.done || op.ucx == nullptr) return;
-  ucp_tag_recv_info_t info{};
-  const ucs_status_t st =
-      op.recv ? ucp_tag_recv_request_test(op.ucx, &info) : ucp_request_check_status(op.ucx);
-  if (st == UCS_INPROGRESS) return;
+  ucs_status_t st;
+  if (op.recv) {
+    if (!op.result.completed) return;
+    st = op.result.status;
+  } else {
+    st = ucp_request_check_status(op.ucx);
+    if (st == UCS_INPROGRESS) return;
+  }
   ucp_request_free(op.ucx);
   op.ucx = nullptr;
   op.done = true;
   if (st == UCS_OK) {
+    const RecvResult& info = op.result;
     if (op.recv &&
         (info.length != op.bytes || (info.sender_tag & kLowMask) != (op.tag & kLowMask))) {
       const uint64_t theirs = (op.tag & ~kLowMask) | (info.sender_tag & kLowMask);
@@ -522,7 +546,7 @@ void UcxTransport::Shutdown(const absl::Status& reason) {
   for (auto& [id, op] : ops_) op.ucx = nullptr;
   for (Peer& peer : peers_) {
     if (peer.control == nullptr) continue;
-    if (ucp_request_check_status(peer.control) != UCS_INPROGRESS) ucp_request_free(peer.control);
+    if (peer.control_result.completed) ucp_request_free(peer.control);
     peer.control = nullptr;
   }
   Fail(reason.ok() ? absl::FailedPreconditionError("[ucx] transport shut down") : reason);

@@ -39,7 +39,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -73,6 +73,13 @@ class UcxTransport final : public Transport {
   const std::string& transports() const { return transports_; }
 
  private:
+  // Filled by the receive callback (UCX calls it from ucp_worker_progress on our thread).
+  struct RecvResult {
+    bool completed = false;
+    ucs_status_t status = UCS_OK;
+    size_t length = 0;
+    uint64_t sender_tag = 0;
+  };
   struct Op {
     int peer;
     bool recv;
@@ -80,6 +87,7 @@ class UcxTransport final : public Transport {
     size_t bytes;
     void* ucx = nullptr;  // the ucp request while in flight
     bool done = false;
+    RecvResult result;
   };
   enum class Departure { kNone, kShutDown, kFailed, kVanished };
   struct Peer {
@@ -88,6 +96,7 @@ class UcxTransport final : public Transport {
     std::string detail;
     // The posted receive for this peer's control messages.
     void* control = nullptr;
+    RecvResult control_result;
     std::vector<char> control_buffer;
   };
   struct ErrArg {
@@ -100,7 +109,7 @@ class UcxTransport final : public Transport {
 
   void Fail(absl::Status status);
   void CheckCancel();
-  Request AddOp(Op op, void* status_ptr, bool immediate_ok);
+  Op& AddOp(Request* id, Op op, void* status_ptr);
   // Progresses the worker once and handles what completed; returns the number of events.
   unsigned Progress();
   void UpdateOp(Request id, Op& op);
@@ -109,6 +118,9 @@ class UcxTransport final : public Transport {
   void HandleEndpointErrors();
   absl::Status DepartureError(int p) const;
   absl::Status DeadlineError(absl::Span<const Request> requests) const;
+  static void OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                     void* user_data);
+  void* PostRecv(void* data, size_t bytes, uint64_t tag, uint64_t mask, RecvResult* result);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
 
   const int rank_;
@@ -119,7 +131,7 @@ class UcxTransport final : public Transport {
   std::vector<Peer> peers_;
   std::vector<std::unique_ptr<ErrArg>> err_args_;
   std::vector<std::pair<int, ucs_status_t>> endpoint_errors_;  // from the error callback
-  absl::flat_hash_map<Request, Op> ops_;
+  absl::node_hash_map<Request, Op> ops_;  // nodes: stable addresses for the callbacks
   Request next_request_ = 1;
   absl::Status broken_;
   bool shut_down_ = false;
