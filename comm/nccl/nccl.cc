@@ -161,7 +161,9 @@ class NcclCommunicator : public Communicator {
       absl::MutexLock lock(&mu_);
       stopping_ = true;
     }
-    poller_.join();  // returns once every pending op completed (each has a timeout)
+    // Returns once every pending op completed (each has a timeout). As with every backend, a
+    // Work callback must not drop the last reference to its communicator.
+    poller_.join();
     absl::MutexLock lock(&mu_);
     DeviceGuard guard(device_);
     if (comm_ != nullptr) {
