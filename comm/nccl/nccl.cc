@@ -5,8 +5,9 @@
 // One ncclComm_t and one CUDA stream per communicator. Creation: rank 0 makes the ncclUniqueId and
 // publishes it in the store under "nccl/<name>/unique_id"; every rank then calls
 // ncclCommInitRankConfig in non-blocking mode (blocking = 0), so that init, collectives and Split
-// can be bounded by the timeout and aborted. Every operation is enqueued on the stream under a
-// mutex (the issue order is the stream order) and a CUDA event recorded after it; a completion
+// can be bounded by the timeout and aborted. Every operation joins a queue in issue order; its
+// NCCL call is made in that order (at once, or by the completion thread when NCCL was still
+// enqueuing an earlier call: ncclInProgress) and a CUDA event recorded after it; the completion
 // thread polls the oldest event (the stream completes in order) and ncclCommGetAsyncError:
 //   * the event fires                    -> the Work completes OK;
 //   * ncclRemoteError / ncclSystemError  -> kUnavailable naming the op and rank (a peer died or
@@ -25,6 +26,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -207,28 +209,30 @@ class NcclCommunicator : public Communicator {
   }
 
  protected:
+  // Each op becomes a launch closure (captures by value: it may run later, on the completion
+  // thread, if NCCL is still busy enqueuing an earlier op).
   Work DoAllReduce(const OpContext& ctx, ConstBuffer send, Buffer recv, ReduceOp op) override {
-    return Enqueue(ctx, send.count, [&](ncclComm_t c, cudaStream_t s) {
+    return Enqueue(ctx, send.count, [=](ncclComm_t c, cudaStream_t s) {
       return ncclAllReduce(send.data, recv.data, send.count, ToNccl(send.dtype), ToNccl(op), c, s);
     });
   }
 
   Work DoReduceScatter(const OpContext& ctx, ConstBuffer send, Buffer recv,
                        ReduceOp op) override {
-    return Enqueue(ctx, recv.count, [&](ncclComm_t c, cudaStream_t s) {
+    return Enqueue(ctx, recv.count, [=](ncclComm_t c, cudaStream_t s) {
       return ncclReduceScatter(send.data, recv.data, recv.count, ToNccl(recv.dtype), ToNccl(op), c,
                                s);
     });
   }
 
   Work DoAllGather(const OpContext& ctx, ConstBuffer send, Buffer recv) override {
-    return Enqueue(ctx, send.count, [&](ncclComm_t c, cudaStream_t s) {
+    return Enqueue(ctx, send.count, [=](ncclComm_t c, cudaStream_t s) {
       return ncclAllGather(send.data, recv.data, send.count, ToNccl(send.dtype), c, s);
     });
   }
 
   Work DoBroadcast(const OpContext& ctx, Buffer buffer, int root) override {
-    return Enqueue(ctx, buffer.count, [&](ncclComm_t c, cudaStream_t s) {
+    return Enqueue(ctx, buffer.count, [=](ncclComm_t c, cudaStream_t s) {
       return ncclBroadcast(buffer.data, buffer.data, buffer.count, ToNccl(buffer.dtype), root, c,
                            s);
     });
@@ -238,17 +242,18 @@ class NcclCommunicator : public Communicator {
                 int root) override {
     // recvbuff is only read on the root (NCCL does not check it elsewhere), as our contract says.
     void* out = rank() == root ? recv.data : nullptr;
-    return Enqueue(ctx, send.count, [&](ncclComm_t c, cudaStream_t s) {
+    return Enqueue(ctx, send.count, [=](ncclComm_t c, cudaStream_t s) {
       return ncclReduce(send.data, out, send.count, ToNccl(send.dtype), ToNccl(op), root, c, s);
     });
   }
 
   Work DoAllToAll(const OpContext& ctx, ConstBuffer send, Buffer recv) override {
     // Grouped send/recv of block j to/from rank j (a self send/recv within a group is allowed).
-    const size_t block = send.count / size();
-    return Enqueue(ctx, block, [&](ncclComm_t c, cudaStream_t s) {
+    const int n = size();
+    const size_t block = send.count / n;
+    return Enqueue(ctx, block, [=](ncclComm_t c, cudaStream_t s) {
       ncclResult_t first = ncclGroupStart();
-      for (int j = 0; j < size() && first == ncclSuccess; ++j) {
+      for (int j = 0; j < n && first == ncclSuccess; ++j) {
         first = ncclSend(send.Slice(j * block, block).data, block, ToNccl(send.dtype), j, c, s);
         if (first == ncclSuccess) {
           first = ncclRecv(recv.Slice(j * block, block).data, block, ToNccl(recv.dtype), j, c, s);
@@ -260,28 +265,29 @@ class NcclCommunicator : public Communicator {
   }
 
   Work DoSend(const OpContext& ctx, ConstBuffer buffer, int peer) override {
-    return Enqueue(ctx, buffer.count, [&](ncclComm_t c, cudaStream_t s) {
+    return Enqueue(ctx, buffer.count, [=](ncclComm_t c, cudaStream_t s) {
       return ncclSend(buffer.data, buffer.count, ToNccl(buffer.dtype), peer, c, s);
     });
   }
 
   Work DoRecv(const OpContext& ctx, Buffer buffer, int peer) override {
-    return Enqueue(ctx, buffer.count, [&](ncclComm_t c, cudaStream_t s) {
+    return Enqueue(ctx, buffer.count, [=](ncclComm_t c, cudaStream_t s) {
       return ncclRecv(buffer.data, buffer.count, ToNccl(buffer.dtype), peer, c, s);
     });
   }
 
   Work DoBarrier(const OpContext& ctx) override {
     // A one-element all-reduce: its event fires only after every rank contributed.
-    return Enqueue(ctx, 1, [&](ncclComm_t c, cudaStream_t s) {
-      return ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, c, s);
+    void* scratch = scratch_;
+    return Enqueue(ctx, 1, [=](ncclComm_t c, cudaStream_t s) {
+      return ncclAllReduce(scratch, scratch, 1, ncclFloat32, ncclSum, c, s);
     });
   }
 
   Work DoBatchP2P(const OpContext& ctx, std::vector<P2PItem> items) override {
     size_t total = 0;
     for (const P2PItem& item : items) total += item.op.buffer.count;
-    return Enqueue(ctx, total, [&](ncclComm_t c, cudaStream_t s) {
+    return Enqueue(ctx, total, [items = std::move(items)](ncclComm_t c, cudaStream_t s) {
       ncclResult_t first = ncclGroupStart();
       for (size_t i = 0; i < items.size() && first == ncclSuccess; ++i) {
         const P2POp& op = items[i].op;
@@ -298,7 +304,7 @@ class NcclCommunicator : public Communicator {
 
   absl::StatusOr<std::shared_ptr<Communicator>> DoSplit(const OpContext& ctx, int color,
                                                         int key) override {
-    std::vector<std::pair<WorkCompleter, absl::Status>> done;
+    Completions done;
     absl::StatusOr<std::shared_ptr<Communicator>> result;
     {
       absl::MutexLock lock(&mu_);
@@ -309,80 +315,108 @@ class NcclCommunicator : public Communicator {
   }
 
  private:
+  using Launch = std::function<ncclResult_t(ncclComm_t, cudaStream_t)>;
+  using Completions = std::vector<std::pair<WorkCompleter, absl::Status>>;
+
+  // An issued op, in issue order. Its NCCL call is made in that order: at once when NCCL is idle,
+  // else by whoever advances the queue once the previous call has been enqueued (in non-blocking
+  // mode a call may return ncclInProgress, e.g. while connecting to a peer, and nothing else may
+  // be called on the communicator until it is enqueued).
   struct Pending {
+    enum class State { kWaiting, kEnqueuing, kRecorded };
+    State state = State::kWaiting;
+    Launch launch;  // empty for a count-0 op: only its event is recorded
     cudaEvent_t event = nullptr;
     WorkCompleter completer;
     std::string label;
     absl::Duration timeout;
     absl::Time started;  // when it became the oldest pending op (the stream runs in order)
   };
-  using Completions = std::vector<std::pair<WorkCompleter, absl::Status>>;
 
-  // Enqueues `launch` (skipped when count == 0: NCCL would do nothing, and every rank's count is
-  // 0 alike) on the stream, then an event whose completion completes the Work.
-  template <typename Launch>
   Work Enqueue(const OpContext& ctx, size_t count, Launch launch) {
     Completions done;
     Work work;
     {
       absl::MutexLock lock(&mu_);
-      work = EnqueueLocked(ctx, count, launch, &done);
+      if (!broken_.ok()) return Work::Done(NotRun(ctx.Label()));
+      auto [pending_work, completer] = Work::Pending(ctx.Label());
+      work = std::move(pending_work);
+      Pending p;
+      if (count > 0) p.launch = std::move(launch);
+      p.completer = std::move(completer);
+      p.label = ctx.Label();
+      p.timeout = ctx.timeout;
+      p.started = absl::Now();
+      pending_.push_back(std::move(p));
+      AdvanceLocked(&done);  // usually enqueues it right here, on the issuing thread
     }
     for (auto& [completer, status] : done) completer.Complete(status);
     return work;
   }
 
-  template <typename Launch>
-  Work EnqueueLocked(const OpContext& ctx, size_t count, Launch& launch, Completions* done)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (!broken_.ok()) return Work::Done(NotRun(ctx.Label()));
+  // Moves the first ops that are not yet on the stream forward: finishes an in-progress NCCL
+  // call, makes the next ones, records their events. Stops at a call still in progress.
+  void AdvanceLocked(Completions* done) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     DeviceGuard guard(device_);
-    if (count > 0) {
-      ncclResult_t r = launch(comm_, stream_);
-      if (r == ncclInProgress) r = PollUntilDone(comm_, absl::Now() + ctx.timeout);
+    for (size_t i = 0; i < pending_.size() && broken_.ok(); ++i) {
+      Pending& p = pending_[i];
+      if (p.state == Pending::State::kRecorded) continue;
+      ncclResult_t r = ncclSuccess;
+      if (p.state == Pending::State::kEnqueuing) {
+        ncclCommGetAsyncError(comm_, &r);
+      } else if (p.launch) {
+        r = p.launch(comm_, stream_);
+        p.launch = nullptr;
+      }
       if (r == ncclInProgress) {
-        absl::Status s = ctx.Error(absl::StatusCode::kDeadlineExceeded,
-                                   absl::StrCat("NCCL did not enqueue the operation within ",
-                                                absl::FormatDuration(ctx.timeout),
-                                                "; ncclCommAbort called"));
-        BreakLocked(s, done);
-        return Work::Done(s);
+        p.state = Pending::State::kEnqueuing;
+        return;
       }
       if (r != ncclSuccess) {
-        absl::Status s = ctx.Error(CodeOf(r), NcclError(r, comm_));
-        BreakLocked(s, done);
-        return Work::Done(s);
+        BreakLocked(absl::Status(CodeOf(r), absl::StrCat(p.label, ": ", NcclError(r, comm_))),
+                    done);
+        return;
       }
+      cudaError_t e = cudaEventCreateWithFlags(&p.event, cudaEventDisableTiming);
+      if (e == cudaSuccess) e = cudaEventRecord(p.event, stream_);
+      if (e != cudaSuccess) {
+        BreakLocked(absl::InternalError(absl::StrCat(p.label, ": cannot record a CUDA event: ",
+                                                     CudaError(e))),
+                    done);
+        return;
+      }
+      p.state = Pending::State::kRecorded;
     }
-    Pending p;
-    cudaError_t e = cudaEventCreateWithFlags(&p.event, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventRecord(p.event, stream_);
-    if (e != cudaSuccess) {
-      if (p.event != nullptr) cudaEventDestroy(p.event);
-      absl::Status s = ctx.Error(absl::StatusCode::kInternal,
-                                 absl::StrCat("cannot record a CUDA event: ", CudaError(e)));
-      BreakLocked(s, done);
-      return Work::Done(s);
-    }
-    auto [work, completer] = Work::Pending(ctx.Label());
-    p.completer = std::move(completer);
-    p.label = ctx.Label();
-    p.timeout = ctx.timeout;
-    p.started = absl::Now();
-    pending_.push_back(std::move(p));
-    return std::move(work);
+  }
+
+  bool AllOnStreamLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return pending_.empty() || pending_.back().state == Pending::State::kRecorded;
   }
 
   absl::StatusOr<std::shared_ptr<Communicator>> SplitLocked(const OpContext& ctx, int color,
                                                             int key, Completions* done)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!broken_.ok()) return NotRun(ctx.Label());
+    const absl::Time deadline = absl::Now() + ctx.timeout;
+    // NCCL takes no new call while an earlier one is still being enqueued: get every issued op
+    // onto the stream first (bounded by this op's timeout).
+    for (AdvanceLocked(done); broken_.ok() && !AllOnStreamLocked(); AdvanceLocked(done)) {
+      if (absl::Now() >= deadline) {
+        absl::Status s = ctx.Error(absl::StatusCode::kDeadlineExceeded,
+                                   absl::StrCat("timed out after ", absl::FormatDuration(ctx.timeout),
+                                                " waiting for earlier ops to be enqueued; "
+                                                "ncclCommAbort called"));
+        BreakLocked(s, done);
+        return s;
+      }
+      absl::SleepFor(absl::Microseconds(200));
+    }
+    if (!broken_.ok()) return NotRun(ctx.Label());
     DeviceGuard guard(device_);
     ncclConfig_t config = NonBlockingConfig();
     ncclComm_t child = nullptr;
     ncclResult_t r = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child,
                                    &config);
-    const absl::Time deadline = absl::Now() + ctx.timeout;
     if (r == ncclInProgress || r == ncclSuccess) {
       // The parent takes part in the split; a rank with no color gets no child to poll.
       r = PollUntilDone(comm_, deadline);
@@ -438,7 +472,7 @@ class NcclCommunicator : public Communicator {
   }
 
   // Records the first error, aborts the NCCL communicator (its kernels stop) and fails every
-  // pending op: the oldest with `status`, the rest as not run. The completions run after the
+  // pending op: the one `status` names with it, the others as interrupted. The completions run after the
   // caller drops mu_ (callbacks may issue ops).
   void BreakLocked(const absl::Status& status, Completions* done)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -450,24 +484,24 @@ class NcclCommunicator : public Communicator {
         comm_ = nullptr;
       }
     }
-    bool first = true;
     for (Pending& p : pending_) {
-      cudaEventDestroy(p.event);
+      if (p.event != nullptr) cudaEventDestroy(p.event);
       // The op that failed carries the error as is; the others name themselves.
       absl::Status s =
-          first && absl::StartsWith(status.message(), p.label)
+          absl::StartsWith(status.message(), p.label)
               ? status
               : absl::Status(status.code(),
                              absl::StrCat(p.label, ": interrupted, the communicator broke: ",
                                           status.message()));
       done->emplace_back(std::move(p.completer), std::move(s));
-      first = false;
     }
     pending_.clear();
   }
 
-  // The completion thread: completes the oldest op when its event fires; otherwise watches
-  // NCCL's async error and the op's deadline. Exits when stopping and nothing is pending.
+
+  // The completion thread: moves ops onto the stream when NCCL was busy, completes the oldest op
+  // when its event fires, and watches NCCL's async error and the oldest op's deadline. Exits
+  // when stopping and nothing is pending.
   void PollLoop() {
     DeviceGuard guard(device_);
     absl::Duration nap = absl::Microseconds(20);
@@ -492,30 +526,35 @@ class NcclCommunicator : public Communicator {
             }
           }
         } else {
-          Pending& head = pending_.front();
-          cudaError_t e = cudaEventQuery(head.event);
-          if (e == cudaSuccess) {
-            cudaEventDestroy(head.event);
-            done.emplace_back(std::move(head.completer), absl::OkStatus());
+          if (!AllOnStreamLocked()) AdvanceLocked(&done);
+          Pending* head = pending_.empty() ? nullptr : &pending_.front();
+          cudaError_t e = head != nullptr && head->state == Pending::State::kRecorded
+                              ? cudaEventQuery(head->event)
+                              : cudaErrorNotReady;
+          if (head == nullptr) {
+            // broken by AdvanceLocked: `done` holds the failures
+          } else if (e == cudaSuccess) {
+            cudaEventDestroy(head->event);
+            done.emplace_back(std::move(head->completer), absl::OkStatus());
             pending_.pop_front();
             if (!pending_.empty()) pending_.front().started = absl::Now();
             progressed = true;
           } else if (e != cudaErrorNotReady) {
-            BreakLocked(absl::InternalError(absl::StrCat(head.label, ": CUDA error while waiting: ",
+            BreakLocked(absl::InternalError(absl::StrCat(head->label,
+                                                         ": CUDA error while waiting: ",
                                                          CudaError(e))),
                         &done);
           } else {
             ncclResult_t state = ncclSuccess;
             if (comm_ != nullptr) ncclCommGetAsyncError(comm_, &state);
             if (state != ncclSuccess && state != ncclInProgress) {
-              BreakLocked(
-                  absl::Status(CodeOf(state), absl::StrCat(head.label, ": ",
-                                                           NcclError(state, comm_))),
-                  &done);
-            } else if (absl::Now() - head.started > head.timeout) {
+              BreakLocked(absl::Status(CodeOf(state),
+                                       absl::StrCat(head->label, ": ", NcclError(state, comm_))),
+                          &done);
+            } else if (absl::Now() - head->started > head->timeout) {
               BreakLocked(absl::DeadlineExceededError(absl::StrCat(
-                              head.label, ": timed out after ",
-                              absl::FormatDuration(head.timeout), "; ncclCommAbort called")),
+                              head->label, ": timed out after ",
+                              absl::FormatDuration(head->timeout), "; ncclCommAbort called")),
                           &done);
             }
           }
