@@ -3,15 +3,20 @@
 #include <sched.h>
 #include <time.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <fstream>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "base/status_macros.h"
 
 namespace fairscale::comm {
@@ -35,6 +40,36 @@ uint64_t DataTag(int sender, uint64_t tag) {
 }
 uint64_t ControlTag(int sender) {
   return kControlBit | (static_cast<uint64_t>(sender) << kRankShift);
+}
+
+// This boot's id: two processes share /proc (and shared memory) only when it matches.
+std::string BootId() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return id;
+}
+
+// State and start time (clock ticks since boot) of a process, from /proc/<pid>/stat; state 0 when
+// the process does not exist.
+struct ProcessInfo {
+  char state = 0;
+  uint64_t start_time = 0;
+};
+ProcessInfo ReadProcess(int pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string stat;
+  std::getline(in, stat);
+  ProcessInfo info;
+  const size_t paren = stat.rfind(')');  // the command name may contain spaces and parens
+  if (paren == std::string::npos) return info;
+  std::vector<absl::string_view> fields =
+      absl::StrSplit(absl::string_view(stat).substr(paren + 1), ' ', absl::SkipEmpty());
+  // After the name: state is field 3 of stat(5), starttime field 22.
+  if (fields.size() < 20 || fields[0].empty()) return info;
+  if (!absl::SimpleAtoi(fields[19], &info.start_time)) return info;
+  info.state = fields[0][0];
+  return info;
 }
 
 std::string UcsError(ucs_status_t status) { return ucs_status_string(status); }
@@ -118,8 +153,13 @@ absl::Status UcxTransport::Init(Store& store, const CommConfig& config) {
   size_t address_bytes = 0;
   st = ucp_worker_get_address(worker_, &address, &address_bytes);
   if (st != UCS_OK) return UcxError("ucp_worker_get_address", st);
-  const std::string mine = absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(address), address_bytes));
+  // "<address hex> <boot id> <pid> <start time>".
+  const std::string boot_id = BootId();
+  const int pid = static_cast<int>(::getpid());
+  const std::string mine = absl::StrCat(
+      absl::BytesToHexString(
+          absl::string_view(reinterpret_cast<const char*>(address), address_bytes)),
+      " ", boot_id.empty() ? "-" : boot_id, " ", pid, " ", ReadProcess(pid).start_time);
   ucp_worker_release_address(worker_, address);
   FS_RETURN_IF_ERROR(store.Set(absl::StrCat("ucx/address/", rank_), mine));
 
@@ -133,7 +173,15 @@ absl::Status UcxTransport::Init(Store& store, const CommConfig& config) {
                           absl::StrCat("[ucx] rank ", rank_, " waiting for the address of peer ",
                                        p, ": ", hex.status().message()));
     }
-    const std::string remote = absl::HexStringToBytes(*hex);
+    const std::vector<std::string> parts = absl::StrSplit(*hex, ' ');
+    int peer_pid = 0;
+    uint64_t peer_start = 0;
+    if (parts.size() != 4 || !absl::SimpleAtoi(parts[2], &peer_pid) ||
+        !absl::SimpleAtoi(parts[3], &peer_start)) {
+      return absl::InvalidArgumentError(absl::StrCat("[ucx] rank ", rank_,
+                                                     ": malformed address record of peer ", p));
+    }
+    const std::string remote = absl::HexStringToBytes(parts[0]);
     err_args_.push_back(std::make_unique<ErrArg>(ErrArg{this, p}));
     ucp_ep_params_t ep_params{};
     ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -143,6 +191,18 @@ absl::Status UcxTransport::Init(Store& store, const CommConfig& config) {
     ep_params.err_handler.cb = &UcxTransport::OnEndpointError;
     ep_params.err_handler.arg = err_args_.back().get();
     st = ucp_ep_create(worker_, &ep_params, &peers_[p].ep);
+    if (st == UCS_ERR_UNREACHABLE) {
+      // The transports reaching this peer cannot report its failure (shared memory): connect
+      // without error handling and watch its process instead, when it runs on this host.
+      ep_params.field_mask &= ~(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER);
+      st = ucp_ep_create(worker_, &ep_params, &peers_[p].ep);
+      peers_[p].error_handling = false;
+      if (parts[1] == boot_id && !boot_id.empty() && peer_pid != pid) {
+        peers_[p].pid = peer_pid;
+        peers_[p].start_time = peer_start;
+        watching_ = true;
+      }
+    }
     if (st != UCS_OK) {
       return UcxError(absl::StrCat("ucp_ep_create to peer ", p, " (UCX_TLS=", transports_, ")"),
                       st);
@@ -249,6 +309,24 @@ void UcxTransport::HandleEndpointErrors() {
   endpoint_errors_.clear();
 }
 
+void UcxTransport::CheckWatchedPeers() {
+  if (!watching_) return;
+  const absl::Time now = absl::Now();
+  if (now < next_watch_) return;
+  next_watch_ = now + absl::Milliseconds(100);
+  for (int p = 0; p < size_; ++p) {
+    Peer& peer = peers_[p];
+    if (peer.pid == 0 || peer.departed != Departure::kNone) continue;
+    const ProcessInfo info = ReadProcess(peer.pid);
+    if (info.state == 0 || info.state == 'Z' || info.state == 'X' ||
+        info.start_time != peer.start_time) {
+      peer.departed = Departure::kVanished;
+      peer.detail = absl::StrCat("its process ", peer.pid, " on this host has exited");
+      departures_ = true;
+    }
+  }
+}
+
 unsigned UcxTransport::Progress() {
   unsigned events = 0;
   while (unsigned n = ucp_worker_progress(worker_)) {
@@ -265,6 +343,7 @@ unsigned UcxTransport::Progress() {
     HandleControl(p, peer.control_result.status, peer.control_result.length);
   }
   HandleEndpointErrors();
+  CheckWatchedPeers();
   return events;
 }
 
@@ -521,32 +600,54 @@ void UcxTransport::Shutdown(const absl::Status& reason) {
       backoff.Idle();
     }
   };
+  // Requests that did not complete in time are released to UCX (it frees them when they do, or
+  // when the worker is destroyed).
+  const auto release_rest = [&] {
+    for (void* r : pending) ucp_request_free(r);
+    pending.clear();
+  };
   drain(kNoticeBudget);
+  release_rest();
   // 3. Close the endpoints: flush when clean (the goodbye and our last messages arrive), force
-  //    otherwise. Force completes every send still in flight with an error.
+  //    otherwise. Force completes every send still in flight with an error. An endpoint without
+  //    error handling cannot be forced, and a flush to a dead peer never ends: those are left to
+  //    ucp_worker_destroy.
+  //    Likewise on a failure: its pending requests are released without waiting (a live peer has
+  //    the failure notice and stops too).
+  const auto abandon = [&](int p) {
+    return !peers_[p].error_handling &&
+           (peers_[p].departed == Departure::kVanished || !reason.ok());
+  };
   for (int p = 0; p < size_; ++p) {
     Peer& peer = peers_[p];
-    if (peer.ep == nullptr) continue;
+    if (peer.ep == nullptr || abandon(p)) continue;
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = (reason.ok() && peer.departed == Departure::kNone) ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
+    param.flags = (reason.ok() && peer.departed == Departure::kNone) || !peer.error_handling
+                      ? 0
+                      : UCP_EP_CLOSE_FLAG_FORCE;
     void* r = ucp_ep_close_nbx(peer.ep, &param);
     if (UCS_PTR_IS_PTR(r)) pending.push_back(r);
     peer.ep = nullptr;
   }
   drain(reason.ok() ? kFlushBudget : kForceBudget);
-  for (void* r : pending) {
-    ucp_request_cancel(worker_, r);
+  release_rest();
+  // 4. Collect every data request (receives are cancelled, closed endpoints completed their
+  //    sends). Requests of abandoned endpoints are released at once.
+  for (auto& [id, op] : ops_) {
+    if (op.ucx == nullptr) continue;
+    if (!abandon(op.peer)) {
+      pending.push_back(op.ucx);
+    } else {
+      ucp_request_free(op.ucx);
+    }
+    op.ucx = nullptr;
   }
-  pending.clear();
-  // 4. Collect every data request (all complete now: receives cancelled, endpoints closed).
-  for (auto& [id, op] : ops_) pending.push_back(op.ucx);
-  pending.erase(std::remove(pending.begin(), pending.end(), nullptr), pending.end());
   drain(kForceBudget);
-  for (auto& [id, op] : ops_) op.ucx = nullptr;
+  release_rest();
   for (Peer& peer : peers_) {
     if (peer.control == nullptr) continue;
-    if (peer.control_result.completed) ucp_request_free(peer.control);
+    ucp_request_free(peer.control);  // cancelled above; UCX frees it when that completes
     peer.control = nullptr;
   }
   Fail(reason.ok() ? absl::FailedPreconditionError("[ucx] transport shut down") : reason);

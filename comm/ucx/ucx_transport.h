@@ -21,8 +21,9 @@
 //   happens on that thread. Wait spins, then yields, then naps (tens of microseconds), checking
 //   the deadline and Cancel()'s flag on every round, so Cancel() takes effect within
 //   microseconds to a millisecond.
-// * Failure: an endpoint error callback (a peer that died: connection reset over tcp, keepalive
-//   over shared memory) or a "failed" control message marks the peer departed. Wait() fails with
+// * Failure: an endpoint error callback (a peer that died: connection reset over tcp), the exit of
+//   a peer process on this host (watched through /proc where UCX cannot handle peer failures:
+//   its shared-memory transports in 1.13), or a "failed" control message marks the peer departed. Wait() fails with
 //   kUnavailable naming the peer when the requests it waits for cannot complete; Poll() at once.
 //   A peer that said "bye" fails this rank only when it sends to it, or waits for a message the
 //   peer never sent. Shutdown cancels every outstanding request and closes the endpoints (flush
@@ -98,6 +99,13 @@ class UcxTransport final : public Transport {
     void* control = nullptr;
     RecvResult control_result;
     std::vector<char> control_buffer;
+    // UCX 1.13's shared-memory transports cannot detect a failed peer (no
+    // UCP_ERR_HANDLING_MODE_PEER: ucp_ep_create says "no peer failure handler"). Such endpoints
+    // are created without error handling, and a peer process on this host is watched through
+    // /proc instead (pid and start time, published with its address).
+    bool error_handling = true;
+    int pid = 0;
+    uint64_t start_time = 0;
   };
   struct ErrArg {
     UcxTransport* self;
@@ -116,6 +124,8 @@ class UcxTransport final : public Transport {
   void PostControlRecv(int p);
   void HandleControl(int p, ucs_status_t status, size_t length);
   void HandleEndpointErrors();
+  // Checks (at most every 100 ms) that the processes of watched peers still run.
+  void CheckWatchedPeers();
   absl::Status DepartureError(int p) const;
   absl::Status DeadlineError(absl::Span<const Request> requests) const;
   static void OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
@@ -136,6 +146,8 @@ class UcxTransport final : public Transport {
   absl::Status broken_;
   bool shut_down_ = false;
   bool departures_ = false;  // some peer failed or vanished
+  bool watching_ = false;    // some peer is watched through /proc
+  absl::Time next_watch_ = absl::InfinitePast();
 
   std::atomic<bool> cancelled_{false};
   absl::Mutex cancel_mu_;
