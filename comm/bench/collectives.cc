@@ -1,10 +1,11 @@
-// Collectives benchmark: our tcp backend vs Gloo (Debian's libgloo, TCP transport) in the same
-// binary and the same run, with single-core memcpy bandwidth as the ceiling.
+// Collectives benchmark: our backends (tcp; ucx over UCX's tcp and over its shared-memory
+// transports) vs Gloo (Debian's libgloo, TCP transport) in the same binary and the same run, with
+// single-core memcpy bandwidth as the ceiling.
 //
 //   ./bazelw run //comm/bench:collectives -- --ranks=2,4 --max_bytes=268435456
 //
 // The parent process spawns `n` copies of itself per world size (real processes on 127.0.0.1);
-// each copy builds both communicators (ours through the registry, Gloo's full mesh through its
+// each copy builds all communicators (ours through the registry, Gloo's full mesh through its
 // own FileStore), then for every op and size runs rounds that alternate ours and Gloo and keeps
 // the best round of each (the machine is shared and noisy). Time per op is the slowest rank's
 // mean over the round's iterations. Rank 0 writes the rows; the parent prints the table.
@@ -30,6 +31,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -58,10 +60,13 @@ ABSL_FLAG(int64_t, max_bytes, 256 << 20, "largest message in bytes");
 ABSL_FLAG(std::string, ops, "all_reduce,reduce_scatter,all_gather,broadcast", "ops to run");
 ABSL_FLAG(int, rounds, 3, "alternating rounds per backend; the best is kept");
 ABSL_FLAG(int64_t, bytes_per_round, 32 << 20, "iterations per round = this / size, in [3, 200]");
-ABSL_FLAG(std::string, backend, "tcp", "our backend to measure");
+ABSL_FLAG(std::string, backends, "tcp,ucx,ucx-shm",
+          "our backends to measure: registry names, plus ucx (= ucx with ucx.tls=tcp) and "
+          "ucx-shm (= ucx with ucx.tls=posix,sysv,cma,self), ucx-env (= ucx as UCX_TLS says)");
 ABSL_FLAG(std::string, out, "", "also write the markdown table here");
 ABSL_FLAG(std::string, comm_options, "",
-          "CommConfig options for our backend, e.g. algo.chunk_bytes=1048576,tcp.send_buffer_bytes=0");
+          "CommConfig options for our backends, e.g. algo.chunk_bytes=1048576,tcp.send_buffer_bytes=0 "
+          "(tcp.* keys go to tcp only, ucx.* to ucx only)");
 
 namespace fairscale::comm {
 namespace {
@@ -72,8 +77,25 @@ struct Row {
   std::string op;
   int n;
   int64_t bytes;
-  double ours_us, gloo_us;
+  double gloo_us;
+  std::vector<double> ours_us;  // per --backends entry
 };
+
+// The UCX transports of "ucx-shm": shared memory for messages (posix, sysv), cross-memory attach
+// for large ones (cma), loopback to itself (self).
+constexpr char kUcxShmTransports[] = "posix,sysv,cma,self";
+
+std::vector<std::string> Backends() {
+  return absl::StrSplit(absl::GetFlag(FLAGS_backends), ',', absl::SkipEmpty());
+}
+
+// Registry name and extra options of a --backends entry.
+std::pair<std::string, std::map<std::string, std::string>> ResolveBackend(const std::string& b) {
+  if (b == "ucx") return {"ucx", {{"ucx.tls", "tcp"}}};
+  if (b == "ucx-shm") return {"ucx", {{"ucx.tls", kUcxShmTransports}}};
+  if (b == "ucx-env") return {"ucx", {}};  // UCX's own choice (UCX_TLS etc. from the environment)
+  return {b, {}};
+}
 
 double BusFactor(const std::string& op, int n) {
   if (op == "all_reduce") return 2.0 * (n - 1) / n;
@@ -99,21 +121,30 @@ size_t Elements(const std::string& op, int64_t bytes, int n) {
 class RankBench {
  public:
   RankBench(int rank, int n, const std::string& dir) : rank_(rank), n_(n) {
-    CommConfig config;
-    config.rank = rank;
-    config.size = n;
-    config.timeout = absl::Minutes(2);
-    for (absl::string_view kv : absl::StrSplit(absl::GetFlag(FLAGS_comm_options), ',',
-                                               absl::SkipEmpty())) {
-      std::pair<std::string, std::string> parts = absl::StrSplit(kv, absl::MaxSplits('=', 1));
-      config.options[parts.first] = parts.second;
+    auto file_store = FileStore::Create(dir + "/ours");
+    Check(file_store.status(), "file store");
+    const std::shared_ptr<Store> store(*std::move(file_store));
+    for (const std::string& b : Backends()) {
+      auto [name, extra] = ResolveBackend(b);
+      CommConfig config;
+      config.rank = rank;
+      config.size = n;
+      config.timeout = absl::Minutes(2);
+      config.name = b;
+      config.store = store;
+      for (absl::string_view kv : absl::StrSplit(absl::GetFlag(FLAGS_comm_options), ',',
+                                                 absl::SkipEmpty())) {
+        std::pair<std::string, std::string> parts = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+        const bool other = (absl::StartsWith(parts.first, "tcp.") && name != "tcp") ||
+                           (absl::StartsWith(parts.first, "ucx.") && name != "ucx");
+        if (!other) config.options[parts.first] = parts.second;
+      }
+      for (const auto& [key, value] : extra) config.options[key] = value;
+      auto comm = CreateCommunicator(name, config);
+      Check(comm.status(), "create our communicator");
+      comms_.push_back(*std::move(comm));
     }
-    auto store = FileStore::Create(dir + "/ours");
-    Check(store.status(), "file store");
-    config.store = std::shared_ptr<Store>(*std::move(store));
-    auto comm = CreateCommunicator(absl::GetFlag(FLAGS_backend), config);
-    Check(comm.status(), "create our communicator");
-    ours_ = *std::move(comm);
+    ours_ = comms_.at(0);
 
     gloo::transport::tcp::attr attr;
     attr.hostname = "127.0.0.1";
@@ -125,25 +156,26 @@ class RankBench {
   }
 
   // Seconds per op, max over ranks, for one round of `iters` iterations.
-  double TimeOurs(const std::string& op, size_t elems, int iters) {
+  double TimeOurs(size_t backend, const std::string& op, size_t elems, int iters) {
     Prepare(elems);
+    Communicator* const comm = comms_.at(backend).get();
     auto run = [&]() -> absl::Status {
       const size_t block = elems / n_;
       if (op == "all_reduce") {
-        return ours_->AllReduce(MakeConstBuffer(a_.data(), elems), MakeBuffer(b_.data(), elems),
-                                ReduceOp::kSum).Wait();
+        return comm->AllReduce(MakeConstBuffer(a_.data(), elems), MakeBuffer(b_.data(), elems),
+                               ReduceOp::kSum).Wait();
       } else if (op == "reduce_scatter") {
-        return ours_->ReduceScatter(MakeConstBuffer(a_.data(), elems),
-                                    MakeBuffer(b_.data(), block), ReduceOp::kSum).Wait();
+        return comm->ReduceScatter(MakeConstBuffer(a_.data(), elems),
+                                   MakeBuffer(b_.data(), block), ReduceOp::kSum).Wait();
       } else if (op == "all_gather") {
-        return ours_->AllGather(MakeConstBuffer(a_.data(), block), MakeBuffer(b_.data(), elems))
+        return comm->AllGather(MakeConstBuffer(a_.data(), block), MakeBuffer(b_.data(), elems))
             .Wait();
       } else {
-        return ours_->Broadcast(MakeBuffer(a_.data(), elems), 0).Wait();
+        return comm->Broadcast(MakeBuffer(a_.data(), elems), 0).Wait();
       }
     };
     Check(run(), "warm-up");
-    Check(ours_->Barrier().Wait(), "barrier");
+    Check(comm->Barrier().Wait(), "barrier");
     auto t0 = Clock::now();
     for (int i = 0; i < iters; ++i) Check(run(), op.c_str());
     return MaxOverRanks(std::chrono::duration<double>(Clock::now() - t0).count() / iters);
@@ -207,7 +239,8 @@ class RankBench {
   }
 
   const int rank_, n_;
-  std::shared_ptr<Communicator> ours_;
+  std::vector<std::shared_ptr<Communicator>> comms_;  // per --backends entry
+  std::shared_ptr<Communicator> ours_;                // the first: barriers and max-over-ranks
   std::shared_ptr<gloo::rendezvous::Context> gloo_;
   std::vector<float> a_, b_;
 };
@@ -234,23 +267,34 @@ int RunRank(int rank, int n, const std::string& dir) {
       previous_elems = elems;
       const int iters = static_cast<int>(std::clamp<int64_t>(
           absl::GetFlag(FLAGS_bytes_per_round) / std::max<int64_t>(bytes, 1), 3, 200));
-      double ours = 1e30, gloo = 1e30;
+      const size_t nb = Backends().size();
+      std::vector<double> ours(nb, 1e30);
+      double gloo = 1e30;
       for (int r = 0; r < rounds; ++r) {
-        // Alternate who goes first so neither always runs on a warmer machine.
+        // Alternate the order so no one always runs on a warmer machine.
         if (r % 2 == 0) {
-          ours = std::min(ours, bench.TimeOurs(op, elems, iters));
+          for (size_t b = 0; b < nb; ++b) {
+            ours[b] = std::min(ours[b], bench.TimeOurs(b, op, elems, iters));
+          }
           gloo = std::min(gloo, bench.TimeGloo(op, elems, iters));
         } else {
           gloo = std::min(gloo, bench.TimeGloo(op, elems, iters));
-          ours = std::min(ours, bench.TimeOurs(op, elems, iters));
+          for (size_t b = nb; b-- > 0;) {
+            ours[b] = std::min(ours[b], bench.TimeOurs(b, op, elems, iters));
+          }
         }
       }
       if (rank == 0) {
-        out << op << "\t" << n << "\t" << elems * 4 << "\t" << ours * 1e6 << "\t" << gloo * 1e6
-            << "\n";
+        out << op << "\t" << n << "\t" << elems * 4 << "\t" << gloo * 1e6;
+        std::string line = absl::StrFormat("  %-14s n=%d %10zu B  gloo %10.1f us", op, n,
+                                           elems * 4, gloo * 1e6);
+        for (size_t b = 0; b < nb; ++b) {
+          out << "\t" << ours[b] * 1e6;
+          absl::StrAppendFormat(&line, "  %s %10.1f us", Backends()[b], ours[b] * 1e6);
+        }
+        out << "\n";
         out.flush();
-        std::fprintf(stderr, "  %-14s n=%d %10zu B  ours %10.1f us  gloo %10.1f us\n",
-                     op.c_str(), n, elems * 4, ours * 1e6, gloo * 1e6);
+        std::fprintf(stderr, "%s\n", line.c_str());
       }
     }
   }
@@ -291,7 +335,7 @@ int RunWorld(int n, const char* self, std::vector<Row>* rows) {
                                      absl::StrCat("--rounds=", absl::GetFlag(FLAGS_rounds)),
                                      absl::StrCat("--bytes_per_round=",
                                                   absl::GetFlag(FLAGS_bytes_per_round)),
-                                     absl::StrCat("--backend=", absl::GetFlag(FLAGS_backend)),
+                                     absl::StrCat("--backends=", absl::GetFlag(FLAGS_backends)),
                                      absl::StrCat("--comm_options=",
                                                   absl::GetFlag(FLAGS_comm_options))},
       [&](int r) -> std::vector<std::string> {
@@ -316,13 +360,16 @@ int RunWorld(int n, const char* self, std::vector<Row>* rows) {
   std::string line;
   while (std::getline(in, line)) {
     std::vector<std::string> f = absl::StrSplit(line, '\t');
-    if (f.size() != 5) continue;
+    if (f.size() != 4 + Backends().size()) continue;
     Row row;
     row.op = f[0];
     (void)absl::SimpleAtoi(f[1], &row.n);
     (void)absl::SimpleAtoi(f[2], &row.bytes);
-    (void)absl::SimpleAtod(f[3], &row.ours_us);
-    (void)absl::SimpleAtod(f[4], &row.gloo_us);
+    (void)absl::SimpleAtod(f[3], &row.gloo_us);
+    for (size_t b = 0; b < Backends().size(); ++b) {
+      row.ours_us.push_back(0);
+      (void)absl::SimpleAtod(f[4 + b], &row.ours_us.back());
+    }
     rows->push_back(row);
   }
   return 0;
@@ -349,18 +396,26 @@ int Main(const char* self) {
   for (const Row& row : rows) {
     if (!memcpy_gbps.count(row.bytes)) memcpy_gbps[row.bytes] = MemcpyGBps(row.bytes);
   }
-  std::string table =
-      "| op | ranks | size | ours us | gloo us | ours busbw GB/s | gloo busbw GB/s | "
-      "ours/gloo busbw | memcpy GB/s |\n|---|---|---|---|---|---|---|---|---|\n";
+  // Per backend: time, busbw and busbw relative to Gloo's; then Gloo and memcpy.
+  const std::vector<std::string> backends = Backends();
+  std::string table = "| op | ranks | size |";
+  std::string rule = "|---|---|---|";
+  for (const std::string& b : backends) {
+    absl::StrAppend(&table, " ", b, " us | ", b, " busbw GB/s | ", b, "/gloo |");
+    absl::StrAppend(&rule, "---|---|---|");
+  }
+  absl::StrAppend(&table, " gloo us | gloo busbw GB/s | memcpy GB/s |\n", rule, "---|---|---|\n");
   for (const Row& row : rows) {
     const double f = BusFactor(row.op, row.n);
-    const double ours_bw = row.bytes / (row.ours_us * 1e-6) / 1e9 * f;
     const double gloo_bw = row.bytes / (row.gloo_us * 1e-6) / 1e9 * f;
-    absl::StrAppend(&table, absl::StrFormat("| %s | %d | %s | %.1f | %.1f | %.3f | %.3f | %.2f | %.2f |\n",
-                                            row.op, row.n, HumanBytes(row.bytes), row.ours_us,
-                                            row.gloo_us, ours_bw, gloo_bw,
-                                            row.gloo_us / row.ours_us,
-                                            memcpy_gbps[row.bytes]));
+    absl::StrAppendFormat(&table, "| %s | %d | %s |", row.op, row.n, HumanBytes(row.bytes));
+    for (size_t b = 0; b < backends.size(); ++b) {
+      const double bw = row.bytes / (row.ours_us[b] * 1e-6) / 1e9 * f;
+      absl::StrAppendFormat(&table, " %.1f | %.3f | %.2f |", row.ours_us[b], bw,
+                            row.gloo_us / row.ours_us[b]);
+    }
+    absl::StrAppendFormat(&table, " %.1f | %.3f | %.2f |\n", row.gloo_us, gloo_bw,
+                          memcpy_gbps[row.bytes]);
   }
   std::fputs(table.c_str(), stdout);
   if (!absl::GetFlag(FLAGS_out).empty()) std::ofstream(absl::GetFlag(FLAGS_out)) << table;

@@ -55,7 +55,8 @@ class UcxTransport final : public Transport {
   // Creates the context and worker, exchanges addresses through `store` (blocking, collective,
   // bounded by config.timeout) and creates the endpoints. `store` should be private to this
   // communicator (TransportCommunicator passes a PrefixStore). config.options may hold "algo.*"
-  // keys only.
+  // keys and "ucx.tls": the UCX transports of this communicator, overriding UCX_TLS (e.g. "tcp",
+  // "posix,sysv,self"; used by the benchmark to run both in one process).
   static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(std::shared_ptr<Store> store,
                                                               int rank, int size,
                                                               const CommConfig& config);
