@@ -192,6 +192,25 @@ std::string ErrorOf(const std::function<void()>& f) {
   return "";
 }
 
+// The control for the tests above: with a plain GradScaler per rank the ranks disagree (rank 0
+// steps, rank 1 skips, and their scales part), which is FairScale #180's starting point.
+TEST(ShardedGradScalerEdgeTest, PlainGradScalerDecidesPerRank) {
+  std::vector<absl::Status> statuses =
+      ft::RunRanks(2, [](int rank, int world, std::shared_ptr<comm::Communicator>) {
+        at::Tensor w = at::tensor({1.0f, 2.0f}).set_requires_grad(true);
+        torch::optim::SGD opt({w}, torch::optim::SGDOptions(0.5));
+        GradScaler scaler(Options());
+        scaler.scale((w * w).sum()).backward();
+        if (rank == 1) w.mutable_grad()[0] = std::numeric_limits<float>::infinity();
+        const bool stepped = scaler.step(opt);
+        scaler.update();
+        const std::string at = absl::StrCat("rank ", rank, "/", world);
+        FS_RETURN_IF_ERROR(Check(stepped == (rank == 0), at + ": unexpected step decision"));
+        return Check(scaler.get_scale() == (rank == 0 ? 1024.0 : 512.0), at + ": scale");
+      });
+  for (const auto& s : statuses) EXPECT_THAT(s, IsOk());
+}
+
 // Rank 0's parameter gets no gradient (it is not in its loss), as with an empty shard: it still
 // joins the agreement, and the other ranks step. When no rank has gradients, every rank raises.
 TEST(ShardedGradScalerEdgeTest, RankWithoutGradientsJoinsTheAgreement) {
