@@ -112,13 +112,18 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     if (found.item<float>() != 0.0f) found_inf = true;
   }
 
+  // The gradients are unscaled from here on. Should the agreement fail (sync_found_inf raises),
+  // the optimizer counts as unscaled with an inf: a later step() skips instead of unscaling the
+  // gradients a second time.
+  state.stage = Stage::kUnscaled;
+  state.found_inf = true;
+  state.has_grads = has_grads;
   at::Tensor flags = at::zeros({2}, at::kFloat);
   flags[0] = found_inf ? 1.0 : 0.0;
   flags[1] = has_grads ? 1.0 : 0.0;
   sync_found_inf(flags, grads_device.value_or(c10::Device(c10::kCPU)));
   state.found_inf = flags[0].item<float>() != 0.0f;
   state.has_grads = flags[1].item<float>() != 0.0f;
-  state.stage = Stage::kUnscaled;
 }
 
 bool GradScaler::step(torch::optim::Optimizer& optimizer) {

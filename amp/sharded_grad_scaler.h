@@ -17,7 +17,7 @@
 // shard) still joins it; step() raises on every rank only when no rank has gradients. If the
 // all-reduce fails (a peer died, the timeout passed, the communicator was aborted), unscale_ and
 // step raise c10::Error naming this rank and the communicator's error, on every rank; nothing is
-// stepped.
+// stepped (a step() retried after catching the error skips: the gradients are already unscaled).
 #pragma once
 
 #include <memory>

@@ -121,8 +121,10 @@ FsdpReference RunFsdpReference(float bad) {
 }
 
 absl::Status FsdpRank(int rank, int world, std::shared_ptr<comm::Communicator> comm, float bad,
-                      const FsdpReference& ref) {
-  fsdp::FullyShardedDataParallel model(ft::Net(), comm, fsdp::FsdpOptions());
+                      bool nested, const FsdpReference& ref) {
+  // Nested: the blocks are FSDP units of their own, so the optimizer steps several shards.
+  fsdp::FullyShardedDataParallel model(ft::Net(nested ? comm : nullptr, fsdp::FsdpOptions()), comm,
+                                       fsdp::FsdpOptions());
   auto opt = ft::MakeOptimizer(ft::OptimizerKind::kSgdMomentum, model->parameters());
   ShardedGradScaler scaler(comm, Options());
   for (int step = 0; step < kSteps; ++step) {
@@ -168,12 +170,16 @@ absl::Status FsdpRank(int rank, int world, std::shared_ptr<comm::Communicator> c
 TEST_P(ShardedGradScalerTest, FsdpShardsSkipTheSameStepAsTheReference) {
   const FsdpReference ref = RunFsdpReference(GetParam().value);
   ASSERT_EQ(ref.scales, kScales);
-  for (int world = 1; world <= 4; ++world) {
-    std::vector<absl::Status> statuses = ft::RunRanks(
-        world, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm) {
-          return FsdpRank(rank, world, comm, GetParam().value, ref);
-        });
-    for (int r = 0; r < world; ++r) EXPECT_THAT(statuses[r], IsOk()) << "world " << world;
+  for (bool nested : {false, true}) {
+    for (int world = 1; world <= 4; ++world) {
+      std::vector<absl::Status> statuses = ft::RunRanks(
+          world, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm) {
+            return FsdpRank(rank, world, comm, GetParam().value, nested, ref);
+          });
+      for (int r = 0; r < world; ++r) {
+        EXPECT_THAT(statuses[r], IsOk()) << "world " << world << " nested " << nested;
+      }
+    }
   }
 }
 
@@ -244,7 +250,8 @@ TEST(ShardedGradScalerEdgeTest, RankWithoutGradientsJoinsTheAgreement) {
 }
 
 // A communicator that fails (here: aborted as if a peer died) makes step raise a c10::Error that
-// names the rank and the failed all_reduce, on every rank, and steps nothing.
+// names the rank and the failed all_reduce, on every rank, and steps nothing, also when the
+// caller catches the error and calls step again.
 TEST(ShardedGradScalerEdgeTest, BrokenCommunicatorRaisesNamingTheRank) {
   constexpr int kWorld = 2;
   std::vector<absl::Status> statuses = comm::testing::RunThreads(
@@ -266,8 +273,14 @@ TEST(ShardedGradScalerEdgeTest, BrokenCommunicatorRaisesNamingTheRank) {
                                        absl::StrContains(error, "all_reduce"),
                                    "expected an error naming '" + who + "', got '" + error +
                                        "'"));
+          FS_RETURN_IF_ERROR(Check(at::equal(w.detach(), at::tensor({1.0f, 2.0f})),
+                                   "the parameters changed"));
+          // Caught and retried: the gradients are not unscaled twice and nothing steps.
+          FS_RETURN_IF_ERROR(Check(!scaler.step(opt), "the retried step stepped"));
+          FS_RETURN_IF_ERROR(Check(at::equal(w.grad(), at::tensor({2.0f, 4.0f})),
+                                   "the gradients were unscaled twice"));
           return Check(at::equal(w.detach(), at::tensor({1.0f, 2.0f})),
-                       "the parameters changed");
+                       "the parameters changed after the retry");
         } catch (const std::exception& e) {
           return absl::InternalError(e.what());
         }
