@@ -39,12 +39,19 @@ expect "$out" "chosen backend: tcp"
 out=$(run "$ucx_bin" - 0)
 expect "$out" "linked backends (highest priority first): ucx"$'\n'
 expect "$out" "chosen backend: ucx"
-out=$(run "$all_bin" - 0)
-linked=$(sed -n 's/^linked backends (highest priority first): //p' <<< "$out")
-# nccl is in all_backends only under --config=cuda.
-[[ "$linked" == "tcp, ucx, inproc" || "$linked" == "nccl, tcp, ucx, inproc" ]] ||
-  { echo "FAIL: all_backends links '$linked'" >&2; exit 1; }
-expect "$out" "chosen backend: ${linked%%,*}"
+linked=$(FS_COMM_BACKEND=none timeout 60 "$all_bin" 2>/dev/null |
+  sed -n 's/^linked backends (highest priority first): //p' || true)
+# nccl is in all_backends only under --config=cuda; it then has the highest priority, and this
+# demo's host buffers are not for it, so the unset case is checked without --config=cuda only.
+if [[ "$linked" == "tcp, ucx, inproc" ]]; then
+  out=$(run "$all_bin" - 0)
+  expect "$out" "chosen backend: tcp"
+elif [[ "$linked" == "nccl, tcp, ucx, inproc" ]]; then
+  echo "nccl linked (--config=cuda): not running the default-backend case on host buffers" >&2
+else
+  echo "FAIL: all_backends links '$linked'" >&2
+  exit 1
+fi
 
 # FS_COMM_BACKEND selects among the linked ones.
 for b in tcp ucx inproc; do
