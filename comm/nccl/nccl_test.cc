@@ -1,5 +1,5 @@
 // The "nccl" backend on device buffers: every op, every dtype and reduce op, counts 0, 1, odd and
-// large, in-place, Split, Abort, timeout and host buffers rejected. Ranks are threads of this
+// large, in-place, Split, Abort, timeout, a killed peer and host buffers rejected. Ranks are threads of this
 // process, one CUDA device each (NCCL refuses two ranks of one communicator on one device), so a
 // world size above the device count is skipped. Expected values come from //comm/testing:reference
 // (computed here, never by a backend). Without a GPU every case GTEST_SKIPs with the reason,
@@ -7,6 +7,7 @@
 //
 // On a GPU machine: ./bazelw test --config=cuda //comm/nccl/...  (see README.md)
 #include <cuda_runtime_api.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <cmath>
@@ -207,29 +208,31 @@ absl::Status ReductionsAt(Communicator& comm) {
                 absl::StrCat(Case("all_reduce", dtype, op, count, n), " index ", i)));
           }
         }
-        // reduce_scatter: block r of the reduction.
-        {
+        // reduce_scatter: block r of the reduction (in place: recv is block r of send).
+        for (bool in_place : {false, true}) {
           DeviceArray send(r, n * count, dtype), recv(r, count, dtype);
           FS_RETURN_IF_ERROR(send.Fill([&](size_t i) { return ReductionInput(dtype, op, r, i); }));
-          FS_RETURN_IF_ERROR(
-              comm.ReduceScatter(send.buffer(), recv.buffer(), op).Wait(absl::Seconds(60)));
-          FS_ASSIGN_OR_RETURN(std::vector<long double> got, recv.Read());
+          Buffer out = in_place ? send.slice(r * count, count) : recv.buffer();
+          FS_RETURN_IF_ERROR(comm.ReduceScatter(send.buffer(), out, op).Wait(absl::Seconds(60)));
+          FS_ASSIGN_OR_RETURN(std::vector<long double> got, (in_place ? send : recv).Read());
+          const size_t base = in_place ? r * count : 0;
           for (size_t i = 0; i < count; ++i) {
             FS_RETURN_IF_ERROR(Expect(
-                Matches(dtype, op, got[i], ReferenceReduction(dtype, op, n, r * count + i)),
-                absl::StrCat(Case("reduce_scatter", dtype, op, count, n), " index ", i)));
+                Matches(dtype, op, got[base + i], ReferenceReduction(dtype, op, n, r * count + i)),
+                absl::StrCat(Case("reduce_scatter", dtype, op, count, n), " index ", i,
+                             in_place ? " in place" : "")));
           }
         }
-        // reduce to a rotating root; other ranks pass no recv buffer.
+        // reduce to a rotating root (in place every other case); other ranks pass no recv.
         {
-          const int root = case_index++ % n;
+          const int root = case_index % n;
+          const bool in_place = (case_index++ / n) % 2 == 1;
           DeviceArray send(r, count, dtype), recv(r, count, dtype);
           FS_RETURN_IF_ERROR(send.Fill([&](size_t i) { return ReductionInput(dtype, op, r, i); }));
-          FS_RETURN_IF_ERROR(comm.Reduce(send.buffer(), r == root ? recv.buffer() : Buffer{}, op,
-                                         root)
-                                 .Wait(absl::Seconds(60)));
+          Buffer out = r != root ? Buffer{} : in_place ? send.buffer() : recv.buffer();
+          FS_RETURN_IF_ERROR(comm.Reduce(send.buffer(), out, op, root).Wait(absl::Seconds(60)));
           if (r == root) {
-            FS_ASSIGN_OR_RETURN(std::vector<long double> got, recv.Read());
+            FS_ASSIGN_OR_RETURN(std::vector<long double> got, (in_place ? send : recv).Read());
             for (size_t i = 0; i < count; ++i) {
               FS_RETURN_IF_ERROR(Expect(
                   Matches(dtype, op, got[i], ReferenceReduction(dtype, op, n, i)),
@@ -451,6 +454,27 @@ TEST(NcclBackend, AbortFailsAPendingRecv) {
 TEST(NcclBackend, TimeoutFailsAPendingRecvAndAborts) {
   if (auto why = SkipReason(2)) GTEST_SKIP() << *why;
   PendingRecvEndsWith(/*abort=*/false);
+}
+
+// A rank SIGKILLed after the first collective: the survivor's next all-reduce fails in time,
+// naming itself; kUnavailable when NCCL notices the dead peer (ncclRemoteError/ncclSystemError),
+// else kDeadlineExceeded at the op's timeout (peers on NVLink/P2P may never notice).
+TEST(NcclBackend, KilledPeerFailsTheSurvivorInTime) {
+  if (auto why = SkipReason(2)) GTEST_SKIP() << *why;
+  std::vector<absl::Status> results = testing::RunProcesses(2, [](int r) -> absl::Status {
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Create("killed", absl::Seconds(20)));
+    FS_RETURN_IF_ERROR(comm->Barrier().Wait(absl::Seconds(60)));
+    if (r == 1) raise(SIGKILL);
+    DeviceArray x(r, 1 << 20, DataType::kF32);
+    FS_RETURN_IF_ERROR(x.Fill([](size_t i) { return 1; }));
+    absl::Status s = comm->AllReduce(x.buffer(), x.buffer(), ReduceOp::kSum).Wait(absl::Seconds(90));
+    return Expect((absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) &&
+                      absl::StrContains(s.message(), "all_reduce #2 rank 0/2 [nccl]") &&
+                      !comm->status().ok(),
+                  absl::StrCat("all_reduce with a dead peer: ", s.ToString()));
+  }, kRunTimeout);
+  EXPECT_OK(results[0]);
+  EXPECT_THAT(results[1], StatusIs(absl::StatusCode::kInternal, HasSubstr("signal 9")));
 }
 
 }  // namespace
