@@ -173,7 +173,8 @@ void GradScaler::update(c10::optional<double> new_scale) {
       scale_ = static_cast<float>(static_cast<double>(scale_) * options_.backoff_factor());
       growth_tracker_ = 0;
     } else if (growth_tracker_ + 1 == options_.growth_interval()) {
-      const float grown = static_cast<float>(static_cast<double>(scale_) * options_.growth_factor());
+      const float grown =
+          static_cast<float>(static_cast<double>(scale_) * options_.growth_factor());
       if (std::isfinite(grown)) scale_ = grown;
       growth_tracker_ = 0;
     } else {
@@ -269,7 +270,8 @@ void save_grad_scaler(const GradScaler& scaler, const std::string& path) {
     archive.save_to(tmp);
   } catch (const c10::Error& e) {
     std::remove(tmp.c_str());
-    TORCH_CHECK(false, "save_grad_scaler: writing '", tmp, "' failed: ", e.what_without_backtrace());
+    TORCH_CHECK(false, "save_grad_scaler: writing '", tmp,
+                "' failed: ", e.what_without_backtrace());
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;

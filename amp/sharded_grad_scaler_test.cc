@@ -1,8 +1,8 @@
-// ShardedGradScaler over 1-4 ranks (threads over //comm/inproc): an inf or NaN in one rank's
-// gradients only makes every rank skip that step and back the scale off identically, with plain
-// per-rank optimizers and with FSDP shards (checked against a single-process reference that
-// skipped the same step); a rank without gradients still joins the agreement; a broken
-// communicator raises on every rank instead of hanging.
+// ShardedGradScaler over 1-4 ranks (threads over //comm/inproc; 2-3 processes over //comm/tcp):
+// an inf or NaN in one rank's gradients only makes every rank skip that step and back the scale
+// off identically, with plain per-rank optimizers and with FSDP shards (checked against a
+// single-process reference that skipped the same step); a rank without gradients still joins the
+// agreement; a broken communicator raises on every rank instead of hanging.
 #include "amp/sharded_grad_scaler.h"
 
 #include <ATen/ops/equal.h>
@@ -188,6 +188,32 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(BadValueParam{"inf", std::numeric_limits<float>::infinity()},
                       BadValueParam{"nan", std::numeric_limits<float>::quiet_NaN()}),
     [](const ::testing::TestParamInfo<BadValueParam>& info) { return info.param.name; });
+
+// The same over the real network stack: ranks are processes talking over the "tcp" backend on
+// 127.0.0.1, nested FSDP units, inf in rank 1's shard gradient only.
+TEST(ShardedGradScalerTcpTest, FsdpProcessesSkipTheSameStep) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  // Runs again in every child process (see rank_runner.h): cheap and without side effects.
+  const FsdpReference ref = RunFsdpReference(kInf);
+  for (int world : {2, 3}) {
+    std::vector<absl::Status> statuses = comm::testing::RunProcesses(
+        world,
+        [&](int rank) -> absl::Status {
+          try {
+            FS_ASSIGN_OR_RETURN(
+                std::shared_ptr<comm::Communicator> comm,
+                comm::CreateCommunicator("tcp", comm::testing::RankConfig(absl::Seconds(20))));
+            FS_RETURN_IF_ERROR(FsdpRank(rank, world, comm, kInf, /*nested=*/true, ref));
+            // No rank closes its sockets while a peer may still finish its last collective.
+            return comm->Barrier().Wait();
+          } catch (const std::exception& e) {
+            return absl::InternalError(e.what());
+          }
+        },
+        absl::Seconds(40));
+    for (int r = 0; r < world; ++r) EXPECT_THAT(statuses[r], IsOk()) << "world " << world;
+  }
+}
 
 std::string ErrorOf(const std::function<void()>& f) {
   try {
