@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "amp/autocast.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
 #include "comm/communicator.h"
@@ -213,6 +214,47 @@ TEST(ShardedGradScalerTcpTest, FsdpProcessesSkipTheSameStep) {
         absl::Seconds(40));
     for (int r = 0; r < world; ++r) EXPECT_THAT(statuses[r], IsOk()) << "world " << world;
   }
+}
+
+// The three pieces together: FSDP forward under a CPU bf16 Autocast guard (bf16 activations,
+// f32 shards and shard gradients), the ShardedGradScaler stepping the shards, and close to the
+// f32 single-process reference (bf16 matmuls: loose tolerance).
+TEST(ShardedGradScalerEdgeTest, FsdpUnderAutocastTrains) {
+  constexpr int kWorld = 2;
+  constexpr int kAutocastSteps = 3;
+  const std::vector<ft::ReferenceStep> ref =
+      ft::RunReference(ft::OptimizerKind::kSgdMomentum, kAutocastSteps);
+  std::vector<absl::Status> statuses =
+      ft::RunRanks(kWorld, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm) {
+        fsdp::FullyShardedDataParallel model(ft::Net(comm, fsdp::FsdpOptions()), comm,
+                                             fsdp::FsdpOptions());
+        auto opt = ft::MakeOptimizer(ft::OptimizerKind::kSgdMomentum, model->parameters());
+        ShardedGradScaler scaler(comm, Options());
+        for (int step = 0; step < kAutocastSteps; ++step) {
+          const std::string at = absl::StrCat("step ", step, " rank ", rank, "/", world);
+          opt->zero_grad();
+          ft::Batch b = ft::GlobalBatch(step);
+          at::Tensor loss;
+          {
+            Autocast guard(at::kCPU, at::kBFloat16);
+            at::Tensor out = model(ft::RankRows(b.x, rank, world));
+            FS_RETURN_IF_ERROR(Check(out.scalar_type() == at::kBFloat16, at + ": output not bf16"));
+            loss = ft::Mse(out.to(at::kFloat), ft::RankRows(b.y, rank, world));
+          }
+          scaler.scale(loss).backward();
+          for (const auto& p : model->parameters()) {
+            const bool f32_grad = !p.grad().defined() || p.grad().scalar_type() == at::kFloat;
+            FS_RETURN_IF_ERROR(Check(p.scalar_type() == at::kFloat && f32_grad,
+                                     at + ": shard or gradient not f32"));
+          }
+          FS_RETURN_IF_ERROR(Check(scaler.step(*opt), at + ": skipped"));
+          scaler.update();
+          FS_RETURN_IF_ERROR(ft::CheckShards(model, ref[step].params, /*grads=*/false,
+                                             at + " param (bf16 forward)", 2e-2));
+        }
+        return absl::OkStatus();
+      });
+  for (const auto& s : statuses) EXPECT_THAT(s, IsOk());
 }
 
 std::string ErrorOf(const std::function<void()>& f) {
