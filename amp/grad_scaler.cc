@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -82,10 +83,12 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   // from the 'CPU' backend"), so CPU gradients are checked with isfinite().all() and scaled with
   // mul_ one by one, with the same arithmetic.
   std::map<std::pair<c10::DeviceIndex, c10::ScalarType>, std::vector<at::Tensor>> cuda_grads;
+  // LibTorch optimizers accept a tensor listed twice (tied weights); unscale its gradient once.
+  std::unordered_set<const c10::TensorImpl*> seen;
   for (auto& group : optimizer.param_groups()) {
     for (auto& param : group.params()) {
       at::Tensor& grad = param.mutable_grad();
-      if (!grad.defined()) continue;
+      if (!grad.defined() || !seen.insert(grad.unsafeGetTensorImpl()).second) continue;
       TORCH_CHECK(!grad.is_sparse(), name(), ": sparse gradients are not supported");
       TORCH_CHECK(at::isFloatingType(grad.scalar_type()), name(),
                   ": unscale_() got a gradient of dtype ", grad.scalar_type());

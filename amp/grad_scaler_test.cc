@@ -108,6 +108,15 @@ TEST(GradScalerTest, UnscalesBFloat16Gradients) {
   EXPECT_EQ(Values(w), (std::vector<float>{0.5, 0.5, 0.5}));
 }
 
+TEST(GradScalerTest, ATensorListedTwiceIsUnscaledOnce) {
+  GradScaler scaler(GradScalerOptions().init_scale(4));
+  at::Tensor w = at::tensor({1.0f, 2.0f}).set_requires_grad(true);
+  torch::optim::SGD opt({w, w}, torch::optim::SGDOptions(0.0));
+  scaler.scale((w * w).sum()).backward();
+  scaler.unscale_(opt);
+  EXPECT_EQ(Values(w.grad()), (std::vector<float>{2, 4}));
+}
+
 class NonFiniteTest : public ::testing::TestWithParam<float> {};
 
 TEST_P(NonFiniteTest, SkipsTheStepAndBacksOff) {
