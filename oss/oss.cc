@@ -286,7 +286,9 @@ void OSS::exchange_parameters() {
       };
       for (size_t i = 0; i < shards_.size(); ++i) {
         const ParamShard& s = shards_[i];
-        if (s.rank != r || !s.param.requires_grad()) continue;
+        // Frozen parameters too: an optimizer may still move them (momentum, weight decay on a
+        // zero gradient), and then every replica must follow.
+        if (s.rank != r) continue;
         if (!bucket.empty() &&
             (numel + s.numel > options_.bucket_numel() ||
              shards_[bucket[0]].param.scalar_type() != s.param.scalar_type())) {

@@ -1,0 +1,277 @@
+#include "oss/sharded_data_parallel.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <map>
+#include <set>
+#include <string>
+
+#include "comm/torch/tensor_buffer.h"
+#include "oss/internal/errors.h"
+
+namespace fairscale::oss {
+namespace {
+
+// Runs after a parameter's AccumulateGrad node: its gradient is complete for this backward.
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(std::weak_ptr<ShardedDataParallelImpl*> owner, size_t index)
+      : owner_(std::move(owner)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (auto owner = owner_.lock()) (*owner)->on_grad_ready(index_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<ShardedDataParallelImpl*> owner_;
+  size_t index_;
+};
+
+}  // namespace
+
+ShardedDataParallelImpl::ShardedDataParallelImpl(torch::nn::AnyModule module,
+                                                 std::shared_ptr<OSS> optimizer,
+                                                 ShardedDataParallelOptions options)
+    : module_(std::move(module)),
+      optimizer_(std::move(optimizer)),
+      options_(std::move(options)),
+      alive_(std::make_shared<ShardedDataParallelImpl*>(this)) {
+  TORCH_CHECK(!module_.is_empty(), "oss::ShardedDataParallel: empty module");
+  TORCH_CHECK(optimizer_ != nullptr, "oss::ShardedDataParallel: null optimizer");
+  TORCH_CHECK(options_.reduce_bucket_numel() >= 0,
+              "oss::ShardedDataParallel: reduce_bucket_numel must be >= 0");
+  comm_ = optimizer_->communicator();
+  register_module("module", module_.ptr());
+  // Every trainable parameter of the module must be one the optimizer partitions: its owner
+  // decides where the gradient goes.
+  std::set<const void*> known;
+  for (const ParamShard& s : optimizer_->shards()) known.insert(s.param.unsafeGetTensorImpl());
+  for (const auto& item : module_.ptr()->named_parameters()) {
+    TORCH_CHECK(!item.value().requires_grad() || known.count(item.value().unsafeGetTensorImpl()),
+                label("construct"), ": parameter '", item.key(),
+                "' requires grad but is not in the OSS optimizer");
+  }
+  if (options_.sync_models_at_startup() && comm_->size() > 1) {
+    c10::NoGradGuard no_grad;
+    std::vector<std::pair<comm::Work, at::Tensor>> works;
+    for (const at::Tensor& p : module_.ptr()->parameters()) {
+      at::Tensor t = p.detach().contiguous();
+      works.emplace_back(
+          comm_->Broadcast(internal::ValueOrThrow(comm::ToBuffer(t), label("construct")), 0), t);
+    }
+    for (auto& [work, t] : works) internal::ThrowIfError(work.Wait(), label("construct"));
+    size_t i = 0;
+    for (const at::Tensor& p : module_.ptr()->parameters()) {
+      if (!works[i].second.is_same(p)) p.detach().copy_(works[i].second);
+      ++i;
+    }
+    sync_buffers();
+  }
+  refresh_trainable();
+}
+
+ShardedDataParallelImpl::~ShardedDataParallelImpl() { unhook(); }
+
+std::string ShardedDataParallelImpl::label(const std::string& op) const {
+  return "oss::ShardedDataParallel::" + op + " rank " + std::to_string(comm_->rank()) + "/" +
+         std::to_string(comm_->size());
+}
+
+void ShardedDataParallelImpl::unhook() {
+  for (Hooked& h : hooked_) {
+    if (h.accumulator) h.accumulator->del_post_hook(h.key);
+  }
+  hooked_.clear();
+}
+
+void ShardedDataParallelImpl::refresh_trainable() {
+  TORCH_CHECK(!backward_active_, label("refresh_trainable"), ": called during backward");
+  unhook();
+  buckets_.clear();
+  next_bucket_ = 0;
+  const std::vector<ParamShard>& shards = optimizer_->shards();
+  trainable_.clear();
+  for (const ParamShard& s : shards) trainable_.push_back(s.param.requires_grad());
+  // Buckets per owner, filled in reverse parameter order (roughly the order of backward).
+  std::map<int, size_t> open;  // owner -> index in buckets_
+  std::map<const void*, size_t> hooked_index;
+  std::vector<std::pair<size_t, size_t>> shard_bucket;  // (shard, bucket)
+  const int64_t limit = options_.reduce_bucket_numel();
+  for (size_t k = shards.size(); k-- > 0;) {
+    const ParamShard& s = shards[k];
+    if (!s.param.requires_grad() || s.numel == 0) continue;
+    auto it = open.find(s.rank);
+    if (it != open.end()) {
+      const Bucket& b = buckets_[it->second];
+      if (shards[b.shards[0]].param.scalar_type() != s.param.scalar_type() ||
+          b.numel + s.numel > limit) {
+        open.erase(it);
+        it = open.end();
+      }
+    }
+    if (it == open.end()) {
+      buckets_.emplace_back();
+      buckets_.back().owner = s.rank;
+      it = open.emplace(s.rank, buckets_.size() - 1).first;
+    }
+    Bucket& b = buckets_[it->second];
+    b.shards.push_back(k);
+    b.numel += s.numel;
+    shard_bucket.emplace_back(k, it->second);
+  }
+  for (const auto& [shard, bucket] : shard_bucket) {
+    const at::Tensor& p = shards[shard].param;
+    auto [it, inserted] = hooked_index.emplace(p.unsafeGetTensorImpl(), hooked_.size());
+    if (inserted) {
+      hooked_.emplace_back();
+      hooked_.back().param = p;
+    }
+    hooked_[it->second].buckets.push_back(bucket);
+  }
+  for (size_t i = 0; i < hooked_.size(); ++i) {
+    Hooked& h = hooked_[i];
+    h.accumulator = torch::autograd::impl::grad_accumulator(h.param);
+    TORCH_CHECK(h.accumulator != nullptr, label("refresh_trainable"),
+                ": no gradient accumulator (is the parameter a leaf?)");
+    h.key = h.accumulator->add_post_hook(std::make_unique<GradReadyHook>(alive_, i));
+  }
+}
+
+void ShardedDataParallelImpl::pre_forward() {
+  const std::vector<ParamShard>& shards = optimizer_->shards();
+  bool changed = shards.size() != trainable_.size();
+  for (size_t k = 0; !changed && k < shards.size(); ++k) {
+    changed = shards[k].param.requires_grad() != trainable_[k];
+  }
+  if (changed) refresh_trainable();
+  if (options_.broadcast_buffers()) sync_buffers();
+}
+
+void ShardedDataParallelImpl::sync_buffers() {
+  if (comm_->size() == 1) return;
+  c10::NoGradGuard no_grad;
+  std::vector<std::pair<comm::Work, at::Tensor>> works;
+  std::vector<at::Tensor> buffers = module_.ptr()->buffers();
+  for (const at::Tensor& b : buffers) {
+    at::Tensor t = b.contiguous();
+    works.emplace_back(
+        comm_->Broadcast(internal::ValueOrThrow(comm::ToBuffer(t), label("sync_buffers")), 0), t);
+  }
+  for (auto& [work, t] : works) internal::ThrowIfError(work.Wait(), label("sync_buffers"));
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    if (!works[i].second.is_same(buffers[i])) buffers[i].copy_(works[i].second);
+  }
+}
+
+void ShardedDataParallelImpl::on_grad_ready(size_t index) {
+  if (!sync_) return;
+  Hooked& h = hooked_.at(index);
+  if (!backward_active_) {
+    backward_active_ = true;
+    std::weak_ptr<ShardedDataParallelImpl*> alive = alive_;
+    torch::autograd::Engine::get_default_engine().queue_callback([alive] {
+      if (auto owner = alive.lock()) (*owner)->finalize();
+    });
+  }
+  if (h.ready) return;  // a second AccumulateGrad run in the same backward: already counted
+  h.ready = true;
+  for (size_t b : h.buckets) ++buckets_[b].ready;
+  issue_ready();
+}
+
+void ShardedDataParallelImpl::issue_ready() {
+  while (next_bucket_ < buckets_.size() &&
+         buckets_[next_bucket_].ready == buckets_[next_bucket_].shards.size()) {
+    issue(buckets_[next_bucket_++]);
+  }
+}
+
+void ShardedDataParallelImpl::issue(Bucket& bucket) {
+  c10::NoGradGuard no_grad;
+  const std::vector<ParamShard>& shards = optimizer_->shards();
+  const at::Tensor& first = shards[bucket.shards[0]].param;
+  bucket.buffer = at::empty({bucket.numel}, first.options());
+  int64_t off = 0;
+  for (size_t k : bucket.shards) {
+    const ParamShard& s = shards[k];
+    at::Tensor dst = bucket.buffer.narrow(0, off, s.numel);
+    const at::Tensor& g = s.param.grad();
+    if (g.defined()) {
+      dst.copy_(g.reshape({-1}).narrow(0, s.offset, s.numel));
+    } else {
+      dst.zero_();  // unused in this backward
+    }
+    off += s.numel;
+  }
+  const std::string context = label("reduce");
+  comm::Buffer buf = internal::ValueOrThrow(comm::ToBuffer(bucket.buffer), context);
+  bucket.work = comm_->Reduce(buf, bucket.owner == comm_->rank() ? buf : comm::Buffer{},
+                              comm::ReduceOp::kSum, bucket.owner);
+  bucket.issued = true;
+}
+
+void ShardedDataParallelImpl::reduce() {
+  TORCH_CHECK(!backward_active_, label("reduce"), ": called during backward");
+  finalize();
+}
+
+void ShardedDataParallelImpl::finalize() {
+  backward_active_ = false;
+  for (Hooked& h : hooked_) h.ready = false;
+  // Parameters unused in this backward never fired their hook: zero gradients, issued now in the
+  // same order on every rank.
+  while (next_bucket_ < buckets_.size()) issue(buckets_[next_bucket_++]);
+  next_bucket_ = 0;
+  const std::string context = label("reduce");
+  for (Bucket& b : buckets_) {
+    internal::ThrowIfError(b.work.Wait(), context);
+    b.ready = 0;
+    b.issued = false;
+  }
+  c10::NoGradGuard no_grad;
+  const std::vector<ParamShard>& shards = optimizer_->shards();
+  const int me = comm_->rank();
+  const double world = comm_->size();
+  std::set<const void*> owned;  // parameters with at least one range on this rank
+  for (Bucket& b : buckets_) {
+    if (b.owner != me) continue;
+    b.buffer.div_(world);
+    int64_t off = 0;
+    for (size_t k : b.shards) {
+      const ParamShard& s = shards[k];
+      at::Tensor& g = s.param.mutable_grad();
+      if (!g.defined()) {
+        g = at::zeros_like(s.param);
+      } else if (!g.is_contiguous()) {
+        g = g.contiguous();
+      }
+      g.view({-1}).narrow(0, s.offset, s.numel).copy_(b.buffer.narrow(0, off, s.numel));
+      off += s.numel;
+      owned.insert(s.param.unsafeGetTensorImpl());
+    }
+  }
+  for (Bucket& b : buckets_) {
+    if (b.owner == me) {
+      b.buffer = at::Tensor();
+      continue;
+    }
+    for (size_t k : b.shards) {
+      const ParamShard& s = shards[k];
+      if (!owned.count(s.param.unsafeGetTensorImpl())) {
+        s.param.mutable_grad() = at::Tensor();  // not ours: free it
+      } else {
+        s.param.mutable_grad().view({-1}).narrow(0, s.offset, s.numel).zero_();
+      }
+    }
+    b.buffer = at::Tensor();
+  }
+}
+
+}  // namespace fairscale::oss

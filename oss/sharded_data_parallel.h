@@ -1,0 +1,138 @@
+// ShardedDataParallel: FairScale's ZeRO-2 data parallelism for LibTorch, //oss. Wraps a module
+// trained with an oss::OSS optimizer: during backward every gradient is reduced (sum, then divided
+// by the number of ranks) to the rank that owns its parameter in the OSS partition only, not
+// all-reduced, so that after backward each rank holds the reduced gradients of its partition and
+// no gradient at all for parameters it does not own (the memory ZeRO-2 saves).
+//
+//   auto opt = std::make_shared<fairscale::oss::OSS>(model->parameters(), factory, comm);
+//   fairscale::oss::ShardedDataParallel ddp(torch::nn::AnyModule(model), opt);
+//   auto loss = loss_fn(ddp->forward(x), y); loss.backward(); opt->step(); opt->zero_grad();
+//
+// How it hooks into LibTorch (which has no module hooks): a post hook on each trainable
+// parameter's AccumulateGrad node marks its gradient ready. Gradients are packed into buckets per
+// owner (reduce_bucket_numel elements, in reverse parameter order, the usual backward order); a
+// bucket's Reduce is issued as soon as it and every bucket before it are ready, so communication
+// overlaps the rest of backward and every rank issues the same reduces in the same order whatever
+// order its hooks fire in. A callback queued on the autograd engine waits for them at the end of
+// backward (a parameter unused in this backward counts as a zero gradient), then writes the
+// owner's gradients and frees the others. With kFlat a parameter may be split between ranks: each
+// owner gets its range, and the rest of that gradient is zero.
+//
+// Every rank must call forward and backward the same number of times. One synchronised backward
+// per optimizer step; backwards inside a no_sync() guard only accumulate locally (gradient
+// accumulation) and the next synchronised backward reduces the sum. If requires_grad flags change,
+// forward notices and re-hooks (refresh_trainable); all ranks must change them alike.
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "oss/oss.h"
+
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
+namespace fairscale::oss {
+
+struct ShardedDataParallelOptions {
+  // Broadcast the module's buffers from rank 0 before every forward.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  // Broadcast parameters and buffers from rank 0 at construction.
+  TORCH_ARG(bool, sync_models_at_startup) = true;
+  // Elements per reduce bucket; 0 reduces each parameter (or kFlat range) on its own.
+  TORCH_ARG(int64_t, reduce_bucket_numel) = int64_t{1} << 23;
+};
+
+class ShardedDataParallelImpl : public torch::nn::Module {
+ public:
+  ShardedDataParallelImpl(torch::nn::AnyModule module, std::shared_ptr<OSS> optimizer,
+                          ShardedDataParallelOptions options = {});
+  ~ShardedDataParallelImpl() override;
+
+  // Calls the wrapped module's forward (argument types must match its signature exactly).
+  template <typename ReturnType = at::Tensor, typename... Args>
+  ReturnType forward(Args&&... args) {
+    pre_forward();
+    return module_.forward<ReturnType>(std::forward<Args>(args)...);
+  }
+
+  // While alive, backward passes do not reduce (gradients accumulate locally).
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(ShardedDataParallelImpl* owner) : owner_(owner) {
+      previous_ = owner_->sync_;
+      owner_->sync_ = false;
+    }
+    ~NoSyncGuard() { owner_->sync_ = previous_; }
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    ShardedDataParallelImpl* owner_;
+    bool previous_ = true;
+  };
+  NoSyncGuard no_sync() { return NoSyncGuard(this); }
+
+  // Reduces the current gradients now (e.g. after backwards that all ran under no_sync).
+  void reduce();
+  // Broadcasts the buffers from rank 0.
+  void sync_buffers();
+  // Re-hooks the parameters that require grad now (forward does it when the flags changed).
+  void refresh_trainable();
+
+  torch::nn::Module& module() { return *module_.ptr(); }
+  OSS& optimizer() { return *optimizer_; }
+  int64_t bucket_count() const { return static_cast<int64_t>(buckets_.size()); }
+
+  // Called by the AccumulateGrad post hook of trainable parameter `index`.
+  void on_grad_ready(size_t index);
+
+ private:
+  struct Bucket {
+    int owner = 0;
+    std::vector<size_t> shards;  // indices into optimizer_->shards()
+    int64_t numel = 0;
+    size_t ready = 0;
+    bool issued = false;
+    at::Tensor buffer;
+    comm::Work work;
+  };
+  struct Hooked {
+    at::Tensor param;
+    std::shared_ptr<torch::autograd::Node> accumulator;
+    uintptr_t key = 0;
+    std::vector<size_t> buckets;  // one entry per shard of the parameter
+    bool ready = false;
+  };
+
+  void pre_forward();
+  void unhook();
+  void issue_ready();
+  void issue(Bucket& bucket);
+  void finalize();
+  std::string label(const std::string& op) const;
+
+  torch::nn::AnyModule module_;
+  std::shared_ptr<OSS> optimizer_;
+  std::shared_ptr<comm::Communicator> comm_;
+  ShardedDataParallelOptions options_;
+  std::vector<Bucket> buckets_;
+  std::vector<Hooked> hooked_;
+  std::vector<bool> trainable_;  // requires_grad of every shard's parameter at the last refresh
+  size_t next_bucket_ = 0;
+  bool sync_ = true;
+  bool backward_active_ = false;
+  // Hooks and the engine callback hold weak references, so a destroyed wrapper is never called.
+  std::shared_ptr<ShardedDataParallelImpl*> alive_;
+};
+TORCH_MODULE(ShardedDataParallel);
+
+}  // namespace fairscale::oss
