@@ -16,8 +16,10 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status_matchers.h"
 #include "fsdp/test_util.h"
+#include "fsdp/testing/counting_communicator.h"
 #include "oss/test_util.h"
 
 namespace fairscale::oss {
@@ -256,6 +258,60 @@ TEST(SdpTest, RefreshAfterRequiresGradChanges) {
       if (model->bucket_count() > before) return absl::InternalError("more buckets after freeze");
       return absl::OkStatus();
     }));
+  }
+}
+
+// The bytes of one step, counted on the wire: every gradient is reduced once (never all-reduced)
+// in bucket_count() reduces, then kGreedy broadcasts every parameter once (half with bf16) and
+// kFlat all-gathers N padded ranges per group.
+TEST(SdpTest, OneStepMovesTheExpectedBytes) {
+  using fsdp::testing::CountingCommunicator;
+  for (PartitionMode mode : {PartitionMode::kGreedy, PartitionMode::kFlat}) {
+    for (bool bf16 : {false, true}) {
+      ExpectAllOk(RunRanks(3, [&](int rank, int world, std::shared_ptr<comm::Communicator> inner)
+                                  -> absl::Status {
+        auto counting = std::make_shared<CountingCommunicator>(inner);
+        Net net;
+        OssOptions options = OssOptions().partition(mode);
+        if (bf16) options.broadcast_dtype(at::kBFloat16);
+        auto opt = std::make_shared<OSS>(TwoGroups(net, Kind::kAdam), Factory(Kind::kAdam),
+                                         counting, options);
+        ShardedDataParallel model(torch::nn::AnyModule(net), opt,
+                                  ShardedDataParallelOptions().reduce_bucket_numel(40));
+        counting->Reset();
+        Backward(model, 0, rank, world);
+        opt->step();
+        int64_t params = 0, padded = 0;
+        for (const auto& group : opt->param_groups()) {
+          int64_t t = 0;
+          for (const auto& p : group.params()) t += p.numel();
+          params += t;
+          padded += world * ((t + world - 1) / world);
+        }
+        const auto reduce = counting->count(comm::OpType::kReduce);
+        const int64_t wire = bf16 ? 2 : 4;
+        std::vector<std::string> errors;
+        if (counting->count(comm::OpType::kAllReduce).ops != 0) errors.push_back("all_reduce");
+        if (reduce.bytes != 4 * params) errors.push_back(absl::StrCat("reduce bytes ", reduce.bytes));
+        if (reduce.ops != model->bucket_count() || reduce.ops < 2) {
+          errors.push_back(absl::StrCat("reduce ops ", reduce.ops));
+        }
+        if (mode == PartitionMode::kGreedy) {
+          if (counting->count(comm::OpType::kBroadcast).bytes != wire * params) {
+            errors.push_back(absl::StrCat("broadcast bytes ",
+                                          counting->count(comm::OpType::kBroadcast).bytes));
+          }
+        } else if (counting->count(comm::OpType::kAllGather).bytes != wire * padded) {
+          errors.push_back(
+              absl::StrCat("all_gather bytes ", counting->count(comm::OpType::kAllGather).bytes));
+        }
+        if (!errors.empty()) {
+          return absl::InternalError(absl::StrCat(ModeName(mode), bf16 ? " bf16" : "", ": ",
+                                                  absl::StrJoin(errors, ", ")));
+        }
+        return absl::OkStatus();
+      }));
+    }
   }
 }
 
