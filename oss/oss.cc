@@ -360,6 +360,13 @@ void OSS::exchange_parameters() {
 
 void OSS::zero_grad() { Optimizer::zero_grad(); }
 
+c10::Device OSS::device() const {
+  for (const OptimizerParamGroup& group : param_groups_) {
+    if (!group.params().empty()) return group.params()[0].device();
+  }
+  return c10::Device(c10::kCPU);
+}
+
 double OSS::clip_grad_norm(double max_norm, double norm_type) {
   c10::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
@@ -376,7 +383,7 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
       local += g.pow(norm_type).sum().item<double>();
     }
   }
-  at::Tensor t = at::empty({1}, at::kDouble);
+  at::Tensor t = at::empty({1}, at::TensorOptions(at::kDouble).device(device()));
   t.fill_(local);
   comm::Buffer b = internal::ValueOrThrow(comm::ToBuffer(t), label("clip_grad_norm"));
   internal::ThrowIfError(
@@ -417,10 +424,11 @@ void OSS::consolidate_state_dict(int recipient_rank) {
   const std::string context = label("consolidate_state_dict");
   std::string bytes = ToBytes(*local_);
   if (me != recipient_rank) {
-    at::Tensor size = at::empty({1}, at::kLong);
+    at::Tensor size = at::empty({1}, at::TensorOptions(at::kLong).device(device()));
     size.fill_(static_cast<int64_t>(bytes.size()));
     at::Tensor data = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
     std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
+    data = data.to(device());
     internal::ThrowIfError(
         comm_->Send(internal::ValueOrThrow(comm::ToConstBuffer(size), context), recipient_rank)
             .Wait(),
@@ -435,12 +443,14 @@ void OSS::consolidate_state_dict(int recipient_rank) {
   all[me] = std::move(bytes);
   for (int r = 0; r < n; ++r) {
     if (r == me) continue;
-    at::Tensor size = at::empty({1}, at::kLong);
+    at::Tensor size = at::empty({1}, at::TensorOptions(at::kLong).device(device()));
     internal::ThrowIfError(
         comm_->Recv(internal::ValueOrThrow(comm::ToBuffer(size), context), r).Wait(), context);
-    at::Tensor data = at::empty({size.item<int64_t>()}, at::kByte);
+    at::Tensor data =
+        at::empty({size.item<int64_t>()}, at::TensorOptions(at::kByte).device(device()));
     internal::ThrowIfError(
         comm_->Recv(internal::ValueOrThrow(comm::ToBuffer(data), context), r).Wait(), context);
+    data = data.cpu();
     all[r].assign(static_cast<const char*>(data.data_ptr()), data.numel());
   }
   // Rebuild each rank's optimizer over the same tensors (kFlat: fresh views of the same

@@ -152,6 +152,9 @@ class OSS : public torch::optim::Optimizer {
   void sync_options();
   void exchange_parameters();
   std::string label(const std::string& op) const;
+  // Where the small control tensors (norms, sizes, serialized state) travel: the parameters'
+  // device, so that GPU-only communicators carry them.
+  c10::Device device() const;
 
   OptimizerFactory factory_;
   std::shared_ptr<comm::Communicator> comm_;
