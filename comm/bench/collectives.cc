@@ -66,8 +66,9 @@ ABSL_FLAG(std::string, backends, "tcp,ucx,ucx-shm",
           "ucx-env (= ucx as UCX_TLS says)");
 ABSL_FLAG(std::string, out, "", "also write the markdown table here");
 ABSL_FLAG(std::string, comm_options, "",
-          "CommConfig options for our backends, e.g. algo.chunk_bytes=1048576,tcp.send_buffer_bytes=0 "
-          "(tcp.* keys go to tcp only, ucx.* to ucx only)");
+          "CommConfig options for our backends, e.g. "
+          "algo.chunk_bytes=1048576,tcp.send_buffer_bytes=0 (tcp.* keys go to tcp only, ucx.* "
+          "to ucx only)");
 
 namespace fairscale::comm {
 namespace {
@@ -82,10 +83,10 @@ struct Row {
   std::vector<double> ours_us;  // per --backends entry
 };
 
-// The UCX transports of "ucx-shm": shared-memory FIFOs (posix, sysv) and loopback to itself. "ucx-cma"
-// adds cross-memory attach (process_vm_readv, one copy for large messages): faster, but in UCX
-// 1.13 shared memory has no peer-failure handling, and a cma read from a dead peer aborts the
-// reading process (see comm/ucx/README.md).
+// The UCX transports of "ucx-shm": shared-memory FIFOs (posix, sysv) and loopback to itself.
+// "ucx-cma" adds cross-memory attach (process_vm_readv, one copy for large messages); in UCX 1.13
+// shared memory has no peer-failure handling, and a cma read from a dead peer aborts the reading
+// process (see comm/ucx/README.md).
 constexpr char kUcxShmTransports[] = "posix,sysv,self";
 constexpr char kUcxCmaTransports[] = "posix,sysv,cma,self";
 

@@ -46,6 +46,8 @@ uint64_t DataTag(int sender, uint64_t tag) {
 uint64_t ControlTag(int sender) {
   return kControlBit | (static_cast<uint64_t>(sender) << kRankShift);
 }
+// The connection handshake of Init (never matched by the control receives: low bit set).
+uint64_t HelloTag(int sender) { return ControlTag(sender) | 1; }
 
 // This boot's id: two processes share /proc (and shared memory) only when it matches.
 std::string BootId() {
@@ -111,18 +113,16 @@ void InstallLogFilter() {
   std::call_once(once, [] { ucs_log_push_handler(&FilterExpectedUcxLogs); });
 }
 
-// Busy-wait backoff of the progress loops: spin, then yield, then nap.
+// Backoff of the progress loops: spin briefly (a reply often arrives within microseconds), then
+// nap 50 us per round. No sched_yield phase: a spinning thread starves the other threads of its
+// process on a loaded machine (seen as a rank whose main thread could not run for 200 ms), and
+// naps cost little: a nap ends long before a large message has been copied.
 class Backoff {
  public:
   void Reset() { idle_ = 0; }
   void Idle() {
-    ++idle_;
-    if (idle_ < 256) return;
-    if (idle_ < 4096) {
-      sched_yield();
-      return;
-    }
-    const timespec nap{0, 20'000};  // 20 us
+    if (++idle_ < 128) return;
+    const timespec nap{0, 50'000};
     nanosleep(&nap, nullptr);
   }
 
@@ -149,19 +149,21 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(std::shared_p
     }
   }
   std::unique_ptr<UcxTransport> t(new UcxTransport(rank, size));
-  FS_RETURN_IF_ERROR(t->Init(*store, config));
+  t->store_ = store;
+  FS_RETURN_IF_ERROR(t->Init(store.get(), config));
   return t;
 }
 
 UcxTransport::UcxTransport(int rank, int size) : rank_(rank), size_(size), peers_(size) {}
 
-absl::Status UcxTransport::Init(Store& store, const CommConfig& config) {
+absl::Status UcxTransport::Init(Store* store, const CommConfig& config) {
   InstallLogFilter();
   ucp_config_t* ucp_config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &ucp_config);
   if (st != UCS_OK) return UcxError("ucp_config_read", st);
-  // A peer that dies without closing its connection (shared memory has none) is found by UCX's
-  // keepalive; its default round (20 s in 1.13) is as long as a typical op timeout.
+  // A peer whose host dies without closing its tcp connections is found by UCX's keepalive
+  // (endpoints with error handling only); its default round (20 s in 1.13) is as long as a
+  // typical op timeout.
   if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
     (void)ucp_config_modify(ucp_config, "KEEPALIVE_INTERVAL", "1s");
   }
@@ -203,13 +205,13 @@ absl::Status UcxTransport::Init(Store& store, const CommConfig& config) {
           absl::string_view(reinterpret_cast<const char*>(address), address_bytes)),
       " ", boot_id.empty() ? "-" : boot_id, " ", pid, " ", ReadProcess(pid).start_time);
   ucp_worker_release_address(worker_, address);
-  FS_RETURN_IF_ERROR(store.Set(absl::StrCat("ucx/address/", rank_), mine));
+  FS_RETURN_IF_ERROR(store->Set(absl::StrCat("ucx/address/", rank_), mine));
 
   const absl::Time deadline = absl::Now() + config.timeout;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
-    absl::StatusOr<std::string> hex =
-        store.Get(absl::StrCat("ucx/address/", p), std::max(deadline - absl::Now(), absl::ZeroDuration()));
+    absl::StatusOr<std::string> hex = store->Get(
+        absl::StrCat("ucx/address/", p), std::max(deadline - absl::Now(), absl::ZeroDuration()));
     if (!hex.ok()) {
       return absl::Status(hex.status().code(),
                           absl::StrCat("[ucx] rank ", rank_, " waiting for the address of peer ",
@@ -226,8 +228,8 @@ absl::Status UcxTransport::Init(Store& store, const CommConfig& config) {
     const std::string remote = absl::HexStringToBytes(parts[0]);
     err_args_.push_back(std::make_unique<ErrArg>(ErrArg{this, p}));
     ucp_ep_params_t ep_params{};
-    ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                           UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                           UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
     ep_params.address = reinterpret_cast<const ucp_address_t*>(remote.data());
     ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep_params.err_handler.cb = &UcxTransport::OnEndpointError;
@@ -236,13 +238,14 @@ absl::Status UcxTransport::Init(Store& store, const CommConfig& config) {
     if (st == UCS_ERR_UNREACHABLE) {
       // The transports reaching this peer cannot report its failure (shared memory): connect
       // without error handling and watch its process instead, when it runs on this host.
-      ep_params.field_mask &= ~(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER);
+      ep_params.field_mask &=
+          ~(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER);
       st = ucp_ep_create(worker_, &ep_params, &peers_[p].ep);
       peers_[p].error_handling = false;
+      watching_ = true;
       if (parts[1] == boot_id && !boot_id.empty() && peer_pid != pid) {
         peers_[p].pid = peer_pid;
         peers_[p].start_time = peer_start;
-        watching_ = true;
       }
     }
     if (st != UCS_OK) {
@@ -252,11 +255,93 @@ absl::Status UcxTransport::Init(Store& store, const CommConfig& config) {
     peers_[p].control_buffer.resize(kControlBytes);
     PostControlRecv(p);
   }
+  return Handshake(deadline);
+}
+
+// UCX connects endpoints lazily: the first message to a peer runs a wireup exchange. A wireup
+// reply still pending on a shared-memory endpoint to a peer that died trips an assertion in UCX
+// 1.13's ucp_worker_destroy (ucp_request.c:684 "got REP message"). So every pair exchanges one
+// message here, which completes all wireups while every rank is alive: our send completes once
+// the peer answered our wireup, and the peer's message arrives once it had our answer.
+absl::Status UcxTransport::Handshake(absl::Time deadline) {
+  const char hello = 'H';
+  std::vector<char> in(size_);
+  std::vector<RecvResult> results(size_);
+  std::vector<void*> sends(size_, nullptr), recvs(size_, nullptr);
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    ucp_request_param_t param{};
+    void* s = ucp_tag_send_nbx(peers_[p].ep, &hello, 1, HelloTag(rank_), &param);
+    void* r = PostRecv(&in[p], 1, HelloTag(p), ~uint64_t{0}, &results[p]);
+    if (UCS_PTR_IS_ERR(s) || UCS_PTR_IS_ERR(r)) {
+      Fail(UcxError(absl::StrCat("handshake with peer ", p),
+                    UCS_PTR_STATUS(UCS_PTR_IS_ERR(s) ? s : r)));
+    }
+    if (UCS_PTR_IS_PTR(s)) sends[p] = s;
+    if (UCS_PTR_IS_PTR(r)) recvs[p] = r;
+  }
+  Backoff backoff;
+  while (broken_.ok()) {
+    const unsigned events = Progress();
+    std::vector<int> waiting;
+    for (int p = 0; p < size_; ++p) {
+      if (sends[p] != nullptr && ucp_request_check_status(sends[p]) != UCS_INPROGRESS) {
+        const ucs_status_t st = ucp_request_check_status(sends[p]);
+        ucp_request_free(sends[p]);
+        sends[p] = nullptr;
+        if (st != UCS_OK) Fail(UcxError(absl::StrCat("handshake send to peer ", p), st));
+      }
+      if (recvs[p] != nullptr && results[p].completed) {
+        ucp_request_free(recvs[p]);
+        recvs[p] = nullptr;
+        if (results[p].status != UCS_OK) {
+          Fail(UcxError(absl::StrCat("handshake receive from peer ", p), results[p].status));
+        }
+      }
+      if (sends[p] != nullptr || recvs[p] != nullptr) waiting.push_back(p);
+    }
+    if (waiting.empty()) break;
+    for (int p : waiting) {
+      if (peers_[p].departed != Departure::kNone) Fail(DepartureError(p));
+    }
+    if (broken_.ok() && absl::Now() >= deadline) {
+      Fail(absl::DeadlineExceededError(
+          absl::StrCat("[ucx] rank ", rank_, ": connection handshake timed out waiting for peer ",
+                       absl::StrJoin(waiting, ", peer "), " (UCX_TLS=", transports_, ")")));
+    }
+    if (events > 0) {
+      backoff.Reset();
+    } else {
+      backoff.Idle();
+    }
+  }
+  // On failure the requests still in flight are cancelled (receives) or released to UCX.
+  for (int p = 0; p < size_; ++p) {
+    if (recvs[p] != nullptr) {
+      ucp_request_cancel(worker_, recvs[p]);
+      while (!results[p].completed) ucp_worker_progress(worker_);
+      ucp_request_free(recvs[p]);
+    }
+    if (sends[p] != nullptr) ucp_request_free(sends[p]);
+  }
   return broken_;
 }
 
 UcxTransport::~UcxTransport() {
   if (!shut_down_ && worker_ != nullptr) Shutdown(absl::OkStatus());
+  // An endpoint without error handling (shared memory) to a peer that died may hold a wireup
+  // message UCX can no longer send; ucp_worker_destroy in UCX 1.13 then aborts the process
+  // (ucp_request.c:684 "got REP message"). Such a worker is kept (reachable, so not a leak to
+  // LeakSanitizer) instead: a process whose peer was killed trades its memory for not crashing.
+  for (const Peer& peer : peers_) {
+    if (!peer.error_handling && peer.departed == Departure::kVanished) {
+      static absl::Mutex kept_mu(absl::kConstInit);
+      static auto* kept = new std::vector<std::pair<ucp_worker_h, ucp_context_h>>();
+      absl::MutexLock lock(&kept_mu);
+      kept->emplace_back(worker_, context_);
+      return;
+    }
+  }
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
   if (context_ != nullptr) ucp_cleanup(context_);
 }
@@ -358,7 +443,19 @@ void UcxTransport::CheckWatchedPeers() {
   next_watch_ = now + absl::Milliseconds(100);
   for (int p = 0; p < size_; ++p) {
     Peer& peer = peers_[p];
-    if (peer.pid == 0 || peer.departed != Departure::kNone) continue;
+    if (peer.error_handling || peer.departed != Departure::kNone) continue;
+    // A peer's failure notice can be stuck behind an undeliverable message in UCX's shared-memory
+    // FIFO (one from a dead third rank): Shutdown also leaves it in the store.
+    if (absl::StatusOr<bool> has = store_->Check(absl::StrCat("ucx/failed/", p));
+        has.ok() && *has) {
+      absl::StatusOr<std::string> why =
+          store_->Get(absl::StrCat("ucx/failed/", p), absl::ZeroDuration());
+      peer.departed = Departure::kFailed;
+      peer.detail = why.ok() ? *why : "(reason not readable from the store)";
+      departures_ = true;
+      continue;
+    }
+    if (peer.pid == 0) continue;
     const ProcessInfo info = ReadProcess(peer.pid);
     if (info.state == 0 || info.state == 'Z' || info.state == 'X' ||
         info.start_time != peer.start_time) {
@@ -506,7 +603,8 @@ absl::Status UcxTransport::DepartureError(int p) const {
   switch (peer.departed) {
     case Departure::kShutDown:
       return absl::UnavailableError(
-          absl::StrCat("peer ", p, " has shut down its communicator (it finished or was destroyed)"));
+          absl::StrCat("peer ", p,
+                       " has shut down its communicator (it finished or was destroyed)"));
     case Departure::kFailed:
       return absl::UnavailableError(absl::StrCat("peer ", p, " failed: ", peer.detail));
     case Departure::kVanished:
@@ -530,8 +628,12 @@ absl::Status UcxTransport::DeadlineError(absl::Span<const Request> requests) con
   std::sort(from.begin(), from.end());
   from.erase(std::unique(from.begin(), from.end()), from.end());
   std::string message = "deadline exceeded";
-  if (!from.empty()) absl::StrAppend(&message, "; still receiving from peer ", absl::StrJoin(from, ", peer "));
-  if (!to.empty()) absl::StrAppend(&message, "; still sending to peer ", absl::StrJoin(to, ", peer "));
+  if (!from.empty()) {
+    absl::StrAppend(&message, "; still receiving from peer ", absl::StrJoin(from, ", peer "));
+  }
+  if (!to.empty()) {
+    absl::StrAppend(&message, "; still sending to peer ", absl::StrJoin(to, ", peer "));
+  }
   return absl::DeadlineExceededError(message);
 }
 
@@ -609,6 +711,9 @@ void UcxTransport::Shutdown(const absl::Status& reason) {
     absl::StrAppend(&notice, absl::StatusCodeToString(reason.code()), ": ",
                     reason.message().substr(0, kControlBytes - 64));
   }
+  if (!reason.ok() && watching_ && store_ != nullptr) {
+    (void)store_->Set(absl::StrCat("ucx/failed/", rank_), notice.substr(1));
+  }
   std::vector<void*> pending;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || peers_[p].ep == nullptr || peers_[p].departed != Departure::kNone) continue;
@@ -648,7 +753,13 @@ void UcxTransport::Shutdown(const absl::Status& reason) {
     for (void* r : pending) ucp_request_free(r);
     pending.clear();
   };
-  drain(kNoticeBudget);
+  // Without error handling a peer learns of our failure from this notice only: give it time to
+  // get out behind the data queued before it (progress also moves that data).
+  bool unguarded = false;
+  for (const Peer& peer : peers_) {
+    unguarded = unguarded || (peer.ep != nullptr && !peer.error_handling);
+  }
+  drain(unguarded && !reason.ok() ? kFlushBudget : kNoticeBudget);
   release_rest();
   // 3. Close the endpoints: flush when clean (the goodbye and our last messages arrive), force
   //    otherwise. Force completes every send still in flight with an error. An endpoint without

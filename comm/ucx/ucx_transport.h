@@ -5,8 +5,10 @@
 // Design (see transport.h for the contract it implements):
 // * Setup: one ucp context and one worker per transport (i.e. per communicator and Split child).
 //   Each rank publishes its worker address in the store and creates an endpoint to every peer
-//   with UCP_ERR_HANDLING_MODE_PEER and an error callback. Which UCX transports carry the bytes
-//   (tcp, shared memory, ...) is UCX's choice, steered by its own environment (UCX_TLS).
+//   with UCP_ERR_HANDLING_MODE_PEER and an error callback, then exchanges one message with every
+//   peer so that all endpoints are wired up before Create returns. Which UCX transports carry
+//   the bytes (tcp, shared memory, ...) is UCX's choice, steered by its own environment (UCX_TLS)
+//   or the option "ucx.tls".
 // * Tags: a data message carries the ucp tag (sender rank << 48) | (op tag & 0xffff'ffff'ffff),
 //   i.e. the op type, the 24-bit signature and the low 16 bits of the sequence number. A receive
 //   matches on the sender rank only, so the k-th receive from a peer takes the k-th message that
@@ -23,11 +25,12 @@
 //   microseconds to a millisecond.
 // * Failure: an endpoint error callback (a peer that died: connection reset over tcp), the exit of
 //   a peer process on this host (watched through /proc where UCX cannot handle peer failures:
-//   its shared-memory transports in 1.13), or a "failed" control message marks the peer departed. Wait() fails with
-//   kUnavailable naming the peer when the requests it waits for cannot complete; Poll() at once.
-//   A peer that said "bye" fails this rank only when it sends to it, or waits for a message the
-//   peer never sent. Shutdown cancels every outstanding request and closes the endpoints (flush
-//   when clean, force otherwise) before it returns, so no buffer is touched afterwards.
+//   its shared-memory transports in 1.13), or a "failed" control message marks the peer
+//   departed. Wait() fails with kUnavailable naming the peer when the requests it waits for
+//   cannot complete; Poll() at once. A peer that said "bye" fails this rank only when it sends
+//   to it, or waits for a message the peer never sent. Shutdown cancels every outstanding
+//   request and closes the endpoints (flush when clean, force otherwise) before it returns, so
+//   no buffer is touched afterwards. See README.md in this directory.
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -114,7 +117,8 @@ class UcxTransport final : public Transport {
   };
 
   UcxTransport(int rank, int size);
-  absl::Status Init(Store& store, const CommConfig& config);
+  absl::Status Init(Store* store, const CommConfig& config);  // store: null when size is 1
+  absl::Status Handshake(absl::Time deadline);
 
   void Fail(absl::Status status);
   void CheckCancel();
@@ -125,7 +129,8 @@ class UcxTransport final : public Transport {
   void PostControlRecv(int p);
   void HandleControl(int p, ucs_status_t status, size_t length);
   void HandleEndpointErrors();
-  // Checks (at most every 100 ms) that the processes of watched peers still run.
+  // Checks (at most every 100 ms) the peers without error handling: a failure notice in the store
+  // ("ucx/failed/<rank>") or, on this host, the exit of their process.
   void CheckWatchedPeers();
   absl::Status DepartureError(int p) const;
   absl::Status DeadlineError(absl::Span<const Request> requests) const;
@@ -147,7 +152,8 @@ class UcxTransport final : public Transport {
   absl::Status broken_;
   bool shut_down_ = false;
   bool departures_ = false;  // some peer failed or vanished
-  bool watching_ = false;    // some peer is watched through /proc
+  bool watching_ = false;    // some peer has no error handling: watched through /proc and store
+  std::shared_ptr<Store> store_;  // this communicator's namespace
   absl::Time next_watch_ = absl::InfinitePast();
 
   std::atomic<bool> cancelled_{false};
