@@ -94,14 +94,18 @@ void ShardedDataParallelImpl::unhook() {
 void ShardedDataParallelImpl::refresh_trainable() {
   TORCH_CHECK(!backward_active_, label("refresh_trainable"), ": called during backward");
   unhook();
+  hooked_index_.clear();
   buckets_.clear();
   next_bucket_ = 0;
   const std::vector<ParamShard>& shards = optimizer_->shards();
+  owned_.clear();
+  for (const ParamShard& s : shards) {
+    if (s.rank == comm_->rank()) owned_.insert(s.param.unsafeGetTensorImpl());
+  }
   trainable_.clear();
   for (const ParamShard& s : shards) trainable_.push_back(s.param.requires_grad());
   // Buckets per owner, filled in reverse parameter order (roughly the order of backward).
   std::map<int, size_t> open;  // owner -> index in buckets_
-  std::map<const void*, size_t> hooked_index;
   std::vector<std::pair<size_t, size_t>> shard_bucket;  // (shard, bucket)
   const int64_t limit = options_.reduce_bucket_numel();
   for (size_t k = shards.size(); k-- > 0;) {
@@ -128,7 +132,7 @@ void ShardedDataParallelImpl::refresh_trainable() {
   }
   for (const auto& [shard, bucket] : shard_bucket) {
     const at::Tensor& p = shards[shard].param;
-    auto [it, inserted] = hooked_index.emplace(p.unsafeGetTensorImpl(), hooked_.size());
+    auto [it, inserted] = hooked_index_.emplace(p.unsafeGetTensorImpl(), hooked_.size());
     if (inserted) {
       hooked_.emplace_back();
       hooked_.back().param = p;
@@ -215,6 +219,26 @@ void ShardedDataParallelImpl::issue(Bucket& bucket) {
   bucket.work = comm_->Reduce(buf, bucket.owner == comm_->rank() ? buf : comm::Buffer{},
                               comm::ReduceOp::kSum, bucket.owner);
   bucket.issued = true;
+  if (bucket.owner == comm_->rank()) return;
+  // The bucket holds a copy: a gradient this rank owns nothing of can go now (its AccumulateGrad
+  // has run for this backward), and buffers of reduces already done too, so that a non-owner
+  // does not hold every gradient until the end of backward.
+  for (size_t k : bucket.shards) {
+    const ParamShard& s = shards[k];
+    if (owned_.count(s.param.unsafeGetTensorImpl())) continue;
+    // kFlat: the parameter's other ranges may sit in buckets not packed yet.
+    bool all_packed = true;
+    for (size_t b : hooked_[hooked_index_.at(s.param.unsafeGetTensorImpl())].buckets) {
+      all_packed &= buckets_[b].issued;
+    }
+    if (all_packed) s.param.mutable_grad() = at::Tensor();
+  }
+  for (size_t b = 0; b < next_bucket_; ++b) {
+    Bucket& done = buckets_[b];
+    if (done.owner != comm_->rank() && done.buffer.defined() && done.work.IsDone()) {
+      done.buffer = at::Tensor();
+    }
+  }
 }
 
 void ShardedDataParallelImpl::reduce() {
@@ -239,7 +263,6 @@ void ShardedDataParallelImpl::finalize() {
   const std::vector<ParamShard>& shards = optimizer_->shards();
   const int me = comm_->rank();
   const double world = comm_->size();
-  std::set<const void*> owned;  // parameters with at least one range on this rank
   for (Bucket& b : buckets_) {
     if (b.owner != me) continue;
     b.buffer.div_(world);
@@ -254,7 +277,6 @@ void ShardedDataParallelImpl::finalize() {
       }
       g.view({-1}).narrow(0, s.offset, s.numel).copy_(b.buffer.narrow(0, off, s.numel));
       off += s.numel;
-      owned.insert(s.param.unsafeGetTensorImpl());
     }
   }
   for (Bucket& b : buckets_) {
@@ -264,7 +286,7 @@ void ShardedDataParallelImpl::finalize() {
     }
     for (size_t k : b.shards) {
       const ParamShard& s = shards[k];
-      if (!owned.count(s.param.unsafeGetTensorImpl())) {
+      if (!owned_.count(s.param.unsafeGetTensorImpl())) {
         s.param.mutable_grad() = at::Tensor();  // not ours: free it
       } else {
         s.param.mutable_grad().view({-1}).narrow(0, s.offset, s.numel).zero_();

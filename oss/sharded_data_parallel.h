@@ -13,9 +13,10 @@
 // owner (reduce_bucket_numel elements, in reverse parameter order, the usual backward order); a
 // bucket's Reduce is issued as soon as it and every bucket before it are ready, so communication
 // overlaps the rest of backward and every rank issues the same reduces in the same order whatever
-// order its hooks fire in. A callback queued on the autograd engine waits for them at the end of
-// backward (a parameter unused in this backward counts as a zero gradient), then writes the
-// owner's gradients and frees the others. With kFlat a parameter may be split between ranks: each
+// order its hooks fire in. A non-owner drops a gradient it owns nothing of as soon as its bucket
+// is packed, and a bucket buffer once its reduce is done. A callback queued on the autograd engine
+// waits for the rest at the end of backward (a parameter unused in this backward counts as a zero
+// gradient), then writes the owner's gradients and frees the others. With kFlat a parameter may be split between ranks: each
 // owner gets its range, and the rest of that gradient is zero.
 //
 // Every rank must call forward and backward the same number of times. One synchronised backward
@@ -30,7 +31,9 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -126,6 +129,8 @@ class ShardedDataParallelImpl : public torch::nn::Module {
   ShardedDataParallelOptions options_;
   std::vector<Bucket> buckets_;
   std::vector<Hooked> hooked_;
+  std::map<const void*, size_t> hooked_index_;  // parameter -> index in hooked_
+  std::set<const void*> owned_;  // parameters with at least one range on this rank
   std::vector<bool> trainable_;  // requires_grad of every shard's parameter at the last refresh
   size_t next_bucket_ = 0;
   bool sync_ = true;
