@@ -1,9 +1,9 @@
-#include "fsdp/bench/tracking_allocator.h"
+#include "base/tracking_allocator.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 
-namespace fairscale::fsdp::bench {
+namespace fairscale::base {
 namespace {
 TrackingCpuAllocator* g_tracker = nullptr;
 }  // namespace
@@ -48,4 +48,4 @@ void TrackingCpuAllocator::Free(void* data) {
   c10::free_cpu(data);
 }
 
-}  // namespace fairscale::fsdp::bench
+}  // namespace fairscale::base

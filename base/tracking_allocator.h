@@ -1,8 +1,9 @@
-// TrackingCpuAllocator: the CPU allocator of the FSDP benchmark (//fsdp/bench). Installed with
-// c10::SetAllocator(kCPU, ...) it serves every CPU tensor allocation of the process through
-// c10's own alloc_cpu/free_cpu and counts live and peak bytes exactly, so the benchmark can
-// report per-rank peak tensor memory instead of estimating it from RSS (which also counts
-// freed-but-cached heap pages, code and communication buffers).
+// TrackingCpuAllocator (//base:tracking_allocator): a CPU allocator that counts tensor memory
+// exactly. Installed with c10::SetAllocator(kCPU, ...) it serves every CPU tensor allocation of the
+// process through c10's own alloc_cpu/free_cpu and counts live and peak bytes, so benchmarks
+// (//fsdp/bench, //checkpoint/bench) and the memory tracer (//checkpoint:memory_tracker) report
+// peak tensor memory instead of estimating it from RSS (which also counts freed-but-cached heap
+// pages, code and communication buffers).
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -13,7 +14,7 @@
 #include <mutex>
 #include <unordered_map>
 
-namespace fairscale::fsdp::bench {
+namespace fairscale::base {
 
 class TrackingCpuAllocator final : public c10::Allocator {
  public:
@@ -30,6 +31,12 @@ class TrackingCpuAllocator final : public c10::Allocator {
   int64_t peak_bytes() const { return peak_.load(); }
   // Starts a new peak from the bytes live now.
   void reset_peak() { peak_.store(live_.load()); }
+  // Raises the peak to at least `bytes` (restores an outer peak after a nested reset_peak()).
+  void raise_peak(int64_t bytes) {
+    int64_t peak = peak_.load();
+    while (bytes > peak && !peak_.compare_exchange_weak(peak, bytes)) {
+    }
+  }
 
  private:
   static void Free(void* data);
@@ -41,4 +48,4 @@ class TrackingCpuAllocator final : public c10::Allocator {
   mutable std::atomic<int64_t> peak_{0};
 };
 
-}  // namespace fairscale::fsdp::bench
+}  // namespace fairscale::base

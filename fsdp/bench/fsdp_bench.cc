@@ -44,7 +44,7 @@
 #include "comm/registry.h"
 #include "comm/store/file_store.h"
 #include "examples/gpt/model.h"
-#include "fsdp/bench/tracking_allocator.h"
+#include "base/tracking_allocator.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/wrap.h"
 
@@ -68,6 +68,7 @@ namespace fairscale::fsdp::bench {
 namespace {
 
 namespace gpt = ::fairscale::examples::gpt;
+using ::fairscale::base::TrackingCpuAllocator;
 
 using Clock = std::chrono::steady_clock;
 

@@ -31,7 +31,7 @@
 #include "comm/store/file_store.h"
 #include "comm/torch/tensor_buffer.h"
 #include "examples/gpt/model.h"
-#include "fsdp/bench/tracking_allocator.h"
+#include "base/tracking_allocator.h"
 #include "oss/oss.h"
 #include "oss/sharded_data_parallel.h"
 
@@ -55,7 +55,7 @@ namespace {
 
 namespace gpt = ::fairscale::examples::gpt;
 using Clock = std::chrono::steady_clock;
-using fsdp::bench::TrackingCpuAllocator;
+using ::fairscale::base::TrackingCpuAllocator;
 
 void Die(const std::string& what) {
   std::fprintf(stderr, "oss_bench: %s\n", what.c_str());
