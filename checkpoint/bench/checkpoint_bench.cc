@@ -40,6 +40,9 @@ ABSL_FLAG(int, batch, 8, "sequences per step");
 ABSL_FLAG(int, vocab, 1024, "vocabulary size");
 ABSL_FLAG(int, warmup, 2, "untimed steps per configuration");
 ABSL_FLAG(int, steps, 6, "timed steps per configuration (the median is reported)");
+ABSL_FLAG(int, rounds, 3,
+          "the configurations run this many times in turn; the fastest round's median is "
+          "reported (a loaded machine slows some rounds)");
 ABSL_FLAG(int, threads, 1, "intra-op threads (at::set_num_threads)");
 ABSL_FLAG(std::string, every_k, "0,2,1",
           "configurations: checkpoint block i when i % k == 0 (0: none, 1: every block)");
@@ -107,36 +110,43 @@ int Main() {
   for (absl::string_view k : absl::StrSplit(absl::GetFlag(FLAGS_every_k), ',')) {
     Row row;
     row.every_k = std::stoll(std::string(k));
-    torch::manual_seed(0);
-    BenchGpt model(config);
-    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-4));
-    std::vector<double> times;
-    alloc->reset_peak();
-    for (int step = 0; step < absl::GetFlag(FLAGS_warmup) + absl::GetFlag(FLAGS_steps); ++step) {
-      at::Tensor tokens = torch::randint(config.vocab(), {batch, config.seq() + 1});
-      at::Tensor in = tokens.narrow(1, 0, config.seq()), target = tokens.narrow(1, 1, config.seq());
-      const auto t0 = Clock::now();
-      opt.zero_grad();  // sets gradients to zero, keeps them allocated after the first step
-      const int64_t before = alloc->live_bytes();
-      const int64_t outer_peak = alloc->peak_bytes();
-      alloc->reset_peak();
-      at::Tensor logits = model->forward(in, row.every_k, nullptr);
-      at::Tensor loss = torch::nn::functional::cross_entropy(
-          logits.reshape({-1, config.vocab()}), target.reshape({-1}));
-      loss.backward();
-      const int64_t activation = alloc->peak_bytes() - before;
-      alloc->raise_peak(outer_peak);
-      opt.step();
-      const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-      if (step >= absl::GetFlag(FLAGS_warmup)) {
-        times.push_back(ms);
-        row.activation_bytes = std::max(row.activation_bytes, activation);
-      }
-    }
-    std::sort(times.begin(), times.end());
-    row.step_ms = times[times.size() / 2];
-    row.peak_bytes = alloc->peak_bytes();
+    row.step_ms = 1e300;
     rows.push_back(row);
+  }
+  for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
+    for (Row& row : rows) {
+      torch::manual_seed(0);
+      BenchGpt model(config);
+      torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-4));
+      std::vector<double> times;
+      alloc->reset_peak();
+      for (int step = 0; step < absl::GetFlag(FLAGS_warmup) + absl::GetFlag(FLAGS_steps);
+           ++step) {
+        at::Tensor tokens = torch::randint(config.vocab(), {batch, config.seq() + 1});
+        at::Tensor in = tokens.narrow(1, 0, config.seq());
+        at::Tensor target = tokens.narrow(1, 1, config.seq());
+        const auto t0 = Clock::now();
+        opt.zero_grad();  // sets gradients to zero, keeps them allocated after the first step
+        const int64_t before = alloc->live_bytes();
+        const int64_t outer_peak = alloc->peak_bytes();
+        alloc->reset_peak();
+        at::Tensor logits = model->forward(in, row.every_k, nullptr);
+        at::Tensor loss = torch::nn::functional::cross_entropy(
+            logits.reshape({-1, config.vocab()}), target.reshape({-1}));
+        loss.backward();
+        const int64_t activation = alloc->peak_bytes() - before;
+        alloc->raise_peak(outer_peak);
+        opt.step();
+        const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        if (step >= absl::GetFlag(FLAGS_warmup)) {
+          times.push_back(ms);
+          row.activation_bytes = std::max(row.activation_bytes, activation);
+        }
+      }
+      std::sort(times.begin(), times.end());
+      row.step_ms = std::min(row.step_ms, times[times.size() / 2]);
+      row.peak_bytes = std::max(row.peak_bytes, alloc->peak_bytes());
+    }
   }
 
   std::string table = absl::StrFormat(
@@ -145,7 +155,7 @@ int Main() {
       "| checkpointed blocks | step ms | x time | activation MiB | / activation | peak MiB |\n"
       "|---|---:|---:|---:|---:|---:|\n",
       config.blocks(), config.width(), config.heads(), config.seq(), batch, config.vocab(),
-      absl::GetFlag(FLAGS_threads), absl::GetFlag(FLAGS_steps));
+      absl::GetFlag(FLAGS_threads), absl::GetFlag(FLAGS_steps), absl::GetFlag(FLAGS_rounds));
   const Row* base_row = nullptr;
   for (const Row& r : rows) {
     if (r.every_k == 0) base_row = &r;
