@@ -537,7 +537,9 @@ TEST_P(CommFailureConformance, PeerKilled) {
         Work work = comm->AllReduce(MakeConstBuffer(send.data(), kCount),
                                     MakeBuffer(recv.data(), kCount), ReduceOp::kSum);
         if (rank == kVictim) {
-          absl::SleepFor(absl::Milliseconds(1));
+          // At once: on a loaded machine even a 1 ms sleep could outlast the whole operation,
+          // and then nothing would fail. Killed right after issuing, the victim dies before,
+          // during or after its worker starts the op; the others must fail in every case.
           raise(SIGKILL);
         }
         Observation mine;
