@@ -163,7 +163,7 @@ int Main() {
   for (const Row& r : rows) {
     const std::string which = r.every_k == 0   ? "none"
                               : r.every_k == 1 ? "every block"
-                                               : absl::StrFormat("every %d-th", r.every_k);
+                                               : absl::StrFormat("1 in %d", r.every_k);
     table += absl::StrFormat(
         "| %s | %.1f | %.2f | %.2f | %.2f | %.2f |\n", which, r.step_ms,
         base_row ? r.step_ms / base_row->step_ms : 0.0, MiB(r.activation_bytes),
