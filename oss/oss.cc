@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -262,25 +264,30 @@ void OSS::exchange_parameters() {
     int64_t per_rank = 0;
     at::Tensor send;  // kFlat: what `send` views, alive until the wait
   };
-  std::vector<Pending> pending;
+  // Every rank issues the same buckets in the same order; at most kInFlight at a time, so the
+  // staging buffers stay bounded by a few buckets whatever the model size.
+  constexpr size_t kInFlight = 2;
+  std::vector<std::function<Pending()>> jobs;
   if (options_.partition() == PartitionMode::kGreedy) {
     for (int r = 0; r < n; ++r) {
       std::vector<size_t> bucket;
       int64_t numel = 0;
       auto flush = [&] {
         if (bucket.empty()) return;
-        const c10::ScalarType dtype = wire.value_or(shards_[bucket[0]].param.scalar_type());
-        at::Tensor buffer;
-        if (r == me) {
-          std::vector<at::Tensor> parts;
-          for (size_t i : bucket) parts.push_back(shards_[i].param.detach().reshape({-1}));
-          buffer = at::cat(parts).to(dtype);
-        } else {
-          buffer = at::empty({numel}, shards_[bucket[0]].param.options().dtype(dtype));
-        }
-        comm::Work work = comm_->Broadcast(
-            internal::ValueOrThrow(comm::ToBuffer(buffer), label("step")), r);
-        pending.push_back({std::move(work), buffer, bucket, 0, 0, 0, at::Tensor()});
+        jobs.push_back([this, r, me, wire, bucket, numel]() -> Pending {
+          const c10::ScalarType dtype = wire.value_or(shards_[bucket[0]].param.scalar_type());
+          at::Tensor buffer;
+          if (r == me) {
+            std::vector<at::Tensor> parts;
+            for (size_t i : bucket) parts.push_back(shards_[i].param.detach().reshape({-1}));
+            buffer = at::cat(parts).to(dtype);
+          } else {
+            buffer = at::empty({numel}, shards_[bucket[0]].param.options().dtype(dtype));
+          }
+          comm::Work work = comm_->Broadcast(
+              internal::ValueOrThrow(comm::ToBuffer(buffer), label("step")), r);
+          return {std::move(work), buffer, bucket, 0, 0, 0, at::Tensor()};
+        });
         bucket.clear();
         numel = 0;
       };
@@ -321,26 +328,28 @@ void OSS::exchange_parameters() {
       const int64_t piece = std::min(per_rank, options_.bucket_numel());
       for (int64_t off = 0; off < per_rank; off += piece) {
         const int64_t len = std::min(piece, per_rank - off);
-        at::Tensor send = mine.narrow(0, off, len);
-        at::Tensor recv = at::empty({n * len}, mine.options());
-        comm::Work work = comm_->AllGather(
-            internal::ValueOrThrow(comm::ToConstBuffer(send), label("step")),
-            internal::ValueOrThrow(comm::ToBuffer(recv), label("step")));
-        pending.push_back({std::move(work), recv, {}, g, off, per_rank, mine});
+        jobs.push_back([this, n, g, off, len, per_rank, mine]() -> Pending {
+          at::Tensor send = mine.narrow(0, off, len);
+          at::Tensor recv = at::empty({n * len}, mine.options());
+          comm::Work work = comm_->AllGather(
+              internal::ValueOrThrow(comm::ToConstBuffer(send), label("step")),
+              internal::ValueOrThrow(comm::ToBuffer(recv), label("step")));
+          return {std::move(work), recv, {}, g, off, per_rank, mine};
+        });
       }
     }
   }
-  for (Pending& p : pending) internal::ThrowIfError(p.work.Wait(), label("step"));
-  for (Pending& p : pending) {
+  auto finish = [&](Pending& p) {
+    internal::ThrowIfError(p.work.Wait(), label("step"));
     if (options_.partition() == PartitionMode::kGreedy) {
-      if (shards_[p.shards[0]].rank == me) continue;  // the owner keeps its exact values
+      if (shards_[p.shards[0]].rank == me) return;  // the owner keeps its exact values
       int64_t off = 0;
       for (size_t i : p.shards) {
         const ParamShard& s = shards_[i];
         s.param.detach().view({-1}).copy_(p.buffer.narrow(0, off, s.numel));
         off += s.numel;
       }
-      continue;
+      return;
     }
     const int64_t len = p.buffer.numel() / n;
     for (const ParamShard& s : shards_) {
@@ -355,6 +364,19 @@ void OSS::exchange_parameters() {
           .narrow(0, s.offset + (lo - s.flat_offset), hi - lo)
           .copy_(p.buffer.narrow(0, s.rank * len + (lo - rank_start - p.offset), hi - lo));
     }
+  };
+  std::deque<Pending> in_flight;
+  size_t next = 0;
+  while (next < jobs.size() || !in_flight.empty()) {
+    while (next < jobs.size() && in_flight.size() < kInFlight) in_flight.push_back(jobs[next++]());
+    try {
+      finish(in_flight.front());
+    } catch (...) {
+      // The communicator is broken: the others fail promptly, and their buffers must outlive them.
+      for (Pending& p : in_flight) p.work.Wait().IgnoreError();
+      throw;
+    }
+    in_flight.pop_front();
   }
 }
 
