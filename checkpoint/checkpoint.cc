@@ -200,9 +200,25 @@ std::vector<at::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<at:
   TORCH_CHECK(fn, "checkpoint: fn is empty");
   if (!c10::GradMode::is_enabled()) return fn(inputs);
   auto state = c10::make_intrusive<CheckpointState>();
-  state->fn = fn;
   state->options = options;
-  std::vector<at::Tensor> with_dummy = inputs;
+  // autograd::Function cannot take undefined tensors: only the defined ones go through it, and
+  // fn sees the undefined ones again at their positions.
+  std::vector<at::Tensor> with_dummy;
+  std::vector<size_t> positions;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) continue;
+    positions.push_back(i);
+    with_dummy.push_back(inputs[i]);
+  }
+  if (positions.size() == inputs.size()) {
+    state->fn = fn;
+  } else {
+    state->fn = [fn, positions, n = inputs.size()](const std::vector<at::Tensor>& defined) {
+      std::vector<at::Tensor> all(n);
+      for (size_t k = 0; k < positions.size(); ++k) all[positions[k]] = defined[k];
+      return fn(all);
+    };
+  }
   with_dummy.push_back(at::empty({0}).requires_grad_(true));
   // As an at::TensorList: a std::vector would count as one non-tensor argument.
   return CheckpointFunction::apply(state, at::TensorList(with_dummy));

@@ -294,6 +294,29 @@ TEST(CheckpointTest, WrapperKeepsParameterNames) {
   EXPECT_EQ(seq->named_parameters().keys()[0], "0.fc1.weight");
 }
 
+TEST(CheckpointTest, UndefinedInputsAreAllowed) {
+  torch::Tensor a = torch::ones({3}).requires_grad_();
+  auto out = checkpoint(
+      [](const std::vector<torch::Tensor>& in) {
+        EXPECT_FALSE(in[1].defined());
+        return std::vector<torch::Tensor>{in[0] * 3};
+      },
+      {a, torch::Tensor()});
+  out[0].sum().backward();
+  EXPECT_TRUE(torch::equal(a.grad(), torch::full({3}, 3.0)));
+}
+
+TEST(CheckpointTest, InputModifiedInPlaceBeforeBackwardIsReported) {
+  for (bool offload : {false, true}) {
+    torch::Tensor a = torch::ones({3}).requires_grad_();
+    torch::Tensor h = a * 2;  // not a leaf: may be modified in place
+    torch::Tensor y = checkpoint([](const torch::Tensor& in) { return in.sin(); }, h,
+                                 CheckpointOptions().offload_to_cpu(offload));
+    h.add_(1);
+    EXPECT_THROW(y.sum().backward(), c10::Error) << offload;
+  }
+}
+
 TEST(CheckpointTest, BadArguments) {
   std::vector<torch::nn::AnyModule> none;
   EXPECT_THROW(checkpoint_every_kth(none, torch::ones({1}), -1), c10::Error);
