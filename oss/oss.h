@@ -13,7 +13,8 @@
 // Partition modes (OssOptions::partition):
 // * kGreedy: whole tensors, each to the least-loaded rank, largest first (FairScale assigns in
 //   parameter order; sorting first tightens the imbalance to at most the largest tensor). After
-//   step every owner broadcasts its parameters, several per broadcast (buckets).
+//   step every owner broadcasts its parameters, several per broadcast (buckets, at most two in
+//   flight, so staging memory stays a few buckets).
 // * kFlat: each param group's parameters, flattened and concatenated, are split into N equal
 //   contiguous ranges (the last ones shorter by the padding, at most N-1 elements per group); a
 //   tensor may straddle ranks. The rank steps views of its ranges, which is exact for elementwise
