@@ -55,6 +55,12 @@ ABSL_FLAG(double, min_lr_ratio, 0.1, "final learning rate as a fraction of --lr"
 ABSL_FLAG(double, grad_clip, 1.0, "max global gradient norm (0: off)");
 ABSL_FLAG(uint64_t, seed, 1234, "initial weights, data order and sampling");
 ABSL_FLAG(std::string, strategy, "full_shard", "full_shard | shard_grad_op | no_shard");
+ABSL_FLAG(std::string, data_parallel, "fsdp",
+          "fsdp (FullyShardedDataParallel, --strategy) | sdp (oss::ShardedDataParallel + OSS "
+          "Adam, ZeRO-2; needs --precision=fp32, writes no checkpoints)");
+ABSL_FLAG(std::string, oss_partition, "greedy", "sdp: OSS partition, greedy | flat");
+ABSL_FLAG(bool, loss_scale, false,
+          "dynamic loss scaling (amp::ShardedGradScaler; scale in the metrics; no resume)");
 ABSL_FLAG(std::string, precision, "bf16",
           "bf16 | fp32: compute and all-gather dtype (f32 master shards, f32 gradient reduction); "
           "fp16 is rejected on CPU (LibTorch has no float16 LayerNorm kernel there)");
@@ -121,9 +127,13 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.seed = absl::GetFlag(FLAGS_seed);
   c.strategy = absl::GetFlag(FLAGS_strategy);
   c.precision = absl::GetFlag(FLAGS_precision);
+  c.data_parallel = absl::GetFlag(FLAGS_data_parallel);
+  c.oss_partition = absl::GetFlag(FLAGS_oss_partition);
+  c.loss_scale = absl::GetFlag(FLAGS_loss_scale);
   const std::string out = OutDir();
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
-  if (c.checkpoint_dir.empty()) c.checkpoint_dir = out + "/checkpoints";
+  // sdp does not checkpoint: no default directory there (an explicit one is rejected).
+  if (c.checkpoint_dir.empty() && c.data_parallel != "sdp") c.checkpoint_dir = out + "/checkpoints";
   if (c.checkpoint_dir == "none") c.checkpoint_dir.clear();
   c.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);

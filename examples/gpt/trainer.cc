@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/functional/loss.h>
@@ -28,6 +29,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/numbers.h"
+#include "amp/sharded_grad_scaler.h"
 #include "base/status_macros.h"
 #include "examples/gpt/checkpoint_dir.h"
 #include "examples/gpt/data.h"
@@ -40,6 +42,8 @@
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/local_checkpoint.h"
 #include "fsdp/wrap.h"
+#include "oss/oss.h"
+#include "oss/sharded_data_parallel.h"
 
 namespace fairscale::examples::gpt {
 namespace {
@@ -62,6 +66,13 @@ absl::StatusOr<c10::optional<c10::ScalarType>> ParsePrecision(const std::string&
   if (p == "fp32") return c10::optional<c10::ScalarType>();
   return absl::InvalidArgumentError(
       absl::StrCat("precision '", p, "': expected bf16, fp16 or fp32"));
+}
+
+absl::StatusOr<oss::PartitionMode> ParsePartition(const std::string& p) {
+  if (p == "greedy") return oss::PartitionMode::kGreedy;
+  if (p == "flat") return oss::PartitionMode::kFlat;
+  return absl::InvalidArgumentError(
+      absl::StrCat("oss_partition '", p, "': expected greedy or flat"));
 }
 
 std::string HumanBytes(double b) {
@@ -167,12 +178,25 @@ class Trainer {
                              .heads(config_.heads)
                              .blocks(config_.blocks);
     torch::manual_seed(config_.seed);  // the same initial weights on every rank
-    {
-      fsdp::EnableWrap scope(comm_, opts, GptWrapPolicy());
-      model_ = fsdp::FullyShardedDataParallel(Gpt(gc), comm_, opts);
+    const auto adam = torch::optim::AdamOptions(config_.lr).betas({0.9, 0.99});
+    if (sdp_mode_) {
+      // ZeRO-2: every rank holds the full fp32 model; OSS partitions the Adam state and
+      // ShardedDataParallel reduces each gradient to its owner only.
+      FS_ASSIGN_OR_RETURN(oss::PartitionMode partition, ParsePartition(config_.oss_partition));
+      plain_ = Gpt(gc);
+      oss_ = oss::OSS::make<torch::optim::Adam>(plain_->parameters(), adam, comm_,
+                                                oss::OssOptions().partition(partition));
+      sdp_ = oss::ShardedDataParallel(torch::nn::AnyModule(plain_), oss_);
+      optim_ = oss_.get();
+    } else {
+      {
+        fsdp::EnableWrap scope(comm_, opts, GptWrapPolicy());
+        model_ = fsdp::FullyShardedDataParallel(Gpt(gc), comm_, opts);
+      }
+      opt_ = std::make_unique<torch::optim::Adam>(model_->parameters(), adam);
+      optim_ = opt_.get();
     }
-    opt_ = std::make_unique<torch::optim::Adam>(
-        model_->parameters(), torch::optim::AdamOptions(config_.lr).betas({0.9, 0.99}));
+    if (config_.loss_scale) scaler_ = std::make_unique<amp::ShardedGradScaler>(comm_);
 
     TrainResult result;
     std::vector<int64_t> prompt;
@@ -187,7 +211,7 @@ class Trainer {
     FS_RETURN_IF_ERROR(comm_->Barrier().Wait());  // nobody saves before the stale ones are gone
     if (rank_ == 0 && config_.progress) {
       std::printf("train_gpt: %d rank%s, %s, %s, %lld params, vocab %lld, %lld tokens/step%s\n",
-                  world_, world_ == 1 ? "" : "s", config_.strategy.c_str(), config_.precision.c_str(),
+                  world_, world_ == 1 ? "" : "s", ModeLabel().c_str(), config_.precision.c_str(),
                   static_cast<long long>(num_params_), static_cast<long long>(gc.vocab()),
                   static_cast<long long>(world_ * config_.batch * config_.seq),
                   result.start_step > 0
@@ -211,25 +235,47 @@ class Trainer {
     for (int64_t step = result.start_step + 1; step <= last; ++step) {
       const auto t0 = Clock::now();
       const double lr = LearningRate(config_, step);
-      for (auto& group : opt_->param_groups()) {
+      for (auto& group : optim_->param_groups()) {
         static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
       }
       at::Tensor loss;
       {
         trace::Scope scope(recorder_.get(), "forward", trace::kCategoryCompute, {{"step", step}});
-        opt_->zero_grad();
+        if (sdp_mode_) {
+          oss_->zero_grad();
+        } else {
+          opt_->zero_grad();
+        }
         loss = Loss(data_.Batch(config_.seed, step, rank_, Split::kTrain, config_.batch,
                                 config_.seq));
       }
       {
         trace::Scope scope(recorder_.get(), "backward", trace::kCategoryCompute, {{"step", step}});
-        loss.backward();
+        if (scaler_) {
+          scaler_->scale(loss).backward();
+        } else {
+          loss.backward();
+        }
       }
+      const double loss_scale = scaler_ ? scaler_->get_scale() : 1.0;  // this step's
+      bool stepped = true;
       {
         trace::Scope scope(recorder_.get(), "optimizer", trace::kCategoryCompute,
                            {{"step", step}});
-        if (config_.grad_clip > 0) model_->clip_grad_norm_(config_.grad_clip);
-        opt_->step();
+        if (config_.grad_clip > 0) {
+          if (scaler_) scaler_->unscale_(*optim_);  // clip the true gradients
+          if (sdp_mode_) {
+            oss_->clip_grad_norm(config_.grad_clip);
+          } else {
+            model_->clip_grad_norm_(config_.grad_clip);
+          }
+        }
+        if (scaler_) {
+          stepped = scaler_->step(*optim_);  // the same verdict on every rank
+          scaler_->update();
+        } else {
+          optim_->step();
+        }
       }
       if (rank_ == config_.fault_rank && step == config_.fault_step && !config_.fault_in_save) {
         std::fprintf(stderr, "[rank %d] train_gpt: fault injection: SIGKILL after step %lld\n",
@@ -266,6 +312,10 @@ class Trainer {
                             {"loss", train_loss},      {"lr", lr},
                             {"step_s", step_s},        {"tokens_per_s", tokens_per_s},
                             {"peak_rss_bytes", rss}};
+        if (scaler_) {
+          j["loss_scale"] = loss_scale;
+          j["step_skipped"] = !stepped;
+        }
         metrics_.Write(j);
         if (eval) metrics_.Write({{"type", "val"}, {"step", step}, {"loss", val_loss}});
         if (config_.progress) {
@@ -298,7 +348,7 @@ class Trainer {
 
     if (config_.sample_tokens > 0) {
       std::vector<int64_t> ids = generate(
-          [&](torch::Tensor t) { return model_(t); }, prompt, config_.sample_tokens, config_.seq,
+          [&](torch::Tensor t) { return EvalForward(t); }, prompt, config_.sample_tokens, config_.seq,
           SampleOptions().temperature(config_.temperature).top_k(config_.top_k).seed(config_.seed));
       result.sample = config_.prompt + tokenizer_.Decode(ids);
     }
@@ -340,10 +390,21 @@ class Trainer {
  private:
   at::Tensor Loss(std::vector<int64_t> rows) {
     at::Tensor data = at::from_blob(rows.data(), {config_.batch, config_.seq + 1}, at::kLong).clone();
-    at::Tensor logits = model_(data.narrow(1, 0, config_.seq));
+    at::Tensor input = data.narrow(1, 0, config_.seq);
+    at::Tensor logits = !sdp_mode_                  ? model_(input)
+                        : c10::GradMode::is_enabled() ? sdp_->forward(input)
+                                                        : plain_(input);
     return torch::nn::functional::cross_entropy(
         logits.to(at::kFloat).reshape({-1, tokenizer_.vocab_size()}),
         data.narrow(1, 1, config_.seq).reshape({-1}));
+  }
+
+  // Forward without gradients (evaluation, sampling): under sdp the plain model (every rank
+  // holds all of it), no ShardedDataParallel collectives.
+  at::Tensor EvalForward(const at::Tensor& x) { return sdp_mode_ ? plain_(x) : model_(x); }
+
+  std::string ModeLabel() const {
+    return sdp_mode_ ? absl::StrCat("sdp/", config_.oss_partition) : config_.strategy;
   }
 
   // Mean loss over eval_batches fixed validation batches per rank, averaged over ranks.
@@ -397,7 +458,7 @@ class Trainer {
 
   absl::StatusOr<std::vector<uint64_t>> ParamHashes() {
     uint64_t h = 0xcbf29ce484222325ULL;
-    for (const at::Tensor& p : model_->parameters()) {
+    for (const at::Tensor& p : sdp_mode_ ? plain_->parameters() : model_->parameters()) {
       at::Tensor c = p.detach().contiguous();
       h = Fnv1a(c.data_ptr(), c.numel() * c.element_size(), h);
     }
@@ -408,6 +469,14 @@ class Trainer {
   // the shards, which differ between ranks) in a fixed order.
   absl::StatusOr<std::vector<uint64_t>> FullParamHashes() {
     uint64_t h = 0xcbf29ce484222325ULL;
+    if (sdp_mode_) {  // every rank holds the full parameters
+      for (const auto& item : plain_->named_parameters()) {
+        at::Tensor c = item.value().detach().contiguous();
+        h = Fnv1a(item.key().data(), item.key().size(), h);
+        h = Fnv1a(c.data_ptr(), c.numel() * c.element_size(), h);
+      }
+      return GatherHashes(h);
+    }
     try {
       auto guard = model_->summon_full_params(/*writeback=*/false);
       std::set<const c10::TensorImpl*> shards;
@@ -443,6 +512,10 @@ class Trainer {
 
   absl::StatusOr<int64_t> MaybeResume() {
     num_params_ = 0;
+    if (sdp_mode_) {
+      for (const at::Tensor& p : plain_->parameters()) num_params_ += p.numel();
+      return 0;  // Validate rejects resume under sdp
+    }
     for (const auto& info : model_->flat_param_info()) num_params_ += info.numel;
     for (auto* unit : model_->fsdp_units()) {
       if (unit == model_.get()) continue;
@@ -542,7 +615,7 @@ class Trainer {
                     absl::StrFormat("GPT %lldx%lld on KJV Genesis+Exodus, %d ranks, %s, %s",
                                     static_cast<long long>(config_.blocks),
                                     static_cast<long long>(config_.width), world_,
-                                    config_.strategy, config_.precision),
+                                    ModeLabel(), config_.precision),
                     "step", "cross-entropy loss (nats/char)"));
   }
 
@@ -553,8 +626,14 @@ class Trainer {
   int rank_, world_;
   CharTokenizer tokenizer_;
   TokenData data_;
-  fsdp::FullyShardedDataParallel model_{nullptr};
-  std::unique_ptr<torch::optim::Adam> opt_;
+  const bool sdp_mode_ = config_.data_parallel == "sdp";
+  fsdp::FullyShardedDataParallel model_{nullptr};   // fsdp
+  std::unique_ptr<torch::optim::Adam> opt_;         // fsdp: over model_'s shards
+  Gpt plain_{nullptr};                              // sdp: the full model
+  std::shared_ptr<oss::OSS> oss_;                   // sdp
+  oss::ShardedDataParallel sdp_{nullptr};           // sdp: plain_ + oss_
+  torch::optim::Optimizer* optim_ = nullptr;        // opt_ or oss_
+  std::unique_ptr<amp::ShardedGradScaler> scaler_;  // with loss_scale
   Metrics metrics_;
   int64_t num_params_ = 0;
 };
@@ -588,6 +667,27 @@ absl::Status TrainConfig::Validate() const {
   }
   FS_RETURN_IF_ERROR(ParseStrategy(strategy).status());
   FS_RETURN_IF_ERROR(ParsePrecision(precision).status());
+  FS_RETURN_IF_ERROR(ParsePartition(oss_partition).status());
+  if (data_parallel != "fsdp" && data_parallel != "sdp") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data_parallel '", data_parallel, "': expected fsdp or sdp"));
+  }
+  if (data_parallel == "sdp") {
+    if (precision != "fp32") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "data_parallel sdp trains the fp32 model (no mixed precision): precision must be fp32, "
+          "got ", precision));
+    }
+    if (!checkpoint_dir.empty() || resume != ResumeMode::kNever) {
+      return absl::InvalidArgumentError(
+          "data_parallel sdp does not checkpoint yet: no checkpoint_dir (--checkpoint_dir=none) "
+          "and no resume");
+    }
+  }
+  if (loss_scale && resume != ResumeMode::kNever) {
+    return absl::InvalidArgumentError(
+        "loss_scale: the scaler's state is not checkpointed yet, so a run with it cannot resume");
+  }
   if (precision == "fp16") {
     // The job runs on CPU tensors, and LibTorch 1.13's CPU LayerNorm has no Half kernel
     // ("LayerNormKernelImpl" not implemented for 'Half'): fail before launching anything.

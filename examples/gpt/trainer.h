@@ -45,6 +45,16 @@ struct TrainConfig {
   int64_t warmup_steps = 20;
   double min_lr_ratio = 0.1;
   double grad_clip = 1.0;  // max global grad norm; 0 = off
+  // Data parallelism: "fsdp" (FullyShardedDataParallel over GptWrapPolicy units, `strategy`)
+  // or "sdp" (the plain model under oss::ShardedDataParallel with an oss::OSS Adam partitioned
+  // by `oss_partition` (greedy | flat): ZeRO-2). sdp computes in fp32 (precision must be fp32)
+  // and writes no checkpoints (checkpoint_dir must be empty, resume never).
+  std::string data_parallel = "fsdp";
+  std::string oss_partition = "greedy";
+  // Dynamic loss scaling (amp::ShardedGradScaler over the job's communicator): the loss is
+  // scaled before backward, the gradients unscaled before clipping, a step with inf/NaN
+  // gradients skipped on every rank. The scaler's state is not checkpointed: resume is rejected.
+  bool loss_scale = false;
   // FSDP.
   std::string strategy = "full_shard";  // full_shard | shard_grad_op | no_shard
   // bf16 | fp32: the compute and all-gather dtype. fp16 parses but is rejected on CPU (no
