@@ -57,7 +57,7 @@ ABSL_FLAG(uint64_t, seed, 1234, "initial weights, data order and sampling");
 ABSL_FLAG(std::string, strategy, "full_shard", "full_shard | shard_grad_op | no_shard");
 ABSL_FLAG(std::string, data_parallel, "fsdp",
           "fsdp (FullyShardedDataParallel, --strategy) | sdp (oss::ShardedDataParallel + OSS "
-          "Adam, ZeRO-2; needs --precision=fp32, writes no checkpoints)");
+          "Adam, ZeRO-2; needs --precision=fp32)");
 ABSL_FLAG(std::string, oss_partition, "greedy", "sdp: OSS partition, greedy | flat");
 ABSL_FLAG(bool, loss_scale, false,
           "dynamic loss scaling (amp::ShardedGradScaler; scale in the metrics; no resume)");
@@ -132,8 +132,7 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.loss_scale = absl::GetFlag(FLAGS_loss_scale);
   const std::string out = OutDir();
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
-  // sdp does not checkpoint: no default directory there (an explicit one is rejected).
-  if (c.checkpoint_dir.empty() && c.data_parallel != "sdp") c.checkpoint_dir = out + "/checkpoints";
+  if (c.checkpoint_dir.empty()) c.checkpoint_dir = out + "/checkpoints";
   if (c.checkpoint_dir == "none") c.checkpoint_dir.clear();
   c.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);

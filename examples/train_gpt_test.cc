@@ -201,6 +201,34 @@ TEST_F(TrainGptTest, ShardedDataParallelMatchesFsdpNoShardAndLossScaling) {
   EXPECT_THAT(bf16.output, HasSubstr("precision must be fp32"));
 }
 
+// sdp checkpoints (full parameters + the OSS state consolidated on rank 0): a run stopped at
+// step 12 under the flat partition and resumed from step 10 under the greedy one matches an
+// uninterrupted run bitwise (OSS saves the unsharded Adam's layout, loadable at any partition).
+TEST_F(TrainGptTest, ShardedDataParallelResumeMatchesAnUninterruptedRunBitwise) {
+  const std::vector<std::string> job = {"--nproc=2", "--steps=20", "--checkpoint_every=5",
+                                        "--precision=fp32", "--data_parallel=sdp",
+                                        "--sample_tokens=0"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = job;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  JobResult whole = Run("whole", job);
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  JobResult first = Run("parts", with({"--stop_after=12", "--oss_partition=flat"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  JobResult second = Run("parts", with({"--resume"}));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_THAT(second.output, HasSubstr("resumed at step 10"));
+  EXPECT_EQ(second.train_losses, whole.train_losses);
+  ASSERT_TRUE(second.final_record.is_object()) << second.output;
+  EXPECT_EQ(second.final_record["full_param_fnv1a64"], whole.final_record["full_param_fnv1a64"]);
+  // An FSDP run cannot resume from it: the recorded data_parallel differs.
+  JobResult fsdp = Run("parts", {"--nproc=2", "--steps=20", "--precision=fp32", "--resume"});
+  EXPECT_NE(fsdp.exit_code, 0);
+  EXPECT_THAT(fsdp.output, HasSubstr("has data_parallel = \"sdp\", this run has \"fsdp\""));
+}
+
 TEST_F(TrainGptTest, ResumeMatchesAnUninterruptedRunBitwise) {
   const std::vector<std::string> job = {"--nproc=2", "--steps=20", "--checkpoint_every=5"};
   JobResult whole = Run("whole", job);

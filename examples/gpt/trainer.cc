@@ -7,6 +7,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 #include <torch/utils.h>
 #include <unistd.h>
 
@@ -514,12 +516,12 @@ class Trainer {
     num_params_ = 0;
     if (sdp_mode_) {
       for (const at::Tensor& p : plain_->parameters()) num_params_ += p.numel();
-      return 0;  // Validate rejects resume under sdp
-    }
-    for (const auto& info : model_->flat_param_info()) num_params_ += info.numel;
-    for (auto* unit : model_->fsdp_units()) {
-      if (unit == model_.get()) continue;
-      for (const auto& info : unit->flat_param_info()) num_params_ += info.numel;
+    } else {
+      for (const auto& info : model_->flat_param_info()) num_params_ += info.numel;
+      for (auto* unit : model_->fsdp_units()) {
+        if (unit == model_.get()) continue;
+        for (const auto& info : unit->flat_param_info()) num_params_ += info.numel;
+      }
     }
     if (config_.resume == ResumeMode::kNever) return 0;
     if (config_.checkpoint_dir.empty()) {
@@ -539,6 +541,8 @@ class Trainer {
                        " ranks, this job has ", world_));
     }
     const nlohmann::json want = config_.ToJson();
+    // Checkpoints written before data_parallel existed are FSDP ones.
+    if (!latest->config.contains("data_parallel")) latest->config["data_parallel"] = "fsdp";
     for (const auto& [key, value] : want.items()) {
       if (!latest->config.contains(key) || latest->config[key] != value) {
         return absl::FailedPreconditionError(absl::StrCat(
@@ -549,9 +553,15 @@ class Trainer {
     }
     // Every rank checks every file, so all ranks fail with the same message.
     FS_RETURN_IF_ERROR(VerifyCheckpoint(*latest));
-    const std::string file = RankFile(latest->dir, rank_);
+    // sdp: every rank reads rank 0's file (the full parameters and the consolidated OSS state;
+    // OSS::load keeps this rank's part).
+    const std::string file = RankFile(latest->dir, sdp_mode_ ? 0 : rank_);
     try {
-      fsdp::load_local_checkpoint(model_, opt_.get(), file);
+      if (sdp_mode_) {
+        LoadSdpCheckpoint(file);
+      } else {
+        fsdp::load_local_checkpoint(model_, opt_.get(), file);
+      }
     } catch (const std::exception& e) {
       return absl::DataLossError(absl::StrCat("resume: cannot load ", file, ": ", e.what()));
     }
@@ -565,7 +575,11 @@ class Trainer {
     if (ec) return absl::UnavailableError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
     const std::string file = RankFile(dir, rank_);
     try {
-      fsdp::save_local_checkpoint(model_, opt_.get(), file);
+      if (sdp_mode_) {
+        SaveSdpCheckpoint(file);
+      } else {
+        fsdp::save_local_checkpoint(model_, opt_.get(), file);
+      }
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat("cannot save checkpoint ", file, ": ", e.what()));
     }
@@ -582,6 +596,44 @@ class Trainer {
     if (rank_ != 0) return absl::OkStatus();
     FS_RETURN_IF_ERROR(WriteComplete(dir, step, world_, config_.ToJson()));
     return PruneCheckpoints(config_.checkpoint_dir, config_.keep_checkpoints);
+  }
+
+  // sdp checkpoint file: "model/<name>" for every parameter (the full model, the same on every
+  // rank) and, in rank 0's file, "optimizer": the OSS state consolidated on rank 0 (the layout of
+  // an unsharded torch::optim::Adam). Collective (the consolidation). Written to a .tmp file and
+  // renamed.
+  void SaveSdpCheckpoint(const std::string& file) {
+    oss_->consolidate_state_dict(0);
+    torch::serialize::OutputArchive archive;
+    for (const auto& item : plain_->named_parameters()) {
+      archive.write("model/" + item.key(), item.value().detach());
+    }
+    if (rank_ == 0) {
+      torch::serialize::OutputArchive optimizer;
+      oss_->save(optimizer);
+      archive.write("optimizer", optimizer);
+    }
+    const std::string tmp = file + ".tmp";
+    archive.save_to(tmp);
+    std::filesystem::rename(tmp, file);
+  }
+
+  void LoadSdpCheckpoint(const std::string& file) {
+    torch::serialize::InputArchive archive;
+    archive.load_from(file);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& item : plain_->named_parameters()) {
+        at::Tensor saved;
+        archive.read("model/" + item.key(), saved);
+        TORCH_CHECK(saved.sizes() == item.value().sizes(), "parameter ", item.key(), " has shape ",
+                    saved.sizes(), " in the checkpoint, ", item.value().sizes(), " in the model");
+        item.value().copy_(saved);
+      }
+    }
+    torch::serialize::InputArchive optimizer;
+    archive.read("optimizer", optimizer);
+    oss_->load(optimizer);
   }
 
   std::string ProgressLine(int64_t step, double loss, double val, double tokens_per_s,
@@ -678,11 +730,6 @@ absl::Status TrainConfig::Validate() const {
           "data_parallel sdp trains the fp32 model (no mixed precision): precision must be fp32, "
           "got ", precision));
     }
-    if (!checkpoint_dir.empty() || resume != ResumeMode::kNever) {
-      return absl::InvalidArgumentError(
-          "data_parallel sdp does not checkpoint yet: no checkpoint_dir (--checkpoint_dir=none) "
-          "and no resume");
-    }
   }
   if (loss_scale && resume != ResumeMode::kNever) {
     return absl::InvalidArgumentError(
@@ -698,11 +745,13 @@ absl::Status TrainConfig::Validate() const {
 }
 
 nlohmann::json TrainConfig::ToJson() const {
-  return {{"steps", steps},   {"batch", batch},       {"seq", seq},
-          {"width", width},   {"blocks", blocks},     {"heads", heads},
-          {"seed", seed},     {"lr", lr},             {"warmup_steps", warmup_steps},
-          {"min_lr_ratio", min_lr_ratio},             {"grad_clip", grad_clip},
-          {"strategy", strategy},                     {"precision", precision}};
+  nlohmann::json j = {{"steps", steps},   {"batch", batch},       {"seq", seq},
+                      {"width", width},   {"blocks", blocks},     {"heads", heads},
+                      {"seed", seed},     {"lr", lr},             {"warmup_steps", warmup_steps},
+                      {"min_lr_ratio", min_lr_ratio},             {"grad_clip", grad_clip},
+                      {"strategy", strategy},                     {"precision", precision},
+                      {"data_parallel", data_parallel}};
+  return j;
 }
 
 double LearningRate(const TrainConfig& c, int64_t step) {

@@ -47,8 +47,9 @@ struct TrainConfig {
   double grad_clip = 1.0;  // max global grad norm; 0 = off
   // Data parallelism: "fsdp" (FullyShardedDataParallel over GptWrapPolicy units, `strategy`)
   // or "sdp" (the plain model under oss::ShardedDataParallel with an oss::OSS Adam partitioned
-  // by `oss_partition` (greedy | flat): ZeRO-2). sdp computes in fp32 (precision must be fp32)
-  // and writes no checkpoints (checkpoint_dir must be empty, resume never).
+  // by `oss_partition` (greedy | flat): ZeRO-2). sdp computes in fp32 (precision must be fp32);
+  // its checkpoints hold the full parameters in every rank file and the OSS state consolidated
+  // into rank 0's (resumable at any partition).
   std::string data_parallel = "fsdp";
   std::string oss_partition = "greedy";
   // Dynamic loss scaling (amp::ShardedGradScaler over the job's communicator): the loss is
