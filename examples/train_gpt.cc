@@ -60,7 +60,7 @@ ABSL_FLAG(std::string, data_parallel, "fsdp",
           "Adam, ZeRO-2; needs --precision=fp32)");
 ABSL_FLAG(std::string, oss_partition, "greedy", "sdp: OSS partition, greedy | flat");
 ABSL_FLAG(bool, loss_scale, false,
-          "dynamic loss scaling (amp::ShardedGradScaler; scale in the metrics; no resume)");
+          "dynamic loss scaling (amp::ShardedGradScaler; the scale in the step records)");
 ABSL_FLAG(std::string, precision, "bf16",
           "bf16 | fp32: compute and all-gather dtype (f32 master shards, f32 gradient reduction); "
           "fp16 is rejected on CPU (LibTorch has no float16 LayerNorm kernel there)");

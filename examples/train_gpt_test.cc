@@ -201,13 +201,14 @@ TEST_F(TrainGptTest, ShardedDataParallelMatchesFsdpNoShardAndLossScaling) {
   EXPECT_THAT(bf16.output, HasSubstr("precision must be fp32"));
 }
 
-// sdp checkpoints (full parameters + the OSS state consolidated on rank 0): a run stopped at
+// sdp checkpoints (full parameters + the OSS state consolidated on rank 0; with --loss_scale the
+// scaler's state in COMPLETE): a run stopped at
 // step 12 under the flat partition and resumed from step 10 under the greedy one matches an
 // uninterrupted run bitwise (OSS saves the unsharded Adam's layout, loadable at any partition).
 TEST_F(TrainGptTest, ShardedDataParallelResumeMatchesAnUninterruptedRunBitwise) {
   const std::vector<std::string> job = {"--nproc=2", "--steps=20", "--checkpoint_every=5",
                                         "--precision=fp32", "--data_parallel=sdp",
-                                        "--sample_tokens=0"};
+                                        "--loss_scale", "--sample_tokens=0"};
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> a = job;
     a.insert(a.end(), extra.begin(), extra.end());
@@ -217,6 +218,13 @@ TEST_F(TrainGptTest, ShardedDataParallelResumeMatchesAnUninterruptedRunBitwise) 
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
   JobResult first = Run("parts", with({"--stop_after=12", "--oss_partition=flat"}));
   ASSERT_EQ(first.exit_code, 0) << first.output;
+  // The loss scaler's state rides in COMPLETE: 10 clean steps at the initial scale.
+  {
+    std::ifstream in(dir_ + "/parts/checkpoints/step_00000010/COMPLETE");
+    const nlohmann::json complete = nlohmann::json::parse(in);
+    EXPECT_EQ(complete["config"]["grad_scaler"]["scale"].get<double>(), 65536.0) << complete;
+    EXPECT_EQ(complete["config"]["grad_scaler"]["growth_tracker"].get<int64_t>(), 10) << complete;
+  }
   JobResult second = Run("parts", with({"--resume"}));
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_THAT(second.output, HasSubstr("resumed at step 10"));

@@ -565,6 +565,14 @@ class Trainer {
     } catch (const std::exception& e) {
       return absl::DataLossError(absl::StrCat("resume: cannot load ", file, ": ", e.what()));
     }
+    // A checkpoint written without --loss_scale has no scaler state: the scaler starts afresh.
+    if (scaler_ && latest->config.contains("grad_scaler")) {
+      const nlohmann::json& saved = latest->config["grad_scaler"];
+      amp::GradScalerState st = scaler_->state_dict();
+      st.scale = saved.value("scale", st.scale);
+      st.growth_tracker = saved.value("growth_tracker", st.growth_tracker);
+      scaler_->load_state_dict(st);
+    }
     return latest->step;
   }
 
@@ -594,7 +602,14 @@ class Trainer {
     // Every rank's file is in place before rank 0 declares the step complete.
     FS_RETURN_IF_ERROR(comm_->Barrier().Wait());
     if (rank_ != 0) return absl::OkStatus();
-    FS_RETURN_IF_ERROR(WriteComplete(dir, step, world_, config_.ToJson()));
+    // The loss scaler's state (the same on every rank: ShardedGradScaler agrees on every
+    // decision) rides in COMPLETE's config, written atomically with it.
+    nlohmann::json recorded = config_.ToJson();
+    if (scaler_) {
+      const amp::GradScalerState st = scaler_->state_dict();
+      recorded["grad_scaler"] = {{"scale", st.scale}, {"growth_tracker", st.growth_tracker}};
+    }
+    FS_RETURN_IF_ERROR(WriteComplete(dir, step, world_, recorded));
     return PruneCheckpoints(config_.checkpoint_dir, config_.keep_checkpoints);
   }
 
@@ -731,10 +746,7 @@ absl::Status TrainConfig::Validate() const {
           "got ", precision));
     }
   }
-  if (loss_scale && resume != ResumeMode::kNever) {
-    return absl::InvalidArgumentError(
-        "loss_scale: the scaler's state is not checkpointed yet, so a run with it cannot resume");
-  }
+
   if (precision == "fp16") {
     // The job runs on CPU tensors, and LibTorch 1.13's CPU LayerNorm has no Half kernel
     // ("LayerNormKernelImpl" not implemented for 'Half'): fail before launching anything.

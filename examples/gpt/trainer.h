@@ -54,7 +54,8 @@ struct TrainConfig {
   std::string oss_partition = "greedy";
   // Dynamic loss scaling (amp::ShardedGradScaler over the job's communicator): the loss is
   // scaled before backward, the gradients unscaled before clipping, a step with inf/NaN
-  // gradients skipped on every rank. The scaler's state is not checkpointed: resume is rejected.
+  // gradients skipped on every rank. The scaler's state (scale, growth tracker) is recorded in
+  // each checkpoint's COMPLETE and restored on resume.
   bool loss_scale = false;
   // FSDP.
   std::string strategy = "full_shard";  // full_shard | shard_grad_op | no_shard
