@@ -68,21 +68,24 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   return ss.str();
 }
 
+uint64_t Fnv1a64(const void* data, size_t n, uint64_t h) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;  // FNV prime
+  return h;
+}
+
 absl::StatusOr<FileDigest> DigestFile(const std::string& dir, const std::string& name) {
   const std::string path = absl::StrCat(dir, "/", name);
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("checkpoint file ", path, " is missing"));
   FileDigest d;
   d.name = name;
-  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a 64 offset basis
+  uint64_t h = kFnv1a64Basis;
   char buf[1 << 16];
   while (in) {
     in.read(buf, sizeof(buf));
     const std::streamsize got = in.gcount();
-    for (std::streamsize i = 0; i < got; ++i) {
-      h ^= static_cast<unsigned char>(buf[i]);
-      h *= 0x100000001b3ULL;  // FNV prime
-    }
+    h = Fnv1a64(buf, static_cast<size_t>(got), h);
     d.bytes += static_cast<uint64_t>(got);
   }
   if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read checkpoint file ", path));

@@ -14,6 +14,7 @@
 // library, and hashes a few MB in milliseconds; a cryptographic hash would buy nothing here.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -33,6 +34,11 @@ inline constexpr char kCompleteName[] = "COMPLETE";
 // Writes `content` to "<path>.tmp.<pid>", fsyncs it and renames it over `path`.
 absl::Status WriteFileAtomic(const std::string& path, const std::string& content);
 absl::StatusOr<std::string> ReadFile(const std::string& path);
+
+// 64-bit FNV-1a of `n` bytes, continuing from `h` (start: kFnv1a64Basis), so data can be hashed
+// in pieces. The checksum COMPLETE records, and the parameter hashes of the job's metrics.
+inline constexpr uint64_t kFnv1a64Basis = 0xcbf29ce484222325ULL;
+uint64_t Fnv1a64(const void* data, size_t n, uint64_t h = kFnv1a64Basis);
 
 struct FileDigest {
   std::string name;  // relative to the step directory

@@ -90,12 +90,6 @@ std::string HumanDuration(double s) {
   return absl::StrFormat("%ds", t);
 }
 
-uint64_t Fnv1a(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ULL) {
-  const unsigned char* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;
-  return h;
-}
-
 // Rank 0's metrics file. On resume the records after the checkpoint's step (written by the
 // interrupted run) are dropped, so the file reads as one uninterrupted run.
 class Metrics {
@@ -459,10 +453,10 @@ class Trainer {
   }
 
   absl::StatusOr<std::vector<uint64_t>> ParamHashes() {
-    uint64_t h = 0xcbf29ce484222325ULL;
+    uint64_t h = kFnv1a64Basis;
     for (const at::Tensor& p : sdp_mode_ ? plain_->parameters() : model_->parameters()) {
       at::Tensor c = p.detach().contiguous();
-      h = Fnv1a(c.data_ptr(), c.numel() * c.element_size(), h);
+      h = Fnv1a64(c.data_ptr(), c.numel() * c.element_size(), h);
     }
     return GatherHashes(h);
   }
@@ -470,12 +464,12 @@ class Trainer {
   // Collective: gathers every unit's full parameters and hashes the original parameters (not
   // the shards, which differ between ranks) in a fixed order.
   absl::StatusOr<std::vector<uint64_t>> FullParamHashes() {
-    uint64_t h = 0xcbf29ce484222325ULL;
+    uint64_t h = kFnv1a64Basis;
     if (sdp_mode_) {  // every rank holds the full parameters
       for (const auto& item : plain_->named_parameters()) {
         at::Tensor c = item.value().detach().contiguous();
-        h = Fnv1a(item.key().data(), item.key().size(), h);
-        h = Fnv1a(c.data_ptr(), c.numel() * c.element_size(), h);
+        h = Fnv1a64(item.key().data(), item.key().size(), h);
+        h = Fnv1a64(c.data_ptr(), c.numel() * c.element_size(), h);
       }
       return GatherHashes(h);
     }
@@ -491,8 +485,8 @@ class Trainer {
         for (const auto& item : u->module()->named_parameters()) {
           if (shards.count(item.value().unsafeGetTensorImpl()) > 0) continue;
           at::Tensor c = item.value().detach().contiguous();
-          h = Fnv1a(item.key().data(), item.key().size(), h);
-          h = Fnv1a(c.data_ptr(), c.numel() * c.element_size(), h);
+          h = Fnv1a64(item.key().data(), item.key().size(), h);
+          h = Fnv1a64(c.data_ptr(), c.numel() * c.element_size(), h);
         }
       }
     } catch (const std::exception& e) {
