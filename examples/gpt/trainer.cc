@@ -2,13 +2,10 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/from_blob.h>
-#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
 #include <torch/utils.h>
 #include <unistd.h>
 
@@ -22,7 +19,6 @@
 #include <fstream>
 #include <limits>
 #include <optional>
-#include <set>
 #include <sstream>
 #include <thread>
 
@@ -36,16 +32,12 @@
 #include "examples/gpt/checkpoint_dir.h"
 #include "examples/gpt/data.h"
 #include "examples/gpt/model.h"
+#include "examples/gpt/parallel_model.h"
 #include "examples/gpt/svg_plot.h"
 #include "trace/chrome_trace.h"
 #include "trace/profile.h"
 #include "trace/recorder.h"
 #include "trace/tracing_communicator.h"
-#include "fsdp/fully_sharded_data_parallel.h"
-#include "fsdp/local_checkpoint.h"
-#include "fsdp/wrap.h"
-#include "oss/oss.h"
-#include "oss/sharded_data_parallel.h"
 
 namespace fairscale::examples::gpt {
 namespace {
@@ -53,29 +45,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using comm::MakeBuffer;
 using comm::MakeConstBuffer;
-
-absl::StatusOr<fsdp::ShardingStrategy> ParseStrategy(const std::string& s) {
-  if (s == "full_shard") return fsdp::ShardingStrategy::kFullShard;
-  if (s == "shard_grad_op") return fsdp::ShardingStrategy::kShardGradOp;
-  if (s == "no_shard") return fsdp::ShardingStrategy::kNoShard;
-  return absl::InvalidArgumentError(
-      absl::StrCat("strategy '", s, "': expected full_shard, shard_grad_op or no_shard"));
-}
-
-absl::StatusOr<c10::optional<c10::ScalarType>> ParsePrecision(const std::string& p) {
-  if (p == "bf16") return c10::optional<c10::ScalarType>(at::kBFloat16);
-  if (p == "fp16") return c10::optional<c10::ScalarType>(at::kHalf);
-  if (p == "fp32") return c10::optional<c10::ScalarType>();
-  return absl::InvalidArgumentError(
-      absl::StrCat("precision '", p, "': expected bf16, fp16 or fp32"));
-}
-
-absl::StatusOr<oss::PartitionMode> ParsePartition(const std::string& p) {
-  if (p == "greedy") return oss::PartitionMode::kGreedy;
-  if (p == "flat") return oss::PartitionMode::kFlat;
-  return absl::InvalidArgumentError(
-      absl::StrCat("oss_partition '", p, "': expected greedy or flat"));
-}
 
 std::string HumanBytes(double b) {
   if (b >= 1 << 30) return absl::StrFormat("%.1fG", b / (1 << 30));
@@ -159,14 +128,6 @@ class Trainer {
                             : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) /
                                               world_);
     at::set_num_threads(threads);
-    FS_ASSIGN_OR_RETURN(fsdp::ShardingStrategy strategy, ParseStrategy(config_.strategy));
-    FS_ASSIGN_OR_RETURN(c10::optional<c10::ScalarType> dtype, ParsePrecision(config_.precision));
-    fsdp::MixedPrecision mp;
-    // Compute and all-gather in `dtype`; reduce gradients in f32 (FairScale's
-    // fp32_reduce_scatter): the shards the optimizer steps are f32 master copies either way.
-    if (dtype) mp.param_dtype(dtype).reduce_dtype(at::kFloat);
-    const auto opts = fsdp::FsdpOptions().sharding_strategy(strategy).mixed_precision(mp);
-
     const GptConfig gc = GptConfig()
                              .vocab(tokenizer_.vocab_size())
                              .seq(config_.seq)
@@ -174,24 +135,8 @@ class Trainer {
                              .heads(config_.heads)
                              .blocks(config_.blocks);
     torch::manual_seed(config_.seed);  // the same initial weights on every rank
-    const auto adam = torch::optim::AdamOptions(config_.lr).betas({0.9, 0.99});
-    if (sdp_mode_) {
-      // ZeRO-2: every rank holds the full fp32 model; OSS partitions the Adam state and
-      // ShardedDataParallel reduces each gradient to its owner only.
-      FS_ASSIGN_OR_RETURN(oss::PartitionMode partition, ParsePartition(config_.oss_partition));
-      plain_ = Gpt(gc);
-      oss_ = oss::OSS::make<torch::optim::Adam>(plain_->parameters(), adam, comm_,
-                                                oss::OssOptions().partition(partition));
-      sdp_ = oss::ShardedDataParallel(torch::nn::AnyModule(plain_), oss_);
-      optim_ = oss_.get();
-    } else {
-      {
-        fsdp::EnableWrap scope(comm_, opts, GptWrapPolicy());
-        model_ = fsdp::FullyShardedDataParallel(Gpt(gc), comm_, opts);
-      }
-      opt_ = std::make_unique<torch::optim::Adam>(model_->parameters(), adam);
-      optim_ = opt_.get();
-    }
+    FS_ASSIGN_OR_RETURN(model_, MakeParallelModel(config_, gc, comm_));
+    optim_ = &model_->optimizer();
     if (config_.loss_scale) scaler_ = std::make_unique<amp::ShardedGradScaler>(comm_);
 
     TrainResult result;
@@ -237,11 +182,7 @@ class Trainer {
       at::Tensor loss;
       {
         trace::Scope scope(recorder_.get(), "forward", trace::kCategoryCompute, {{"step", step}});
-        if (sdp_mode_) {
-          oss_->zero_grad();
-        } else {
-          opt_->zero_grad();
-        }
+        model_->zero_grad();
         loss = Loss(data_.Batch(config_.seed, step, rank_, Split::kTrain, config_.batch,
                                 config_.seq));
       }
@@ -260,11 +201,7 @@ class Trainer {
                            {{"step", step}});
         if (config_.grad_clip > 0) {
           if (scaler_) scaler_->unscale_(*optim_);  // clip the true gradients
-          if (sdp_mode_) {
-            oss_->clip_grad_norm(config_.grad_clip);
-          } else {
-            model_->clip_grad_norm_(config_.grad_clip);
-          }
+          model_->clip_grad_norm(config_.grad_clip);
         }
         if (scaler_) {
           stepped = scaler_->step(*optim_);  // the same verdict on every rank
@@ -344,7 +281,7 @@ class Trainer {
 
     if (config_.sample_tokens > 0) {
       std::vector<int64_t> ids = generate(
-          [&](torch::Tensor t) { return EvalForward(t); }, prompt, config_.sample_tokens, config_.seq,
+          [&](torch::Tensor t) { return model_->forward(t); }, prompt, config_.sample_tokens, config_.seq,
           SampleOptions().temperature(config_.temperature).top_k(config_.top_k).seed(config_.seed));
       result.sample = config_.prompt + tokenizer_.Decode(ids);
     }
@@ -387,21 +324,13 @@ class Trainer {
   at::Tensor Loss(std::vector<int64_t> rows) {
     at::Tensor data = at::from_blob(rows.data(), {config_.batch, config_.seq + 1}, at::kLong).clone();
     at::Tensor input = data.narrow(1, 0, config_.seq);
-    at::Tensor logits = !sdp_mode_                  ? model_(input)
-                        : c10::GradMode::is_enabled() ? sdp_->forward(input)
-                                                        : plain_(input);
+    at::Tensor logits = model_->forward(input);
     return torch::nn::functional::cross_entropy(
         logits.to(at::kFloat).reshape({-1, tokenizer_.vocab_size()}),
         data.narrow(1, 1, config_.seq).reshape({-1}));
   }
 
-  // Forward without gradients (evaluation, sampling): under sdp the plain model (every rank
-  // holds all of it), no ShardedDataParallel collectives.
-  at::Tensor EvalForward(const at::Tensor& x) { return sdp_mode_ ? plain_(x) : model_(x); }
-
-  std::string ModeLabel() const {
-    return sdp_mode_ ? absl::StrCat("sdp/", config_.oss_partition) : config_.strategy;
-  }
+  std::string ModeLabel() const { return model_->label(); }
 
   // Mean loss over eval_batches fixed validation batches per rank, averaged over ranks.
   absl::StatusOr<double> ValLoss() {
@@ -452,43 +381,13 @@ class Trainer {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<std::vector<uint64_t>> ParamHashes() {
-    uint64_t h = kFnv1a64Basis;
-    for (const at::Tensor& p : sdp_mode_ ? plain_->parameters() : model_->parameters()) {
-      at::Tensor c = p.detach().contiguous();
-      h = Fnv1a64(c.data_ptr(), c.numel() * c.element_size(), h);
-    }
-    return GatherHashes(h);
-  }
+  absl::StatusOr<std::vector<uint64_t>> ParamHashes() { return GatherHashes(model_->param_hash()); }
 
-  // Collective: gathers every unit's full parameters and hashes the original parameters (not
-  // the shards, which differ between ranks) in a fixed order.
+  // Collective (FSDP gathers every unit's full parameters).
   absl::StatusOr<std::vector<uint64_t>> FullParamHashes() {
-    uint64_t h = kFnv1a64Basis;
-    if (sdp_mode_) {  // every rank holds the full parameters
-      for (const auto& item : plain_->named_parameters()) {
-        at::Tensor c = item.value().detach().contiguous();
-        h = Fnv1a64(item.key().data(), item.key().size(), h);
-        h = Fnv1a64(c.data_ptr(), c.numel() * c.element_size(), h);
-      }
-      return GatherHashes(h);
-    }
+    uint64_t h = 0;
     try {
-      auto guard = model_->summon_full_params(/*writeback=*/false);
-      std::set<const c10::TensorImpl*> shards;
-      for (fsdp::FullyShardedDataParallelImpl* u : model_->fsdp_units()) {
-        for (const at::Tensor& p : u->parameters(/*recurse=*/false)) {
-          shards.insert(p.unsafeGetTensorImpl());
-        }
-      }
-      for (fsdp::FullyShardedDataParallelImpl* u : model_->fsdp_units()) {
-        for (const auto& item : u->module()->named_parameters()) {
-          if (shards.count(item.value().unsafeGetTensorImpl()) > 0) continue;
-          at::Tensor c = item.value().detach().contiguous();
-          h = Fnv1a64(item.key().data(), item.key().size(), h);
-          h = Fnv1a64(c.data_ptr(), c.numel() * c.element_size(), h);
-        }
-      }
+      h = model_->full_param_hash();
     } catch (const std::exception& e) {
       return absl::InternalError(absl::StrCat("rank ", rank_, ": summon_full_params: ", e.what()));
     }
@@ -507,16 +406,7 @@ class Trainer {
   }
 
   absl::StatusOr<int64_t> MaybeResume() {
-    num_params_ = 0;
-    if (sdp_mode_) {
-      for (const at::Tensor& p : plain_->parameters()) num_params_ += p.numel();
-    } else {
-      for (const auto& info : model_->flat_param_info()) num_params_ += info.numel;
-      for (auto* unit : model_->fsdp_units()) {
-        if (unit == model_.get()) continue;
-        for (const auto& info : unit->flat_param_info()) num_params_ += info.numel;
-      }
-    }
+    num_params_ = model_->num_params();
     if (config_.resume == ResumeMode::kNever) return 0;
     if (config_.checkpoint_dir.empty()) {
       return absl::InvalidArgumentError("resume needs a checkpoint directory (--checkpoint_dir)");
@@ -547,15 +437,10 @@ class Trainer {
     }
     // Every rank checks every file, so all ranks fail with the same message.
     FS_RETURN_IF_ERROR(VerifyCheckpoint(*latest));
-    // sdp: every rank reads rank 0's file (the full parameters and the consolidated OSS state;
-    // OSS::load keeps this rank's part).
-    const std::string file = RankFile(latest->dir, sdp_mode_ ? 0 : rank_);
+    // sdp: every rank reads rank 0's file (see ParallelModel::checkpoint_file_rank).
+    const std::string file = RankFile(latest->dir, model_->checkpoint_file_rank(rank_));
     try {
-      if (sdp_mode_) {
-        LoadSdpCheckpoint(file);
-      } else {
-        fsdp::load_local_checkpoint(model_, opt_.get(), file);
-      }
+      model_->load(file);
     } catch (const std::exception& e) {
       return absl::DataLossError(absl::StrCat("resume: cannot load ", file, ": ", e.what()));
     }
@@ -577,11 +462,7 @@ class Trainer {
     if (ec) return absl::UnavailableError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
     const std::string file = RankFile(dir, rank_);
     try {
-      if (sdp_mode_) {
-        SaveSdpCheckpoint(file);
-      } else {
-        fsdp::save_local_checkpoint(model_, opt_.get(), file);
-      }
+      model_->save(file);
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat("cannot save checkpoint ", file, ": ", e.what()));
     }
@@ -605,44 +486,6 @@ class Trainer {
     }
     FS_RETURN_IF_ERROR(WriteComplete(dir, step, world_, recorded));
     return PruneCheckpoints(config_.checkpoint_dir, config_.keep_checkpoints);
-  }
-
-  // sdp checkpoint file: "model/<name>" for every parameter (the full model, the same on every
-  // rank) and, in rank 0's file, "optimizer": the OSS state consolidated on rank 0 (the layout of
-  // an unsharded torch::optim::Adam). Collective (the consolidation). Written to a .tmp file and
-  // renamed.
-  void SaveSdpCheckpoint(const std::string& file) {
-    oss_->consolidate_state_dict(0);
-    torch::serialize::OutputArchive archive;
-    for (const auto& item : plain_->named_parameters()) {
-      archive.write("model/" + item.key(), item.value().detach());
-    }
-    if (rank_ == 0) {
-      torch::serialize::OutputArchive optimizer;
-      oss_->save(optimizer);
-      archive.write("optimizer", optimizer);
-    }
-    const std::string tmp = file + ".tmp";
-    archive.save_to(tmp);
-    std::filesystem::rename(tmp, file);
-  }
-
-  void LoadSdpCheckpoint(const std::string& file) {
-    torch::serialize::InputArchive archive;
-    archive.load_from(file);
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& item : plain_->named_parameters()) {
-        at::Tensor saved;
-        archive.read("model/" + item.key(), saved);
-        TORCH_CHECK(saved.sizes() == item.value().sizes(), "parameter ", item.key(), " has shape ",
-                    saved.sizes(), " in the checkpoint, ", item.value().sizes(), " in the model");
-        item.value().copy_(saved);
-      }
-    }
-    torch::serialize::InputArchive optimizer;
-    archive.read("optimizer", optimizer);
-    oss_->load(optimizer);
   }
 
   std::string ProgressLine(int64_t step, double loss, double val, double tokens_per_s,
@@ -687,13 +530,8 @@ class Trainer {
   int rank_, world_;
   CharTokenizer tokenizer_;
   TokenData data_;
-  const bool sdp_mode_ = config_.data_parallel == "sdp";
-  fsdp::FullyShardedDataParallel model_{nullptr};   // fsdp
-  std::unique_ptr<torch::optim::Adam> opt_;         // fsdp: over model_'s shards
-  Gpt plain_{nullptr};                              // sdp: the full model
-  std::shared_ptr<oss::OSS> oss_;                   // sdp
-  oss::ShardedDataParallel sdp_{nullptr};           // sdp: plain_ + oss_
-  torch::optim::Optimizer* optim_ = nullptr;        // opt_ or oss_
+  std::unique_ptr<ParallelModel> model_;            // the data-parallel mode
+  torch::optim::Optimizer* optim_ = nullptr;        // model_->optimizer()
   std::unique_ptr<amp::ShardedGradScaler> scaler_;  // with loss_scale
   Metrics metrics_;
   int64_t num_params_ = 0;
@@ -726,28 +564,7 @@ absl::Status TrainConfig::Validate() const {
   if (sample_tokens > 0 && prompt.empty()) {
     return absl::InvalidArgumentError("prompt must not be empty when sampling");
   }
-  FS_RETURN_IF_ERROR(ParseStrategy(strategy).status());
-  FS_RETURN_IF_ERROR(ParsePrecision(precision).status());
-  FS_RETURN_IF_ERROR(ParsePartition(oss_partition).status());
-  if (data_parallel != "fsdp" && data_parallel != "sdp") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("data_parallel '", data_parallel, "': expected fsdp or sdp"));
-  }
-  if (data_parallel == "sdp") {
-    if (precision != "fp32") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "data_parallel sdp trains the fp32 model (no mixed precision): precision must be fp32, "
-          "got ", precision));
-    }
-  }
-
-  if (precision == "fp16") {
-    // The job runs on CPU tensors, and LibTorch 1.13's CPU LayerNorm has no Half kernel
-    // ("LayerNormKernelImpl" not implemented for 'Half'): fail before launching anything.
-    return absl::InvalidArgumentError(
-        "precision fp16: LibTorch's CPU LayerNorm has no float16 kernel; use bf16 or fp32");
-  }
-  return absl::OkStatus();
+  return ValidateParallelConfig(*this);
 }
 
 nlohmann::json TrainConfig::ToJson() const {

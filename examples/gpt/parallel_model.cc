@@ -1,0 +1,257 @@
+#include "examples/gpt/parallel_model.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/optim/adam.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <filesystem>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "examples/gpt/checkpoint_dir.h"
+#include "fsdp/fully_sharded_data_parallel.h"
+#include "fsdp/local_checkpoint.h"
+#include "fsdp/wrap.h"
+#include "oss/oss.h"
+#include "oss/sharded_data_parallel.h"
+
+namespace fairscale::examples::gpt {
+namespace {
+
+absl::StatusOr<fsdp::ShardingStrategy> ParseStrategy(const std::string& s) {
+  if (s == "full_shard") return fsdp::ShardingStrategy::kFullShard;
+  if (s == "shard_grad_op") return fsdp::ShardingStrategy::kShardGradOp;
+  if (s == "no_shard") return fsdp::ShardingStrategy::kNoShard;
+  return absl::InvalidArgumentError(
+      absl::StrCat("strategy '", s, "': expected full_shard, shard_grad_op or no_shard"));
+}
+
+absl::StatusOr<c10::optional<c10::ScalarType>> ParsePrecision(const std::string& p) {
+  if (p == "bf16") return c10::optional<c10::ScalarType>(at::kBFloat16);
+  if (p == "fp16") return c10::optional<c10::ScalarType>(at::kHalf);
+  if (p == "fp32") return c10::optional<c10::ScalarType>();
+  return absl::InvalidArgumentError(
+      absl::StrCat("precision '", p, "': expected bf16, fp16 or fp32"));
+}
+
+absl::StatusOr<oss::PartitionMode> ParsePartition(const std::string& p) {
+  if (p == "greedy") return oss::PartitionMode::kGreedy;
+  if (p == "flat") return oss::PartitionMode::kFlat;
+  return absl::InvalidArgumentError(
+      absl::StrCat("oss_partition '", p, "': expected greedy or flat"));
+}
+
+uint64_t HashTensor(const at::Tensor& t, uint64_t h) {
+  at::Tensor c = t.detach().contiguous();
+  return Fnv1a64(c.data_ptr(), c.numel() * c.element_size(), h);
+}
+
+uint64_t HashNamed(const std::string& name, const at::Tensor& t, uint64_t h) {
+  return HashTensor(t, Fnv1a64(name.data(), name.size(), h));
+}
+
+// FSDP: the embeddings, every block and the head each their own unit under a parameterless root;
+// Adam over the units' f32 master shards.
+class FsdpModel final : public ParallelModel {
+ public:
+  FsdpModel(fsdp::FullyShardedDataParallel model, std::unique_ptr<torch::optim::Optimizer> opt,
+            std::string label)
+      : model_(std::move(model)), opt_(std::move(opt)), label_(std::move(label)) {
+    for (const auto& info : model_->flat_param_info()) num_params_ += info.numel;
+    for (auto* unit : model_->fsdp_units()) {
+      if (unit == model_.get()) continue;
+      for (const auto& info : unit->flat_param_info()) num_params_ += info.numel;
+    }
+  }
+
+  at::Tensor forward(const at::Tensor& tokens) override { return model_(tokens); }
+  torch::optim::Optimizer& optimizer() override { return *opt_; }
+  void zero_grad() override { opt_->zero_grad(); }
+  void clip_grad_norm(double max_norm) override { model_->clip_grad_norm_(max_norm); }
+  int64_t num_params() const override { return num_params_; }
+  std::string label() const override { return label_; }
+
+  void save(const std::string& file) override {
+    fsdp::save_local_checkpoint(model_, opt_.get(), file);
+  }
+  int checkpoint_file_rank(int rank) const override { return rank; }
+  void load(const std::string& file) override {
+    fsdp::load_local_checkpoint(model_, opt_.get(), file);
+  }
+
+  uint64_t param_hash() override {
+    uint64_t h = kFnv1a64Basis;
+    for (const at::Tensor& p : model_->parameters()) h = HashTensor(p, h);
+    return h;
+  }
+  // Gathers every unit's full parameters and hashes the original parameters (not the shards,
+  // which differ between ranks) in a fixed order.
+  uint64_t full_param_hash() override {
+    uint64_t h = kFnv1a64Basis;
+    auto guard = model_->summon_full_params(/*writeback=*/false);
+    std::set<const c10::TensorImpl*> shards;
+    for (fsdp::FullyShardedDataParallelImpl* u : model_->fsdp_units()) {
+      for (const at::Tensor& p : u->parameters(/*recurse=*/false)) {
+        shards.insert(p.unsafeGetTensorImpl());
+      }
+    }
+    for (fsdp::FullyShardedDataParallelImpl* u : model_->fsdp_units()) {
+      for (const auto& item : u->module()->named_parameters()) {
+        if (shards.count(item.value().unsafeGetTensorImpl()) > 0) continue;
+        h = HashNamed(item.key(), item.value(), h);
+      }
+    }
+    return h;
+  }
+
+ private:
+  fsdp::FullyShardedDataParallel model_;
+  std::unique_ptr<torch::optim::Optimizer> opt_;
+  std::string label_;
+  int64_t num_params_ = 0;
+};
+
+// ZeRO-2: every rank holds the full fp32 model; OSS partitions the Adam state and
+// ShardedDataParallel reduces each gradient to its owner only.
+class SdpModel final : public ParallelModel {
+ public:
+  SdpModel(Gpt plain, std::shared_ptr<oss::OSS> opt, int rank, std::string label)
+      : plain_(std::move(plain)),
+        oss_(std::move(opt)),
+        sdp_(torch::nn::AnyModule(plain_), oss_),
+        rank_(rank),
+        label_(std::move(label)) {}
+
+  // Evaluation and sampling run the local replica: no ShardedDataParallel collectives.
+  at::Tensor forward(const at::Tensor& tokens) override {
+    return c10::GradMode::is_enabled() ? sdp_->forward(tokens) : plain_(tokens);
+  }
+  torch::optim::Optimizer& optimizer() override { return *oss_; }
+  void zero_grad() override { oss_->zero_grad(); }
+  void clip_grad_norm(double max_norm) override { oss_->clip_grad_norm(max_norm); }
+  int64_t num_params() const override {
+    int64_t n = 0;
+    for (const at::Tensor& p : plain_->parameters()) n += p.numel();
+    return n;
+  }
+  std::string label() const override { return label_; }
+
+  // "model/<name>" for every parameter (the full model, the same on every rank) and, in rank 0's
+  // file, "optimizer": the OSS state consolidated on rank 0 (the layout of an unsharded
+  // torch::optim::Adam). Collective (the consolidation).
+  void save(const std::string& file) override {
+    oss_->consolidate_state_dict(0);
+    torch::serialize::OutputArchive archive;
+    for (const auto& item : plain_->named_parameters()) {
+      archive.write("model/" + item.key(), item.value().detach());
+    }
+    if (rank_ == 0) {
+      torch::serialize::OutputArchive optimizer;
+      oss_->save(optimizer);
+      archive.write("optimizer", optimizer);
+    }
+    const std::string tmp = file + ".tmp";
+    archive.save_to(tmp);
+    std::filesystem::rename(tmp, file);
+  }
+  // Every rank reads rank 0's file (the full parameters and the consolidated OSS state; OSS::load
+  // keeps this rank's part).
+  int checkpoint_file_rank(int) const override { return 0; }
+  void load(const std::string& file) override {
+    torch::serialize::InputArchive archive;
+    archive.load_from(file);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& item : plain_->named_parameters()) {
+        at::Tensor saved;
+        archive.read("model/" + item.key(), saved);
+        TORCH_CHECK(saved.sizes() == item.value().sizes(), "parameter ", item.key(), " has shape ",
+                    saved.sizes(), " in the checkpoint, ", item.value().sizes(), " in the model");
+        item.value().copy_(saved);
+      }
+    }
+    torch::serialize::InputArchive optimizer;
+    archive.read("optimizer", optimizer);
+    oss_->load(optimizer);
+  }
+
+  uint64_t param_hash() override {
+    uint64_t h = kFnv1a64Basis;
+    for (const at::Tensor& p : plain_->parameters()) h = HashTensor(p, h);
+    return h;
+  }
+  uint64_t full_param_hash() override {  // every rank holds the full parameters
+    uint64_t h = kFnv1a64Basis;
+    for (const auto& item : plain_->named_parameters()) h = HashNamed(item.key(), item.value(), h);
+    return h;
+  }
+
+ private:
+  Gpt plain_;
+  std::shared_ptr<oss::OSS> oss_;
+  oss::ShardedDataParallel sdp_;
+  int rank_;
+  std::string label_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
+    const TrainConfig& config, const GptConfig& model_config,
+    std::shared_ptr<comm::Communicator> comm) {
+  const auto adam = torch::optim::AdamOptions(config.lr).betas({0.9, 0.99});
+  if (config.data_parallel == "sdp") {
+    FS_ASSIGN_OR_RETURN(oss::PartitionMode partition, ParsePartition(config.oss_partition));
+    Gpt plain(model_config);
+    std::shared_ptr<oss::OSS> opt = oss::OSS::make<torch::optim::Adam>(
+        plain->parameters(), adam, comm, oss::OssOptions().partition(partition));
+    const int rank = comm->rank();
+    return std::unique_ptr<ParallelModel>(std::make_unique<SdpModel>(
+        std::move(plain), std::move(opt), rank, absl::StrCat("sdp/", config.oss_partition)));
+  }
+  FS_ASSIGN_OR_RETURN(fsdp::ShardingStrategy strategy, ParseStrategy(config.strategy));
+  FS_ASSIGN_OR_RETURN(c10::optional<c10::ScalarType> dtype, ParsePrecision(config.precision));
+  fsdp::MixedPrecision mp;
+  // Compute and all-gather in `dtype`; reduce gradients in f32 (FairScale's
+  // fp32_reduce_scatter): the shards the optimizer steps are f32 master copies either way.
+  if (dtype) mp.param_dtype(dtype).reduce_dtype(at::kFloat);
+  const auto opts = fsdp::FsdpOptions().sharding_strategy(strategy).mixed_precision(mp);
+  fsdp::FullyShardedDataParallel model{nullptr};
+  {
+    fsdp::EnableWrap scope(comm, opts, GptWrapPolicy());
+    model = fsdp::FullyShardedDataParallel(Gpt(model_config), comm, opts);
+  }
+  auto opt = std::make_unique<torch::optim::Adam>(model->parameters(), adam);
+  return std::unique_ptr<ParallelModel>(
+      std::make_unique<FsdpModel>(std::move(model), std::move(opt), config.strategy));
+}
+
+absl::Status ValidateParallelConfig(const TrainConfig& config) {
+  FS_RETURN_IF_ERROR(ParseStrategy(config.strategy).status());
+  FS_RETURN_IF_ERROR(ParsePrecision(config.precision).status());
+  FS_RETURN_IF_ERROR(ParsePartition(config.oss_partition).status());
+  if (config.data_parallel != "fsdp" && config.data_parallel != "sdp") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data_parallel '", config.data_parallel, "': expected fsdp or sdp"));
+  }
+  if (config.data_parallel == "sdp" && config.precision != "fp32") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data_parallel sdp trains the fp32 model (no mixed precision): precision must be fp32, "
+        "got ", config.precision));
+  }
+  if (config.precision == "fp16") {
+    // The job runs on CPU tensors, and LibTorch 1.13's CPU LayerNorm has no Half kernel
+    // ("LayerNormKernelImpl" not implemented for 'Half'): fail before launching anything.
+    return absl::InvalidArgumentError(
+        "precision fp16: LibTorch's CPU LayerNorm has no float16 kernel; use bf16 or fp32");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fairscale::examples::gpt

@@ -1,0 +1,69 @@
+// The GPT job's data-parallel model and optimizer (//examples/gpt:parallel_model): one interface
+// over the modes of TrainConfig::data_parallel, so that the training loop (trainer.cc) is written
+// once. "fsdp": the Gpt with its GptWrapPolicy units under a FullyShardedDataParallel root and an
+// Adam over the f32 master shards; "sdp": the plain fp32 Gpt under oss::ShardedDataParallel with
+// an oss::OSS Adam (ZeRO-2). Each mode also owns its checkpoint file format (save / load) and
+// what its parameter hashes cover. Used by the trainer only.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "comm/communicator.h"
+#include "examples/gpt/model.h"
+#include "examples/gpt/trainer.h"
+
+namespace fairscale::examples::gpt {
+
+// Methods throw c10::Error / std::exception on failure (LibTorch, FSDP, OSS); the trainer
+// converts them into a Status.
+class ParallelModel {
+ public:
+  virtual ~ParallelModel() = default;
+
+  // int64 tokens [batch, t] -> logits [batch, t, vocab]. With grad enabled this is the training
+  // forward (collective in both modes); under NoGradGuard it is the evaluation forward (sdp runs
+  // the local replica without collectives; FSDP's forward is collective either way, so every rank
+  // must call it in lockstep).
+  virtual at::Tensor forward(const at::Tensor& tokens) = 0;
+  // The optimizer stepping this rank's parameters (FSDP shards, or the OSS wrapper). Its param
+  // groups carry AdamOptions (the trainer sets the learning rate there).
+  virtual torch::optim::Optimizer& optimizer() = 0;
+  virtual void zero_grad() = 0;
+  // Clips the global gradient norm over all ranks (collective).
+  virtual void clip_grad_norm(double max_norm) = 0;
+  // Elements of the whole model (not this rank's shard).
+  virtual int64_t num_params() const = 0;
+  // For the banner and the plot title: the FSDP strategy, or "sdp/<partition>".
+  virtual std::string label() const = 0;
+
+  // Writes this rank's checkpoint file (atomically: tmp + rename). Collective.
+  virtual void save(const std::string& file) = 0;
+  // The rank whose file this rank loads on resume (sdp: 0, which holds the consolidated state).
+  virtual int checkpoint_file_rank(int rank) const = 0;
+  // Loads a file written by save() of `checkpoint_file_rank(rank)`; raises naming what differs.
+  virtual void load(const std::string& file) = 0;
+
+  // FNV-1a 64 of this rank's parameters as the optimizer steps them (FSDP: the f32 shards).
+  virtual uint64_t param_hash() = 0;
+  // FNV-1a 64 of the full parameters by name (gathered under FSDP: collective).
+  virtual uint64_t full_param_hash() = 0;
+};
+
+// Builds the mode's model (weights from torch's global generator: seed it first, identically on
+// every rank) and its optimizer. `config` must have passed Validate().
+absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
+    const TrainConfig& config, const GptConfig& model_config,
+    std::shared_ptr<comm::Communicator> comm);
+
+// The checks of TrainConfig::Validate() that concern the parallel mode, precision and strategy
+// (kInvalidArgument naming the field and the accepted values).
+absl::Status ValidateParallelConfig(const TrainConfig& config);
+
+}  // namespace fairscale::examples::gpt
