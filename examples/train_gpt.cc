@@ -61,6 +61,10 @@ ABSL_FLAG(std::string, data_parallel, "fsdp",
 ABSL_FLAG(std::string, oss_partition, "greedy", "sdp: OSS partition, greedy | flat");
 ABSL_FLAG(bool, loss_scale, false,
           "dynamic loss scaling (amp::ShardedGradScaler; the scale in the step records)");
+ABSL_FLAG(std::string, checkpoint_activations, "none",
+          "activation checkpointing of the transformer blocks: none | all | every:K (block i "
+          "when i % K == 0); each checkpointed block's forward is recomputed in backward (less "
+          "activation memory, more time, bitwise the same numbers)");
 ABSL_FLAG(std::string, precision, "bf16",
           "bf16 | fp32: compute and all-gather dtype (f32 master shards, f32 gradient reduction); "
           "fp16 is rejected on CPU (LibTorch has no float16 LayerNorm kernel there)");
@@ -130,6 +134,7 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.data_parallel = absl::GetFlag(FLAGS_data_parallel);
   c.oss_partition = absl::GetFlag(FLAGS_oss_partition);
   c.loss_scale = absl::GetFlag(FLAGS_loss_scale);
+  c.checkpoint_activations = absl::GetFlag(FLAGS_checkpoint_activations);
   const std::string out = OutDir();
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (c.checkpoint_dir.empty()) c.checkpoint_dir = out + "/checkpoints";

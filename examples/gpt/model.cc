@@ -14,6 +14,8 @@
 #include <numeric>
 #include <string>
 
+#include "checkpoint/checkpoint.h"
+
 namespace fairscale::examples::gpt {
 
 TransformerBlockImpl::TransformerBlockImpl(int64_t width, int64_t heads) : heads_(heads) {
@@ -64,8 +66,13 @@ GptImpl::GptImpl(const GptConfig& config) : config_(config) {
   // Construction order = initialization order: embeddings, blocks, head.
   embed_ = fsdp::wrap(Embeddings(config.vocab(), config.seq(), config.width()));
   register_module("embed", embed_.ptr());
+  TORCH_CHECK(config.checkpoint_every_k() >= 0, "Gpt: checkpoint_every_k must be >= 0, got ",
+              config.checkpoint_every_k());
   for (int64_t i = 0; i < config.blocks(); ++i) {
-    blocks_.push_back(fsdp::wrap(TransformerBlock(config.width(), config.heads())));
+    TransformerBlock block(config.width(), config.heads());
+    const int64_t k = config.checkpoint_every_k();
+    blocks_.push_back(k > 0 && i % k == 0 ? fsdp::wrap(checkpoint::CheckpointWrapper(block))
+                                          : fsdp::wrap(block));
     register_module("block" + std::to_string(i), blocks_.back().ptr());
   }
   lm_head_ = fsdp::wrap(LmHead(config.width(), config.vocab()));
@@ -81,7 +88,15 @@ torch::Tensor GptImpl::forward(torch::Tensor tokens) {
 }
 
 fsdp::AutoWrapPolicy GptWrapPolicy() {
-  return fsdp::module_type_auto_wrap_policy<TransformerBlockImpl, EmbeddingsImpl, LmHeadImpl>();
+  fsdp::AutoWrapPolicy by_type =
+      fsdp::module_type_auto_wrap_policy<TransformerBlockImpl, EmbeddingsImpl, LmHeadImpl>();
+  return [by_type](const torch::nn::Module& module, int64_t numel) {
+    if (const auto* ck = dynamic_cast<const checkpoint::CheckpointWrapperImpl*>(&module)) {
+      return !ck->module().is_empty() &&
+             dynamic_cast<const TransformerBlockImpl*>(ck->module().ptr().get()) != nullptr;
+    }
+    return by_type(module, numel);
+  };
 }
 
 namespace {

@@ -5,7 +5,9 @@
 // architecture.
 //
 // Each block is passed through fsdp::wrap(), so inside an fsdp::EnableWrap scope every block
-// becomes its own FSDP unit and outside one the same class is the plain single-process model:
+// becomes its own FSDP unit and outside one the same class is the plain single-process model
+// (a checkpointed block, GptConfig::checkpoint_every_k, is wrapped with its CheckpointWrapper
+// inside the unit: the unit gathers its parameters again for the recompute):
 //
 //   {
 //     fsdp::EnableWrap scope(comm, opts, fsdp::module_type_auto_wrap_policy<TransformerBlockImpl>());
@@ -34,6 +36,12 @@ struct GptConfig {
   TORCH_ARG(int64_t, width) = 128;  // model dimension; divisible by heads
   TORCH_ARG(int64_t, heads) = 4;
   TORCH_ARG(int64_t, blocks) = 4;
+  // Activation checkpointing: block i is wrapped in a checkpoint::CheckpointWrapper (its forward
+  // keeps only its input; backward recomputes it) when k > 0 and i % k == 0: 0 = none, 1 = every
+  // block, 2 = blocks 0, 2, 4, ... (checkpoint::checkpoint_every_kth's rule). Parameter names and
+  // values are unchanged (the wrapper is transparent), and the model has no randomness in its
+  // forward, so the numbers are bitwise those of the plain model.
+  TORCH_ARG(int64_t, checkpoint_every_k) = 0;
 };
 
 // x + attn(ln1(x)), then x + mlp(ln2(x)); causal multi-head attention, MLP width 4x.
@@ -91,7 +99,8 @@ class GptImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Gpt);
 
-// The wrap policy of the GPT model: every TransformerBlock, the Embeddings and the LmHead.
+// The wrap policy of the GPT model: every TransformerBlock (checkpointed or not), the Embeddings
+// and the LmHead.
 fsdp::AutoWrapPolicy GptWrapPolicy();
 
 struct SampleOptions {

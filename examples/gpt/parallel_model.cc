@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "examples/gpt/checkpoint_dir.h"
@@ -46,6 +48,22 @@ absl::StatusOr<oss::PartitionMode> ParsePartition(const std::string& p) {
   return absl::InvalidArgumentError(
       absl::StrCat("oss_partition '", p, "': expected greedy or flat"));
 }
+
+}  // namespace
+
+absl::StatusOr<int64_t> ParseCheckpointActivations(const std::string& value) {
+  if (value == "none") return 0;
+  if (value == "all") return 1;
+  int64_t k = 0;
+  if (absl::StartsWith(value, "every:") && absl::SimpleAtoi(value.substr(6), &k) && k >= 1) {
+    return k;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "checkpoint_activations '", value,
+      "': expected none, all or every:K with K >= 1 (checkpoint block i when i % K == 0)"));
+}
+
+namespace {
 
 uint64_t HashTensor(const at::Tensor& t, uint64_t h) {
   at::Tensor c = t.detach().contiguous();
@@ -236,6 +254,7 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
   FS_RETURN_IF_ERROR(ParseStrategy(config.strategy).status());
   FS_RETURN_IF_ERROR(ParsePrecision(config.precision).status());
   FS_RETURN_IF_ERROR(ParsePartition(config.oss_partition).status());
+  FS_RETURN_IF_ERROR(ParseCheckpointActivations(config.checkpoint_activations).status());
   if (config.data_parallel != "fsdp" && config.data_parallel != "sdp") {
     return absl::InvalidArgumentError(
         absl::StrCat("data_parallel '", config.data_parallel, "': expected fsdp or sdp"));

@@ -62,8 +62,12 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
     const TrainConfig& config, const GptConfig& model_config,
     std::shared_ptr<comm::Communicator> comm);
 
-// The checks of TrainConfig::Validate() that concern the parallel mode, precision and strategy
-// (kInvalidArgument naming the field and the accepted values).
+// The checks of TrainConfig::Validate() that concern the parallel mode, precision, strategy and
+// activation checkpointing (kInvalidArgument naming the field and the accepted values).
 absl::Status ValidateParallelConfig(const TrainConfig& config);
+
+// TrainConfig::checkpoint_activations -> GptConfig::checkpoint_every_k:
+// "none" -> 0, "all" -> 1, "every:K" (K >= 1) -> K.
+absl::StatusOr<int64_t> ParseCheckpointActivations(const std::string& value);
 
 }  // namespace fairscale::examples::gpt

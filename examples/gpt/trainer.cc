@@ -128,12 +128,15 @@ class Trainer {
                             : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) /
                                               world_);
     at::set_num_threads(threads);
-    const GptConfig gc = GptConfig()
+    GptConfig gc = GptConfig()
                              .vocab(tokenizer_.vocab_size())
                              .seq(config_.seq)
                              .width(config_.width)
                              .heads(config_.heads)
                              .blocks(config_.blocks);
+    FS_ASSIGN_OR_RETURN(int64_t checkpoint_every_k,
+                        ParseCheckpointActivations(config_.checkpoint_activations));
+    gc.checkpoint_every_k(checkpoint_every_k);
     torch::manual_seed(config_.seed);  // the same initial weights on every rank
     FS_ASSIGN_OR_RETURN(model_, MakeParallelModel(config_, gc, comm_));
     optim_ = &model_->optimizer();
@@ -151,13 +154,15 @@ class Trainer {
     }
     FS_RETURN_IF_ERROR(comm_->Barrier().Wait());  // nobody saves before the stale ones are gone
     if (rank_ == 0 && config_.progress) {
+      std::string options;
+      if (config_.checkpoint_activations != "none") {
+        absl::StrAppend(&options, ", checkpointed blocks: ", config_.checkpoint_activations);
+      }
+      if (result.start_step > 0) absl::StrAppend(&options, ", resumed at step ", result.start_step);
       std::printf("train_gpt: %d rank%s, %s, %s, %lld params, vocab %lld, %lld tokens/step%s\n",
                   world_, world_ == 1 ? "" : "s", ModeLabel().c_str(), config_.precision.c_str(),
                   static_cast<long long>(num_params_), static_cast<long long>(gc.vocab()),
-                  static_cast<long long>(world_ * config_.batch * config_.seq),
-                  result.start_step > 0
-                      ? absl::StrCat(", resumed at step ", result.start_step).c_str()
-                      : "");
+                  static_cast<long long>(world_ * config_.batch * config_.seq), options.c_str());
       std::fflush(stdout);
     }
 

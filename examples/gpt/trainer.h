@@ -57,6 +57,13 @@ struct TrainConfig {
   // gradients skipped on every rank. The scaler's state (scale, growth tracker) is recorded in
   // each checkpoint's COMPLETE and restored on resume.
   bool loss_scale = false;
+  // Activation checkpointing of the transformer blocks: "none", "all" or "every:K" (block i when
+  // i % K == 0, so "every:1" = "all", "every:2" = blocks 0, 2, ...). A checkpointed block keeps
+  // only its input in forward and recomputes its forward in backward (checkpoint::
+  // CheckpointWrapper; under FSDP inside the block's unit). It changes memory and time, not the
+  // numbers (bitwise; the model has no randomness in its forward), so it is not part of ToJson():
+  // a run may resume with another setting.
+  std::string checkpoint_activations = "none";
   // FSDP.
   std::string strategy = "full_shard";  // full_shard | shard_grad_op | no_shard
   // bf16 | fp32: the compute and all-gather dtype. fp16 parses but is rejected on CPU (no
@@ -98,7 +105,8 @@ struct TrainConfig {
 
   // Validates the values (kInvalidArgument naming the field).
   absl::Status Validate() const;
-  // What a checkpoint records and a resume must match (model, data, schedule, FSDP).
+  // What a checkpoint records and a resume must match (model, data, schedule, FSDP). Settings
+  // that do not change the numbers (checkpoint_activations, threads, outputs) are left out.
   nlohmann::json ToJson() const;
 };
 
