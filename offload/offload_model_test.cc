@@ -1,0 +1,151 @@
+// OffloadModel against the same Sequential trained in memory with torch::optim::Adam: parameters
+// within 1e-6 over 10 steps for 1, 2 and 3 (odd) slices, 1 and 3 micro-batches, with and without
+// activation checkpointing; gradients of the input; gradient accumulation; bad options.
+#include "offload/offload_model.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+
+#include <cstdlib>
+#include <string>
+#include <tuple>
+
+namespace fairscale::offload {
+namespace {
+
+std::string TmpDir(const std::string& name) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return std::string(dir ? dir : "/tmp") + "/" + name;
+}
+
+// 7 modules, so 2 and 3 slices cut unevenly.
+torch::nn::Sequential MakeModel() {
+  torch::manual_seed(7);
+  return torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 16), torch::nn::ReLU(),
+                               torch::nn::Linear(16, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 4));
+}
+
+at::Tensor Input(int step) {
+  torch::manual_seed(1000 + step);
+  return torch::randn({6, 6});
+}
+at::Tensor Target(int step) {
+  torch::manual_seed(2000 + step);
+  return torch::randn({6, 4});
+}
+
+double MaxDiff(OffloadModel& model, torch::nn::Sequential& ref) {
+  auto snap = model->parameters_snapshot();
+  auto want = ref->named_parameters();
+  EXPECT_EQ(snap.size(), want.size());
+  double d = 0;
+  for (size_t i = 0; i < snap.size(); ++i) {
+    EXPECT_EQ(snap[i].first, want[i].key());
+    d = std::max(d, (snap[i].second - want[i].value().detach()).abs().max().item<double>());
+  }
+  return d;
+}
+
+class OffloadModelTest
+    : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, bool>> {};
+
+TEST_P(OffloadModelTest, TrainsLikeTheInMemoryModel) {
+  const auto [slices, microbatches, ckpt] = GetParam();
+  torch::nn::Sequential ref = MakeModel();
+  torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(0.01));
+  OffloadModel model(MakeModel(),
+                     OffloadModelOptions(TmpDir("m"))
+                         .num_slices(slices)
+                         .num_microbatches(microbatches)
+                         .checkpoint_activation(ckpt)
+                         .chunk_bytes(256),
+                     torch::optim::AdamOptions(0.01));
+  ASSERT_EQ(model->num_slices(), slices);
+  EXPECT_EQ(MaxDiff(model, ref), 0);
+  for (int step = 0; step < 10; ++step) {
+    ref_opt.zero_grad();
+    at::Tensor x = Input(step);
+    torch::nn::functional::mse_loss(ref->forward(x), Target(step)).backward();
+    ref_opt.step();
+
+    model->zero_grad();
+    at::Tensor loss = torch::nn::functional::mse_loss(model(x), Target(step));
+    loss.backward();
+    model->step();
+    ASSERT_LE(MaxDiff(model, ref), 1e-6) << "step " << step;
+  }
+  // Outside forward/backward/step only the last slice used stays resident.
+  int64_t empty = 0;
+  for (const auto& p : model->parameters()) empty += p.numel() == 0;
+  if (slices > 1) {
+    EXPECT_GT(empty, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, OffloadModelTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3), ::testing::Values(1, 3),
+                                            ::testing::Bool()));
+
+TEST(OffloadModelOtherTest, InputGradientsAndAccumulationMatch) {
+  for (bool ckpt : {false, true}) {
+    torch::nn::Sequential ref = MakeModel();
+    torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(0.01));
+    OffloadModel model(MakeModel(),
+                       OffloadModelOptions(TmpDir("acc"))
+                           .balance({1, 4, 2})
+                           .num_microbatches(2)
+                           .checkpoint_activation(ckpt),
+                       torch::optim::AdamOptions(0.01));
+    for (int step = 0; step < 4; ++step) {
+      ref_opt.zero_grad();
+      model->zero_grad();
+      for (int k = 0; k < 2; ++k) {  // two backward passes accumulate before the step
+        at::Tensor x1 = Input(10 * step + k).requires_grad_(true);
+        at::Tensor x2 = x1.detach().clone().requires_grad_(true);
+        torch::nn::functional::mse_loss(ref->forward(x1), Target(step)).backward();
+        torch::nn::functional::mse_loss(model(x2), Target(step)).backward();
+        ASSERT_TRUE(x2.grad().defined());
+        EXPECT_LE((x1.grad() - x2.grad()).abs().max().item<double>(), 1e-6);
+      }
+      ref_opt.step();
+      model->step();
+      ASSERT_LE(MaxDiff(model, ref), 1e-6) << "step " << step << " ckpt " << ckpt;
+    }
+  }
+}
+
+TEST(OffloadModelOtherTest, InferenceRunsSliceBySlice) {
+  torch::nn::Sequential ref = MakeModel();
+  OffloadModel model(MakeModel(), OffloadModelOptions(TmpDir("inf")).num_slices(3));
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(model(Input(0)).equal(ref->forward(Input(0))));
+}
+
+TEST(OffloadModelOtherTest, BadOptions) {
+  EXPECT_THROW(OffloadModel(MakeModel(), OffloadModelOptions(TmpDir("b1")).balance({1, 2})),
+               c10::Error);
+  EXPECT_THROW(OffloadModel(MakeModel(), OffloadModelOptions(TmpDir("b2")).num_slices(8)),
+               c10::Error);
+  EXPECT_THROW(OffloadModel(MakeModel(), OffloadModelOptions("")), c10::Error);
+  torch::nn::Linear shared(4, 4);
+  EXPECT_THROW(OffloadModel(torch::nn::Sequential(shared, shared),
+                            OffloadModelOptions(TmpDir("b3")).num_slices(2)),
+               c10::Error);
+  try {
+    OffloadModel first(MakeModel(), OffloadModelOptions(TmpDir("b4")));
+    OffloadModel second(MakeModel(), OffloadModelOptions(TmpDir("b4")));
+    FAIL() << "two models on one file";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("in use"));
+  }
+}
+
+}  // namespace
+}  // namespace fairscale::offload
