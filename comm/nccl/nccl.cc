@@ -16,6 +16,12 @@
 // Either error breaks the communicator (every pending and later op fails with it), as the
 // interface demands. Abort() calls ncclCommAbort. Split is ncclCommSplit.
 //
+// Stream order: an op's NCCL call waits (cudaStreamWaitEvent) for everything the caller issued
+// before it on the legacy default stream (cudaMemcpy, kernels launched without a stream), as
+// PyTorch's ProcessGroupNCCL waits for the current stream: a buffer filled by cudaMemcpy just
+// before the op is read complete (a pageable cudaMemcpy may return before its DMA finishes).
+// Work issued on other streams must be synchronized by the caller first.
+//
 // Buffers must be on this communicator's CUDA device (CommConfig::options["nccl.device"], else
 // rank % cudaGetDeviceCount()); host buffers are kInvalidArgument naming the op (the base class
 // asks SupportsDevice()). The library needs only cuda_runtime_api.h and nccl.h: gcc builds it,
@@ -326,6 +332,7 @@ class NcclCommunicator : public Communicator {
     enum class State { kWaiting, kEnqueuing, kRecorded };
     State state = State::kWaiting;
     Launch launch;  // empty for a count-0 op: only its event is recorded
+    cudaEvent_t ready = nullptr;  // recorded on the legacy default stream at issue; waited for
     cudaEvent_t event = nullptr;
     WorkCompleter completer;
     std::string label;
@@ -339,10 +346,21 @@ class NcclCommunicator : public Communicator {
     {
       absl::MutexLock lock(&mu_);
       if (!broken_.ok()) return Work::Done(NotRun(ctx.Label()));
+      Pending p;
+      if (count > 0) {
+        // The inputs are ready once the caller's earlier default-stream work is done.
+        DeviceGuard guard(device_);
+        cudaError_t e = cudaEventCreateWithFlags(&p.ready, cudaEventDisableTiming);
+        if (e == cudaSuccess) e = cudaEventRecord(p.ready, cudaStreamLegacy);
+        if (e != cudaSuccess) {
+          if (p.ready != nullptr) cudaEventDestroy(p.ready);
+          return Work::Done(absl::InternalError(absl::StrCat(
+              ctx.Label(), ": cannot record a CUDA event on the default stream: ", CudaError(e))));
+        }
+        p.launch = std::move(launch);
+      }
       auto [pending_work, completer] = Work::Pending(ctx.Label());
       work = std::move(pending_work);
-      Pending p;
-      if (count > 0) p.launch = std::move(launch);
       p.completer = std::move(completer);
       p.label = ctx.Label();
       p.timeout = ctx.timeout;
@@ -365,6 +383,16 @@ class NcclCommunicator : public Communicator {
       if (p.state == Pending::State::kEnqueuing) {
         ncclCommGetAsyncError(comm_, &r);
       } else if (p.launch) {
+        cudaError_t e = cudaStreamWaitEvent(stream_, p.ready, 0);
+        cudaEventDestroy(p.ready);  // released once the device is past it
+        p.ready = nullptr;
+        if (e != cudaSuccess) {
+          BreakLocked(absl::InternalError(absl::StrCat(
+                          p.label, ": cannot order the op after the default stream: ",
+                          CudaError(e))),
+                      done);
+          return;
+        }
         r = p.launch(comm_, stream_);
         p.launch = nullptr;
       }
@@ -485,6 +513,7 @@ class NcclCommunicator : public Communicator {
       }
     }
     for (Pending& p : pending_) {
+      if (p.ready != nullptr) cudaEventDestroy(p.ready);
       if (p.event != nullptr) cudaEventDestroy(p.event);
       // The op that failed carries the error as is; the others name themselves.
       absl::Status s =

@@ -1,13 +1,17 @@
 // The "nccl" backend on device buffers: every op, every dtype and reduce op, counts 0, 1, odd and
 // large, in-place, Split, Abort, timeout, a killed peer and host buffers rejected. Ranks are threads of this
 // process, one CUDA device each (NCCL refuses two ranks of one communicator on one device), so a
-// world size above the device count is skipped. Expected values come from //comm/testing:reference
-// (computed here, never by a backend). Without a GPU every case GTEST_SKIPs with the reason,
-// except CreateWithoutDeviceFails, which checks that very error.
+// world size above the device count is skipped, unless FS_NCCL_TEST_SHARED_GPU=1: then such
+// world sizes (up to 4) run as processes that share the devices, each told by NCCL_HOSTID that
+// it is a host of its own, so NCCL connects them over sockets on 127.0.0.1 (a one-GPU machine
+// checks the multi-rank paths that way; not a performance setup). Expected values come from
+// //comm/testing:reference (computed here, never by a backend). Without a GPU every case
+// GTEST_SKIPs with the reason, except CreateWithoutDeviceFails, which checks that very error.
 //
 // On a GPU machine: ./bazelw test --config=cuda //comm/nccl/...  (see README.md)
 #include <cuda_runtime_api.h>
 #include <signal.h>
+#include <stdlib.h>
 
 #include <algorithm>
 #include <cmath>
@@ -41,6 +45,7 @@ using ::fairscale::comm::testing::MovementValue;
 using ::fairscale::comm::testing::RankConfig;
 using ::fairscale::comm::testing::ReductionInput;
 using ::fairscale::comm::testing::ReferenceReduction;
+using ::fairscale::comm::testing::RankBody;
 using ::fairscale::comm::testing::RunThreads;
 using ::fairscale::base::testing::StatusIs;
 using ::testing::HasSubstr;
@@ -65,31 +70,72 @@ int DeviceCount(std::string* why) {
   return n;
 }
 
+// FS_NCCL_TEST_SHARED_GPU=1: ranks beyond the device count run as processes sharing devices.
+bool SharedGpu() {
+  const char* v = getenv("FS_NCCL_TEST_SHARED_GPU");
+  return v != nullptr && absl::string_view(v) == "1";
+}
+
 // Why a test needing `ranks` devices cannot run here, or nothing.
 std::optional<std::string> SkipReason(int ranks) {
   std::string why;
   const int have = DeviceCount(&why);
   if (have == 0) return why;
-  if (have < ranks) {
-    return absl::StrCat("needs ", ranks, " CUDA devices (one per rank), found ", have);
+  if (have < ranks && !SharedGpu()) {
+    return absl::StrCat("needs ", ranks, " CUDA devices (one per rank), found ", have,
+                        "; FS_NCCL_TEST_SHARED_GPU=1 runs the ranks as processes sharing them");
   }
   return std::nullopt;
 }
 
-// World sizes this machine can run: 1 .. min(devices, 4).
+// World sizes this machine can run: 1 .. min(devices, 4), or 1 .. 4 when sharing devices.
 std::vector<int> WorldSizes() {
   std::string why;
+  const int have = DeviceCount(&why);
   std::vector<int> sizes;
-  for (int n = 1; n <= std::min(DeviceCount(&why), 4); ++n) sizes.push_back(n);
+  for (int n = 1; n <= std::min(SharedGpu() && have > 0 ? 4 : have, 4); ++n) sizes.push_back(n);
   return sizes;
+}
+
+// The device of `rank`: its own, or shared round-robin (the backend's default is the same).
+int DeviceOf(int rank) {
+  std::string why;
+  const int have = DeviceCount(&why);
+  return have > 0 ? rank % have : 0;
+}
+
+// In a rank process sharing a device: NCCL takes this process for host `rank` of its own (its
+// duplicate-device check compares host and bus id) and connects over sockets on lo.
+void PretendOwnHost(int rank) {
+  setenv("NCCL_HOSTID", absl::StrCat("fs-nccl-test-host-", rank).c_str(), 1);
+  setenv("NCCL_SOCKET_IFNAME", "lo", 1);
+  setenv("NCCL_P2P_DISABLE", "1", 1);
+  setenv("NCCL_SHM_DISABLE", "1", 1);
+  setenv("NCCL_IB_DISABLE", "1", 1);
+}
+
+// Runs the n ranks as threads with a device each, or (more ranks than devices, sharing allowed)
+// as processes that NCCL takes for separate hosts (PretendOwnHost).
+// In a rank process, the thread runs that precede its RunProcesses call are not repeated.
+std::vector<absl::Status> RunRanksHere(int n, RankBody body) {
+  std::string why;
+  if (n <= DeviceCount(&why)) {
+    if (testing::IsRankProcess()) return std::vector<absl::Status>(n);
+    return RunThreads(n, std::move(body), kRunTimeout);
+  }
+  return testing::RunProcesses(n, [body](int r) -> absl::Status {
+    PretendOwnHost(r);
+    return body(r);
+  }, kRunTimeout);
 }
 
 // Device memory of one rank, with host copies in and out.
 class DeviceArray {
  public:
-  DeviceArray(int device, size_t count, DataType dtype)
-      : device_(device), count_(count), dtype_(dtype) {
-    cudaSetDevice(device);
+  // `rank`'s device (DeviceOf).
+  DeviceArray(int rank, size_t count, DataType dtype)
+      : device_(DeviceOf(rank)), count_(count), dtype_(dtype) {
+    cudaSetDevice(device_);
     status_ = cudaMalloc(&data_, std::max<size_t>(1, count * SizeOf(dtype)));
   }
   ~DeviceArray() { cudaFree(data_); }
@@ -133,11 +179,26 @@ absl::Status Expect(bool ok, const std::string& what) {
   return ok ? absl::OkStatus() : absl::InternalError(absl::StrCat("wrong result: ", what));
 }
 
-// Exact for every op but kAvg, which allows the reference's rounding tolerance.
-bool Matches(DataType dtype, ReduceOp op, long double got, long double want) {
-  if (op != ReduceOp::kAvg) return got == want;
-  return std::fabs(static_cast<double>(got - want)) <=
-         testing::AvgTolerance(dtype) * std::max(1.0, std::fabs(static_cast<double>(want)));
+// Element `index` of a reduction over n ranks: exact for every op but kAvg. NCCL computes a
+// floating-point average as the sum of the inputs each premultiplied by 1/n (ncclDevPreMulSum),
+// so its rounding error scales with the inputs, not with the result (which may cancel): the
+// tolerance is relative to the largest input.
+absl::Status CheckReduced(DataType dtype, ReduceOp op, int n, size_t index, long double got,
+                          const std::string& what) {
+  const long double want = ReferenceReduction(dtype, op, n, index);
+  bool ok = got == want;
+  if (op == ReduceOp::kAvg) {
+    long double scale = 1;
+    for (int r = 0; r < n; ++r) {
+      scale = std::max(scale, std::fabs(ReductionInput(dtype, op, r, index)));
+    }
+    ok = std::fabs(static_cast<double>(got - want)) <=
+         testing::AvgTolerance(dtype) * static_cast<double>(scale);
+  }
+  if (ok) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("wrong result: ", what, ": got ",
+                                          static_cast<double>(got), ", want ",
+                                          static_cast<double>(want)));
 }
 
 std::string Case(absl::string_view op, DataType dtype, ReduceOp rop, size_t count, int n) {
@@ -203,9 +264,10 @@ absl::Status ReductionsAt(Communicator& comm) {
           FS_ASSIGN_OR_RETURN(std::vector<long double> got,
                               (in_place ? send : recv).Read());
           for (size_t i = 0; i < count; ++i) {
-            FS_RETURN_IF_ERROR(Expect(
-                Matches(dtype, op, got[i], ReferenceReduction(dtype, op, n, i)),
-                absl::StrCat(Case("all_reduce", dtype, op, count, n), " index ", i)));
+            FS_RETURN_IF_ERROR(CheckReduced(
+                dtype, op, n, i, got[i],
+                absl::StrCat(Case("all_reduce", dtype, op, count, n), " index ", i,
+                             in_place ? " in place" : "")));
           }
         }
         // reduce_scatter: block r of the reduction (in place: recv is block r of send).
@@ -217,8 +279,8 @@ absl::Status ReductionsAt(Communicator& comm) {
           FS_ASSIGN_OR_RETURN(std::vector<long double> got, (in_place ? send : recv).Read());
           const size_t base = in_place ? r * count : 0;
           for (size_t i = 0; i < count; ++i) {
-            FS_RETURN_IF_ERROR(Expect(
-                Matches(dtype, op, got[base + i], ReferenceReduction(dtype, op, n, r * count + i)),
+            FS_RETURN_IF_ERROR(CheckReduced(
+                dtype, op, n, r * count + i, got[base + i],
                 absl::StrCat(Case("reduce_scatter", dtype, op, count, n), " index ", i,
                              in_place ? " in place" : "")));
           }
@@ -234,8 +296,8 @@ absl::Status ReductionsAt(Communicator& comm) {
           if (r == root) {
             FS_ASSIGN_OR_RETURN(std::vector<long double> got, (in_place ? send : recv).Read());
             for (size_t i = 0; i < count; ++i) {
-              FS_RETURN_IF_ERROR(Expect(
-                  Matches(dtype, op, got[i], ReferenceReduction(dtype, op, n, i)),
+              FS_RETURN_IF_ERROR(CheckReduced(
+                  dtype, op, n, i, got[i],
                   absl::StrCat(Case("reduce", dtype, op, count, n), " root ", root, " index ", i)));
             }
           }
@@ -271,7 +333,8 @@ absl::Status MovementAt(Communicator& comm) {
         for (size_t i = 0; i < n * count; ++i) {
           FS_RETURN_IF_ERROR(Expect(
               got[i] == MovementValue(dtype, MovementKey(i / count, i % count, salt)),
-              absl::StrCat(Case("all_gather", dtype, ReduceOp::kSum, count, n), " index ", i)));
+              absl::StrCat(Case("all_gather", dtype, ReduceOp::kSum, count, n), " index ", i,
+                           ": got ", static_cast<double>(got[i]))));
         }
       }
       // broadcast from a rotating root.
@@ -302,7 +365,8 @@ absl::Status MovementAt(Communicator& comm) {
           const size_t from = i / count;
           FS_RETURN_IF_ERROR(Expect(
               got[i] == MovementValue(dtype, MovementKey(from * 64 + r, i % count, salt)),
-              absl::StrCat(Case("all_to_all", dtype, ReduceOp::kSum, count, n), " index ", i)));
+              absl::StrCat(Case("all_to_all", dtype, ReduceOp::kSum, count, n), " index ", i,
+                           ": got ", static_cast<double>(got[i]))));
         }
       }
       // send/recv: a ring as one BatchP2P, then rank 0 -> rank 1 as plain Send/Recv.
@@ -340,10 +404,10 @@ absl::Status MovementAt(Communicator& comm) {
 TEST(NcclBackend, ReductionsEveryDtypeOpAndCount) {
   if (auto why = SkipReason(1)) GTEST_SKIP() << *why;
   for (int n : WorldSizes()) {
-    std::vector<absl::Status> results = RunThreads(n, [](int rank) -> absl::Status {
+    std::vector<absl::Status> results = RunRanksHere(n, [](int rank) -> absl::Status {
       FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Create("reductions"));
       return ReductionsAt(*comm);
-    }, kRunTimeout);
+    });
     for (int r = 0; r < n; ++r) EXPECT_OK(results[r]) << "rank " << r << " of " << n;
   }
 }
@@ -351,10 +415,10 @@ TEST(NcclBackend, ReductionsEveryDtypeOpAndCount) {
 TEST(NcclBackend, DataMovementEveryDtypeAndCount) {
   if (auto why = SkipReason(1)) GTEST_SKIP() << *why;
   for (int n : WorldSizes()) {
-    std::vector<absl::Status> results = RunThreads(n, [](int rank) -> absl::Status {
+    std::vector<absl::Status> results = RunRanksHere(n, [](int rank) -> absl::Status {
       FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Create("movement"));
       return MovementAt(*comm);
-    }, kRunTimeout);
+    });
     for (int r = 0; r < n; ++r) EXPECT_OK(results[r]) << "rank " << r << " of " << n;
   }
 }
@@ -362,7 +426,7 @@ TEST(NcclBackend, DataMovementEveryDtypeAndCount) {
 TEST(NcclBackend, SplitOrdersByKeyAndNoColorGetsNothing) {
   if (auto why = SkipReason(1)) GTEST_SKIP() << *why;
   for (int n : WorldSizes()) {
-    std::vector<absl::Status> results = RunThreads(n, [n](int r) -> absl::Status {
+    std::vector<absl::Status> results = RunRanksHere(n, [n](int r) -> absl::Status {
       FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Create("split"));
       // Halves by parity, reverse rank order (key = -rank).
       FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> half, comm->Split(r % 2, -r));
@@ -394,7 +458,44 @@ TEST(NcclBackend, SplitOrdersByKeyAndNoColorGetsNothing) {
       }
       // The parent still works after its children.
       return comm->Barrier().Wait(absl::Seconds(60));
-    }, kRunTimeout);
+    });
+    for (int r = 0; r < n; ++r) EXPECT_OK(results[r]) << "rank " << r << " of " << n;
+  }
+}
+
+// An op reads its inputs after the caller's earlier work on the legacy default stream: a large
+// cudaMemsetAsync there, then at once an all_reduce (whose NCCL stream is non-blocking), must
+// see the memset complete. Without the backend's stream wait the reduction reads the buffer
+// while the memset is still writing it.
+TEST(NcclBackend, InputsOrderedAfterDefaultStreamWork) {
+  if (auto why = SkipReason(1)) GTEST_SKIP() << *why;
+  for (int n : WorldSizes()) {
+    std::vector<absl::Status> results = RunRanksHere(n, [n](int r) -> absl::Status {
+      FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Create("order"));
+      constexpr size_t kBytes = size_t{256} << 20;
+      DeviceArray send(r, kBytes, DataType::kU8), recv(r, kBytes, DataType::kU8);
+      for (int round = 1; round <= 3; ++round) {
+        const Buffer in = send.buffer();
+        if (cudaMemsetAsync(in.data, round + r, kBytes, cudaStreamLegacy) != cudaSuccess) {
+          return absl::InternalError("cudaMemsetAsync failed");
+        }
+        FS_RETURN_IF_ERROR(
+            comm->AllReduce(in, recv.buffer(), ReduceOp::kSum).Wait(absl::Seconds(60)));
+        std::vector<uint8_t> host(kBytes);
+        if (cudaMemcpy(host.data(), recv.buffer().data, kBytes, cudaMemcpyDeviceToHost) !=
+            cudaSuccess) {
+          return absl::InternalError("cudaMemcpy to host failed");
+        }
+        const int want = n * round + n * (n - 1) / 2;
+        for (size_t i = 0; i < kBytes; ++i) {
+          if (host[i] != want) {
+            return absl::InternalError(absl::StrCat("round ", round, " at ", n, " ranks: byte ",
+                                                    i, " is ", host[i], ", want ", want));
+          }
+        }
+      }
+      return absl::OkStatus();
+    });
     for (int r = 0; r < n; ++r) EXPECT_OK(results[r]) << "rank " << r << " of " << n;
   }
 }
@@ -415,7 +516,7 @@ TEST(NcclBackend, AbortBreaksTheCommunicator) {
 
 // Rank 0 waits for a message rank 1 never sends: Abort (or the op's timeout) ends it.
 void PendingRecvEndsWith(bool abort) {
-  std::vector<absl::Status> results = RunThreads(2, [abort](int r) -> absl::Status {
+  std::vector<absl::Status> results = RunRanksHere(2, [abort](int r) -> absl::Status {
     FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
                         Create(abort ? "abort2" : "timeout2"));
     std::shared_ptr<Store> store = testing::CurrentRank()->store;
@@ -441,7 +542,7 @@ void PendingRecvEndsWith(bool abort) {
                                   absl::StrContains(s.message(), "timed out"),
                               absl::StrCat("timed-out recv: ", s.ToString())));
     return Expect(absl::IsDeadlineExceeded(comm->status()), comm->status().ToString());
-  }, kRunTimeout);
+  });
   EXPECT_OK(results[0]);
   EXPECT_OK(results[1]);
 }
@@ -462,6 +563,10 @@ TEST(NcclBackend, TimeoutFailsAPendingRecvAndAborts) {
 TEST(NcclBackend, KilledPeerFailsTheSurvivorInTime) {
   if (auto why = SkipReason(2)) GTEST_SKIP() << *why;
   std::vector<absl::Status> results = testing::RunProcesses(2, [](int r) -> absl::Status {
+    std::string why;
+    if (DeviceCount(&why) < 2) {  // sharing a device (SkipReason allowed it): see RunRanksHere
+      PretendOwnHost(r);
+    }
     FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Create("killed", absl::Seconds(20)));
     FS_RETURN_IF_ERROR(comm->Barrier().Wait(absl::Seconds(60)));
     if (r == 1) raise(SIGKILL);
