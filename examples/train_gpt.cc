@@ -65,6 +65,12 @@ ABSL_FLAG(std::string, checkpoint_activations, "none",
           "activation checkpointing of the transformer blocks: none | all | every:K (block i "
           "when i % K == 0); each checkpointed block's forward is recomputed in backward (less "
           "activation memory, more time, bitwise the same numbers)");
+ABSL_FLAG(std::string, optimizer_offload, "none",
+          "none | disk: keep the Adam state of each rank's FSDP shards on the disk tier "
+          "(offload::OffloadedAdam, streamed per chunk; fsdp only; same numbers, same checkpoints)");
+ABSL_FLAG(std::string, offload_dir, "", "--optimizer_offload=disk: default <out_dir>/offload");
+ABSL_FLAG(int64_t, offload_chunk_bytes, 4 << 20,
+          "--optimizer_offload=disk: bytes of f32 state streamed through memory at a time");
 ABSL_FLAG(std::string, precision, "bf16",
           "bf16 | fp32: compute and all-gather dtype (f32 master shards, f32 gradient reduction); "
           "fp16 is rejected on CPU (LibTorch has no float16 LayerNorm kernel there)");
@@ -136,6 +142,10 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.loss_scale = absl::GetFlag(FLAGS_loss_scale);
   c.checkpoint_activations = absl::GetFlag(FLAGS_checkpoint_activations);
   const std::string out = OutDir();
+  c.optimizer_offload = absl::GetFlag(FLAGS_optimizer_offload);
+  c.offload_dir = absl::GetFlag(FLAGS_offload_dir);
+  if (c.offload_dir.empty()) c.offload_dir = out + "/offload";
+  c.offload_chunk_bytes = absl::GetFlag(FLAGS_offload_chunk_bytes);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (c.checkpoint_dir.empty()) c.checkpoint_dir = out + "/checkpoints";
   if (c.checkpoint_dir == "none") c.checkpoint_dir.clear();

@@ -20,6 +20,7 @@
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/local_checkpoint.h"
 #include "fsdp/wrap.h"
+#include "offload/offloaded_optimizer.h"
 #include "oss/oss.h"
 #include "oss/sharded_data_parallel.h"
 
@@ -245,7 +246,22 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
     fsdp::EnableWrap scope(comm, opts, GptWrapPolicy());
     model = fsdp::FullyShardedDataParallel(Gpt(model_config), comm, opts);
   }
-  auto opt = std::make_unique<torch::optim::Adam>(model->parameters(), adam);
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (config.optimizer_offload == "disk") {
+    // The state of this rank's f32 shards on the disk tier, one file per rank.
+    absl::StatusOr<std::unique_ptr<offload::OffloadedAdam>> offloaded = offload::OffloadedAdam::Create(
+        {torch::optim::OptimizerParamGroup(model->parameters())}, adam,
+        offload::OffloadOptions(config.offload_dir)
+            .name(absl::StrCat("rank", comm->rank()))
+            .chunk_bytes(config.offload_chunk_bytes));
+    if (!offloaded.ok()) {
+      return absl::Status(offloaded.status().code(),
+                          absl::StrCat("optimizer_offload disk: ", offloaded.status().message()));
+    }
+    opt = std::move(*offloaded);
+  } else {
+    opt = std::make_unique<torch::optim::Adam>(model->parameters(), adam);
+  }
   return std::unique_ptr<ParallelModel>(
       std::make_unique<FsdpModel>(std::move(model), std::move(opt), config.strategy));
 }
@@ -255,6 +271,25 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
   FS_RETURN_IF_ERROR(ParsePrecision(config.precision).status());
   FS_RETURN_IF_ERROR(ParsePartition(config.oss_partition).status());
   FS_RETURN_IF_ERROR(ParseCheckpointActivations(config.checkpoint_activations).status());
+  if (config.optimizer_offload != "none" && config.optimizer_offload != "disk") {
+    return absl::InvalidArgumentError(absl::StrCat("optimizer_offload '", config.optimizer_offload,
+                                                   "': expected none or disk"));
+  }
+  if (config.optimizer_offload == "disk") {
+    // OSS builds and consolidates its optimizers through Optimizer::state(), which an
+    // OffloadedAdam keeps on its tier: not wired.
+    if (config.data_parallel != "fsdp") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "optimizer_offload disk needs data_parallel fsdp, got ", config.data_parallel));
+    }
+    if (config.offload_dir.empty()) {
+      return absl::InvalidArgumentError("optimizer_offload disk needs an offload_dir");
+    }
+    if (config.offload_chunk_bytes < 4) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "offload_chunk_bytes must be >= 4 (one f32), got ", config.offload_chunk_bytes));
+    }
+  }
   if (config.data_parallel != "fsdp" && config.data_parallel != "sdp") {
     return absl::InvalidArgumentError(
         absl::StrCat("data_parallel '", config.data_parallel, "': expected fsdp or sdp"));

@@ -1,7 +1,8 @@
 // The GPT job's data-parallel model and optimizer (//examples/gpt:parallel_model): one interface
 // over the modes of TrainConfig::data_parallel, so that the training loop (trainer.cc) is written
 // once. "fsdp": the Gpt with its GptWrapPolicy units under a FullyShardedDataParallel root and an
-// Adam over the f32 master shards; "sdp": the plain fp32 Gpt under oss::ShardedDataParallel with
+// Adam over the f32 master shards (in memory, or offload::OffloadedAdam with the state on the disk
+// tier); "sdp": the plain fp32 Gpt under oss::ShardedDataParallel with
 // an oss::OSS Adam (ZeRO-2). Each mode also owns its checkpoint file format (save / load) and
 // what its parameter hashes cover. Used by the trainer only.
 #pragma once
@@ -62,8 +63,9 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
     const TrainConfig& config, const GptConfig& model_config,
     std::shared_ptr<comm::Communicator> comm);
 
-// The checks of TrainConfig::Validate() that concern the parallel mode, precision, strategy and
-// activation checkpointing (kInvalidArgument naming the field and the accepted values).
+// The checks of TrainConfig::Validate() that concern the parallel mode, precision, strategy,
+// activation checkpointing and optimizer offload (kInvalidArgument naming the field and the
+// accepted values).
 absl::Status ValidateParallelConfig(const TrainConfig& config);
 
 // TrainConfig::checkpoint_activations -> GptConfig::checkpoint_every_k:

@@ -158,6 +158,9 @@ class Trainer {
       if (config_.checkpoint_activations != "none") {
         absl::StrAppend(&options, ", checkpointed blocks: ", config_.checkpoint_activations);
       }
+      if (config_.optimizer_offload == "disk") {
+        absl::StrAppend(&options, ", Adam state on disk in ", config_.offload_dir);
+      }
       if (result.start_step > 0) absl::StrAppend(&options, ", resumed at step ", result.start_step);
       std::printf("train_gpt: %d rank%s, %s, %s, %lld params, vocab %lld, %lld tokens/step%s\n",
                   world_, world_ == 1 ? "" : "s", ModeLabel().c_str(), config_.precision.c_str(),

@@ -64,6 +64,15 @@ struct TrainConfig {
   // numbers (bitwise; the model has no randomness in its forward), so it is not part of ToJson():
   // a run may resume with another setting.
   std::string checkpoint_activations = "none";
+  // Optimizer offload: "none" (Adam's state in memory) or "disk" (fsdp only): the Adam state of
+  // this rank's f32 shards lives in <offload_dir>/rank<r>.fso on the disk tier and is streamed
+  // through memory `offload_chunk_bytes` at a time (offload::OffloadedAdam). The same update
+  // expressions as torch::optim::Adam, bitwise, and checkpoints keep Adam's archive layout, so it
+  // is not part of ToJson(): a run may resume with the other setting. The .fso files are scratch
+  // (rewritten at start; resume restores the state from the checkpoint).
+  std::string optimizer_offload = "none";
+  std::string offload_dir;
+  int64_t offload_chunk_bytes = 4 << 20;
   // FSDP.
   std::string strategy = "full_shard";  // full_shard | shard_grad_op | no_shard
   // bf16 | fp32: the compute and all-gather dtype. fp16 parses but is rejected on CPU (no
@@ -106,7 +115,8 @@ struct TrainConfig {
   // Validates the values (kInvalidArgument naming the field).
   absl::Status Validate() const;
   // What a checkpoint records and a resume must match (model, data, schedule, FSDP). Settings
-  // that do not change the numbers (checkpoint_activations, threads, outputs) are left out.
+  // that do not change the numbers (checkpoint_activations, optimizer_offload, threads, outputs)
+  // are left out.
   nlohmann::json ToJson() const;
 };
 

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -65,6 +66,21 @@ TEST(TrainConfigTest, ValidateNamesTheField) {
     c.checkpoint_activations = good;
     EXPECT_OK(c.Validate()) << good;
   }
+  c = TrainConfig();
+  c.optimizer_offload = "ram";
+  EXPECT_THAT(c.Validate(), base::testing::StatusIs(
+                                absl::StatusCode::kInvalidArgument,
+                                ::testing::HasSubstr("optimizer_offload 'ram': expected none or disk")));
+  c.optimizer_offload = "disk";
+  EXPECT_THAT(c.Validate(), base::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                                    ::testing::HasSubstr("offload_dir")));
+  c.offload_dir = "/tmp/x";
+  EXPECT_OK(c.Validate());
+  c.data_parallel = "sdp", c.precision = "fp32";
+  EXPECT_THAT(c.Validate(),
+              base::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                      ::testing::HasSubstr("optimizer_offload disk needs "
+                                                           "data_parallel fsdp, got sdp")));
   c = TrainConfig();
   c.precision = "fp16";
   EXPECT_THAT(c.Validate(), base::testing::StatusIs(absl::StatusCode::kInvalidArgument,
@@ -143,9 +159,16 @@ TEST(TrainRankTest, TwoRanksMatchASingleProcessReference) {
   EXPECT_LT(got.back(), got.front() - 0.3);  // and it learns
 }
 
-// Runs TrainRank at `world` ranks (processes over tcp) and returns the per-step losses from the
-// metrics file (empty in the rank processes: see RunProcesses' rules for several calls).
-std::vector<double> RunJob(TrainConfig config, int world, const std::string& name) {
+struct JobOutput {
+  std::vector<double> losses;   // by step
+  nlohmann::json final_record;  // null unless the run reached config.steps
+};
+
+// Runs TrainRank at `world` ranks (processes over tcp) and returns what rank 0 recorded in the
+// metrics file <TEST_TMPDIR>/trainer_test_<name>.jsonl (a resumed run continues the file of its
+// first part when given the same name). Empty in the rank processes (see RunProcesses' rules for
+// several calls in one test).
+JobOutput RunJob(TrainConfig config, int world, const std::string& name) {
   const char* tmp = std::getenv("TEST_TMPDIR");
   config.metrics_path = absl::StrCat(tmp ? tmp : "/tmp", "/trainer_test_", name, ".jsonl");
   std::vector<absl::Status> st = comm::testing::RunProcesses(
@@ -159,15 +182,17 @@ std::vector<double> RunJob(TrainConfig config, int world, const std::string& nam
       absl::Seconds(90));
   if (comm::testing::IsRankProcess()) return {};
   for (int r = 0; r < world; ++r) EXPECT_OK(st[r]) << name << " rank " << r;
-  std::vector<double> losses;
+  JobOutput out;
   std::ifstream in(config.metrics_path);
   std::string line;
   while (std::getline(in, line)) {
     nlohmann::json j = nlohmann::json::parse(line);
-    if (j["type"] == "train") losses.push_back(j["loss"].get<double>());
+    if (j["type"] == "train") out.losses.push_back(j["loss"].get<double>());
+    if (j["type"] == "final") out.final_record = j;
   }
-  EXPECT_EQ(losses.size(), static_cast<size_t>(config.steps)) << name;
-  return losses;
+  const int64_t last = config.stop_after > 0 ? config.stop_after : config.steps;
+  EXPECT_EQ(out.losses.size(), static_cast<size_t>(last)) << name;
+  return out;
 }
 
 // --checkpoint_activations recomputes each checkpointed block's forward in backward: the same
@@ -184,16 +209,73 @@ TEST(TrainRankTest, CheckpointedActivationsGiveBitwiseTheSameLosses) {
       config.steps = 6;
       config.data_parallel = mode.data_parallel;
       config.precision = mode.precision;
-      const std::vector<double> plain = RunJob(config, world, name + "_none");
+      const std::vector<double> plain = RunJob(config, world, name + "_none").losses;
       config.checkpoint_activations = "all";
-      const std::vector<double> all = RunJob(config, world, name + "_all");
+      const std::vector<double> all = RunJob(config, world, name + "_all").losses;
       config.checkpoint_activations = "every:2";
-      const std::vector<double> every2 = RunJob(config, world, name + "_every2");
+      const std::vector<double> every2 = RunJob(config, world, name + "_every2").losses;
       if (comm::testing::IsRankProcess()) continue;
       EXPECT_EQ(all, plain) << name;
       EXPECT_EQ(every2, plain) << name;
       ASSERT_FALSE(plain.empty()) << name;
       EXPECT_LT(plain.back(), plain.front()) << name;
+    }
+  }
+}
+
+// --optimizer_offload=disk: offload::OffloadedAdam over each rank's f32 FSDP shards, its state in
+// <offload_dir>/rank<r>.fso, streamed in chunks (tiny chunks here: every parameter spans several):
+// the same update expressions as torch::optim::Adam, so the losses and final shards are bitwise
+// the in-memory run's (fp32 and bf16 compute). Checkpoints keep Adam's layout: a run stopped at
+// step 6 and resumed from its step-4 checkpoint matches, whether its first part was offloaded or
+// not (the setting may change across a resume).
+TEST(TrainRankTest, OptimizerOffloadGivesTheSameLossesAndResumes) {
+  const char* tmp_env = std::getenv("TEST_TMPDIR");
+  const std::string tmp = absl::StrCat(tmp_env ? tmp_env : "/tmp", "/trainer_test_offload");
+  for (const std::string precision : {"fp32", "bf16"}) {
+    TrainConfig config = TinyConfig("");
+    config.precision = precision;
+    config.checkpoint_every = 4;
+    config.checkpoint_dir = absl::StrCat(tmp, "/", precision, "_plain_ck");
+    const JobOutput plain = RunJob(config, 2, precision + "_plain");
+
+    TrainConfig offloaded = config;
+    offloaded.optimizer_offload = "disk";
+    offloaded.offload_dir = absl::StrCat(tmp, "/", precision, "_offload");
+    offloaded.offload_chunk_bytes = 1024;
+    offloaded.checkpoint_dir = absl::StrCat(tmp, "/", precision, "_disk_ck");
+    const JobOutput disk = RunJob(offloaded, 2, precision + "_disk");
+
+    // Stopped after step 6 (checkpoint at 4) and resumed, offloaded in both parts / in memory
+    // first and offloaded after the resume.
+    JobOutput resumed[2];
+    for (int first_offloaded = 0; first_offloaded < 2; ++first_offloaded) {
+      const std::string name = absl::StrCat(precision, "_split", first_offloaded);
+      TrainConfig first = first_offloaded ? offloaded : config;
+      first.checkpoint_dir = absl::StrCat(tmp, "/", name, "_ck");
+      first.stop_after = 6;
+      RunJob(first, 2, name);
+      TrainConfig second = offloaded;
+      second.checkpoint_dir = first.checkpoint_dir;
+      second.offload_dir = absl::StrCat(tmp, "/", name, "_offload");
+      second.resume = ResumeMode::kRequired;
+      resumed[first_offloaded] = RunJob(second, 2, name);
+    }
+    if (comm::testing::IsRankProcess()) continue;
+    ASSERT_TRUE(plain.final_record.is_object()) << precision;
+    ASSERT_TRUE(disk.final_record.is_object()) << precision;
+    EXPECT_EQ(disk.losses, plain.losses) << precision;
+    EXPECT_EQ(disk.final_record["param_fnv1a64"], plain.final_record["param_fnv1a64"])
+        << precision;
+    for (int r = 0; r < 2; ++r) {
+      const std::string file = absl::StrCat(offloaded.offload_dir, "/rank", r, ".fso");
+      EXPECT_TRUE(std::filesystem::exists(file)) << file;
+    }
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(resumed[i].final_record.is_object()) << precision << " split " << i;
+      EXPECT_EQ(resumed[i].losses, plain.losses) << precision << " split " << i;
+      EXPECT_EQ(resumed[i].final_record["param_fnv1a64"], plain.final_record["param_fnv1a64"])
+          << precision << " split " << i;
     }
   }
 }
