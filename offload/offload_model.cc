@@ -7,6 +7,7 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <set>
 #include <utility>
@@ -185,9 +186,9 @@ void OffloadModelImpl::Evict(int64_t s) {
   slice.resident = false;
 }
 
-absl::Status OffloadModelImpl::Ensure(int64_t s, int direction) {
+absl::Status OffloadModelImpl::Ensure(int64_t s, int direction, bool evict_others) {
   Slice& slice = slices_[static_cast<size_t>(s)];
-  for (int64_t o = 0; o < num_slices(); ++o) {
+  for (int64_t o = 0; o < num_slices() && evict_others; ++o) {
     if (o != s) Evict(o);
   }
   if (!slice.resident) {
@@ -368,6 +369,60 @@ void OffloadModelImpl::step() {
     }
     Check(tier_->Commit(), "step");
   }
+}
+
+namespace {
+
+// torch::nn::Module::save's layout, writing copies: an archive keeps the tensors it is given
+// until it is written out, and the parameters are released right after.
+void SaveCopies(const torch::nn::Module& m, torch::serialize::OutputArchive& archive) {
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+    archive.write(p.key(), p.value().detach().clone());
+  }
+  for (const auto& b : m.named_buffers(/*recurse=*/false)) {
+    archive.write(b.key(), b.value().detach().clone(), /*is_buffer=*/true);
+  }
+  for (const auto& child : m.named_children()) {
+    if (!child.value()->is_serializable()) continue;
+    torch::serialize::OutputArchive child_archive(archive.compilation_unit());
+    SaveCopies(*child.value(), child_archive);
+    archive.write(child.key(), child_archive);
+  }
+}
+
+}  // namespace
+
+void OffloadModelImpl::save(torch::serialize::OutputArchive& archive) const {
+  auto* self = const_cast<OffloadModelImpl*>(this);
+  for (int64_t s = 0; s < num_slices(); ++s) Check(self->Ensure(s, 0, false), "save");
+  SaveCopies(*seq_, archive);
+  for (int64_t s = 0; s < num_slices(); ++s) self->Evict(s);
+}
+
+void OffloadModelImpl::load(torch::serialize::InputArchive& archive) {
+  for (int64_t s = 0; s < num_slices(); ++s) Check(Ensure(s, 0, false), "load");
+  seq_->load(archive);
+  at::NoGradGuard no_grad;
+  // The archive's tensors may have replaced the parameters' storage: the values go to the tier
+  // and back into the storage the parameter (and autograd's views) own.
+  for (Param& q : params_) {
+    at::Tensor v = q.tensor.detach().contiguous();
+    TORCH_CHECK(v.sizes() == c10::IntArrayRef(q.sizes) &&
+                    v.scalar_type() == q.tensor.scalar_type(),
+                "OffloadModel::load: parameter ", q.name, " has another shape or dtype in the "
+                "archive");
+    Check(tier_->WriteTensor(q.value, v.data_ptr()), "load");
+    c10::DataPtr data = c10::GetAllocator(c10::kCPU)->allocate(q.nbytes);
+    std::memcpy(data.get(), v.data_ptr(), q.nbytes);
+    q.storage->set_data_ptr_noswap(std::move(data));
+    q.storage->set_nbytes(q.nbytes);
+    at::Tensor view = at::empty({0}, q.tensor.options());
+    view.set_(c10::Storage(q.storage), 0, q.sizes, q.strides);
+    q.tensor.set_data(view);
+  }
+  Check(tier_->Commit(), "load");
+  zero_grad();
+  for (int64_t s = 0; s < num_slices(); ++s) Evict(s);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> OffloadModelImpl::parameters_snapshot() {

@@ -39,6 +39,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 
@@ -88,6 +90,13 @@ class OffloadModelImpl : public torch::nn::Module {
   // One Adam step, slice by slice.
   void step();
 
+  // Checkpoints in the wrapped Sequential's own archive layout: torch::save(offload_model, f)
+  // writes what torch::save(sequential, f) would, and either loads the other's file. Both bring
+  // the whole model into memory for the call. load() clears the gradients; after loading a model
+  // with bf16 / f16 parameters, load the optimizer too (its f32 masters come from there).
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
   // Copies of the parameters (named like named_parameters()), read from the tier.
   std::vector<std::pair<std::string, at::Tensor>> parameters_snapshot();
   // Slice i covers modules [slice_begin(i), slice_begin(i + 1)).
@@ -114,7 +123,7 @@ class OffloadModelImpl : public torch::nn::Module {
   template <typename AdamOpts>
   void Init(torch::nn::Sequential model, AdamOpts adam);
   // Makes slice s resident (evicting the others), then reads ahead s + direction.
-  absl::Status Ensure(int64_t s, int direction);
+  absl::Status Ensure(int64_t s, int direction, bool evict_others = true);
   void Evict(int64_t s);
   absl::Status FlushGrads(int64_t s);
   at::Tensor RunSlice(int64_t s, const at::Tensor& x);

@@ -10,8 +10,11 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include <cstdlib>
+#include <sstream>
 #include <string>
 #include <tuple>
 
@@ -126,6 +129,52 @@ TEST(OffloadModelOtherTest, InferenceRunsSliceBySlice) {
   OffloadModel model(MakeModel(), OffloadModelOptions(TmpDir("inf")).num_slices(3));
   torch::NoGradGuard no_grad;
   EXPECT_TRUE(model(Input(0)).equal(ref->forward(Input(0))));
+}
+
+TEST(OffloadModelOtherTest, ArchiveIsTheSequentials) {
+  OffloadModel model(MakeModel(), OffloadModelOptions(TmpDir("arch")).num_slices(3));
+  for (int step = 0; step < 2; ++step) {
+    model->zero_grad();
+    torch::nn::functional::mse_loss(model(Input(step)), Target(step)).backward();
+    model->step();
+  }
+  // OffloadModel -> plain Sequential.
+  std::stringstream buf;
+  {
+    torch::serialize::OutputArchive out;
+    model->save(out);
+    out.save_to(buf);
+  }
+  torch::manual_seed(99);
+  torch::nn::Sequential plain(torch::nn::Linear(6, 16), torch::nn::Tanh(),
+                              torch::nn::Linear(16, 16), torch::nn::ReLU(),
+                              torch::nn::Linear(16, 16), torch::nn::Tanh(),
+                              torch::nn::Linear(16, 4));
+  {
+    torch::serialize::InputArchive in;
+    in.load_from(buf);
+    plain->load(in);
+  }
+  EXPECT_EQ(MaxDiff(model, plain), 0);
+  // Plain Sequential (changed) -> OffloadModel, which then trains from there.
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : plain->parameters()) p.mul_(0.5);
+  }
+  std::stringstream buf2;
+  {
+    torch::serialize::OutputArchive out;
+    plain->save(out);
+    out.save_to(buf2);
+  }
+  {
+    torch::serialize::InputArchive in;
+    in.load_from(buf2);
+    model->load(in);
+  }
+  EXPECT_EQ(MaxDiff(model, plain), 0);
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(model(Input(5)).equal(plain->forward(Input(5))));
 }
 
 TEST(OffloadModelOtherTest, BadOptions) {
