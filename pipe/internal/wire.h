@@ -1,0 +1,104 @@
+// How activations and gradients cross a stage boundary (//pipe, internal): tensors of any dtype
+// the comm layer carries (bool travels as u8), single or as a list, moved with the
+// communicator's Send/Recv.
+//
+// Activations (stage s -> s + 1, one message per micro-batch):
+//   header  int64[3] {kMagic, micro_batch, meta_len}   always
+//   meta    int64[meta_len]                            only when the layout changed (meta_len > 0)
+//   payload one Send per tensor, in order
+// The layout (list or single tensor, and per tensor: dtype, requires_grad, sizes) is sent once
+// and again only when it changes (e.g. a smaller last micro-batch), so the receiving stage need
+// not know shapes in advance and the common case costs one 24-byte header per micro-batch.
+// Gradients (s + 1 -> s) have the layout of the activations the receiver sent, so they travel
+// without a header.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "comm/communicator.h"
+
+namespace fairscale::pipe::internal {
+
+// What one stage hands to the next: the value of a layer whose forward returned an at::Tensor
+// (is_list false, one tensor) or a std::vector<at::Tensor> (is_list true).
+struct Boundary {
+  std::vector<at::Tensor> tensors;
+  bool is_list = false;
+};
+
+struct TensorLayout {
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  bool requires_grad = false;
+  std::vector<int64_t> sizes;
+  bool operator==(const TensorLayout& o) const {
+    return dtype == o.dtype && requires_grad == o.requires_grad && sizes == o.sizes;
+  }
+};
+
+struct BoundaryLayout {
+  bool is_list = false;
+  std::vector<TensorLayout> tensors;
+  bool operator==(const BoundaryLayout& o) const {
+    return is_list == o.is_list && tensors == o.tensors;
+  }
+};
+
+BoundaryLayout LayoutOf(const Boundary& boundary);
+std::vector<int64_t> EncodeLayout(const BoundaryLayout& layout);
+// kDataLoss on a malformed encoding.
+absl::StatusOr<BoundaryLayout> DecodeLayout(const std::vector<int64_t>& encoded);
+// "f32[4, 8] requires_grad, i64[4]".
+std::string DescribeLayout(const BoundaryLayout& layout);
+
+// Sends issued but not yet known to be complete, with the tensors they read (kept alive until
+// then).
+class PendingSends {
+ public:
+  void Add(comm::Work work, at::Tensor keep_alive);
+  // Waits for every send; the first error wins. Clears the list.
+  absl::Status WaitAll(absl::Duration timeout);
+  size_t size() const { return works_.size(); }
+
+ private:
+  std::vector<comm::Work> works_;
+  std::vector<at::Tensor> keep_alive_;
+};
+
+// One end of a pipeline link for activations. Tracks the layout last sent / received on the
+// link so that it is sent only when it changes. Not thread-safe (one per stage and direction).
+class ActivationLink {
+ public:
+  ActivationLink(comm::Communicator* comm, int peer, absl::Duration timeout)
+      : comm_(comm), peer_(peer), timeout_(timeout) {}
+
+  // Issues header, layout (if changed) and payload sends. Tensors are sent detached.
+  absl::Status Send(int64_t micro_batch, const Boundary& boundary, PendingSends* pending);
+  // Receives the activations of `micro_batch` (kInternal if the peer sent another one). Floating
+  // point tensors whose sender required grad come back as leaves that require grad.
+  absl::StatusOr<Boundary> Recv(int64_t micro_batch);
+
+ private:
+  comm::Communicator* comm_;
+  int peer_;
+  absl::Duration timeout_;
+  std::optional<BoundaryLayout> last_layout_;
+};
+
+// Gradients: `grads` must match `layouts` (the receiver's view of what it sent). Undefined
+// gradients are sent as zeros.
+absl::Status SendGradients(comm::Communicator* comm, int peer,
+                           const std::vector<TensorLayout>& layouts,
+                           const std::vector<at::Tensor>& grads, PendingSends* pending);
+absl::StatusOr<std::vector<at::Tensor>> RecvGradients(comm::Communicator* comm, int peer,
+                                                      const std::vector<TensorLayout>& layouts,
+                                                      absl::Duration timeout);
+
+}  // namespace fairscale::pipe::internal

@@ -1,0 +1,178 @@
+// Pipeline parallelism across ranks (//pipe): FairScale's Pipe (GPipe) and PyTorch's
+// Schedule1F1B for LibTorch, one stage per rank of a communicator.
+//
+// A torch::nn::Sequential is cut into `num_stages() == comm->size()` consecutive groups of
+// layers (PipeOptions::balance, or an even split; see balance.h for automatic balances). Rank r
+// keeps the layers of stage r. train_step() splits the batch into `chunks` micro-batches along
+// dimension 0 (sizes differ by at most one), runs their forwards and backwards in the order of
+// the schedule, moving activations forward and their gradients backward with the
+// communicator's Send/Recv (any backend), computes the loss on the last stage from the targets
+// the caller passes, and leaves the gradients accumulated in each stage's parameters (call your
+// optimizer's zero_grad()/step() on parameters() as usual).
+//
+//   auto pipe = Pipe::Create(model, comm, PipeOptions().balance({2, 3}).chunks(8));
+//   if (!pipe.ok()) ...;
+//   auto opt = torch::optim::Adam((*pipe)->parameters(), 1e-3);
+//   opt.zero_grad();
+//   absl::StatusOr<at::Tensor> loss = (*pipe)->train_step(x, y, [](auto& out, auto& y) {
+//     return torch::mse_loss(out, y);
+//   });   // x is read on stage 0, y on the last stage; every rank gets the mean loss
+//   opt.step();
+//
+// Between stages travels what the boundary layer returns: an at::Tensor or a
+// std::vector<at::Tensor> (a tuple), of any dtype the comm layer carries (f32 f64 f16 bf16 i8
+// u8 i32 i64, and bool); the next stage's first layer receives the same C++ type. Shapes and
+// dtypes need not be known in advance: they are sent in a small header when they change.
+// Floating point activations that require grad get their gradient back.
+//
+// Gradient semantics: the backward pass is that of mean_i loss_fn(output_i, target_i) over the
+// micro-batches, so with a mean-reduced loss and a batch divisible by `chunks` the gradients
+// (and the returned loss) equal those of one un-pipelined step on the whole batch.
+//
+// Errors. train_step() is collective over the communicator. A stage that fails (a layer or the
+// loss throws, a bad input, a comm error) aborts the pipe's communicators with
+//   "pipe stage 1/4 (rank 1): forward of micro-batch 3: <what happened>"
+// and every other rank's train_step() returns an error containing that message within the
+// timeout instead of hanging. A failed Pipe stays failed (kFailedPrecondition afterwards).
+// Configuration errors are kInvalidArgument from Create().
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "comm/communicator.h"
+#include "pipe/schedule.h"
+
+namespace fairscale::pipe {
+
+namespace internal {
+struct StepState;
+}
+
+// Which micro-batches run their stage forward under activation checkpointing (//checkpoint):
+// only the stage's inputs are kept and the forward is recomputed in backward.
+enum class CheckpointMode {
+  kAlways,
+  // All but the last micro-batch, whose backward follows soonest (FairScale's default).
+  kExceptLast,
+  kNever,
+};
+const char* CheckpointModeName(CheckpointMode mode);  // "always", "except_last", "never"
+
+struct PipeOptions {
+  // Layers per stage, one entry per rank, each >= 1, summing to the number of layers. Empty:
+  // as even as possible by layer count (the first stages get the extra layers).
+  TORCH_ARG(std::vector<int64_t>, balance) = {};
+  // Micro-batches per train_step; the batch must have at least this many rows.
+  TORCH_ARG(int64_t, chunks) = 1;
+  TORCH_ARG(Schedule, schedule) = Schedule::k1F1B;
+  TORCH_ARG(CheckpointMode, checkpoint) = CheckpointMode::kExceptLast;
+  // Longest wait for one message from a neighbouring stage (it must cover the other stages'
+  // compute between two messages: with GPipe, stage 0 waits for a whole forward phase).
+  // Zero: the communicator's default timeout.
+  TORCH_ARG(absl::Duration, timeout) = absl::ZeroDuration();
+};
+
+// loss_fn(output of the last layer for one micro-batch, its rows of the target) -> a scalar.
+using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+
+// One forward or backward of one micro-batch on this stage, as it ran.
+struct PipeEvent {
+  int64_t stage = 0;
+  int64_t micro_batch = 0;
+  Phase phase = Phase::kForward;
+  absl::Time start;  // compute only: waiting for a neighbour is outside [start, end)
+  absl::Time end;
+};
+
+class Pipe {
+ public:
+  // `model` is the whole model (the same on every rank); this rank keeps its stage's layers,
+  // registered under their names in `model` (so stage_module()->named_parameters() uses the
+  // full model's names). Collective (splits `comm` into the pipe's own communicators).
+  static absl::StatusOr<std::unique_ptr<Pipe>> Create(torch::nn::Sequential model,
+                                                      std::shared_ptr<comm::Communicator> comm,
+                                                      PipeOptions options = {});
+  // For models too large to build whole on every rank: `stage_layers` are this rank's layers
+  // only. With a balance, balance[rank] must equal their count and the layers are renamed to
+  // their global indices ("5", "6", ...); without one they keep their names.
+  static absl::StatusOr<std::unique_ptr<Pipe>> CreateForStage(
+      torch::nn::Sequential stage_layers, std::shared_ptr<comm::Communicator> comm,
+      PipeOptions options = {});
+
+  ~Pipe();
+  Pipe(const Pipe&) = delete;
+  Pipe& operator=(const Pipe&) = delete;
+
+  // One forward + backward over `chunks` micro-batches (collective). `input` is read on stage 0
+  // (ignored elsewhere; pass an undefined tensor), `target` on the last stage. Returns the mean
+  // micro-batch loss (detached, 0-dim, the loss's dtype converted through double) on every
+  // rank. Gradients accumulate into parameters().
+  absl::StatusOr<at::Tensor> train_step(const at::Tensor& input, const at::Tensor& target,
+                                        const LossFn& loss_fn);
+  // The same with a list input: stage 0's first layer receives a std::vector<at::Tensor> (each
+  // tensor split along dimension 0).
+  absl::StatusOr<at::Tensor> train_step(const std::vector<at::Tensor>& inputs,
+                                        const at::Tensor& target, const LossFn& loss_fn);
+
+  int64_t stage() const { return stage_; }
+  int64_t num_stages() const { return num_stages_; }
+  // Global index of this stage's first layer, and its layer count.
+  int64_t first_layer() const { return first_layer_; }
+  int64_t num_layers() const;
+  const std::vector<int64_t>& balance() const { return balance_; }
+  const PipeOptions& options() const { return options_; }
+
+  torch::nn::Sequential stage_module() const { return layers_; }
+  std::vector<at::Tensor> parameters() const;
+
+  // The forwards and backwards of the last train_step, in the order they ran.
+  const std::vector<PipeEvent>& trace() const { return trace_; }
+  // OK, or the error that broke the pipe.
+  const absl::Status& status() const { return broken_; }
+
+ private:
+  Pipe() = default;
+  static absl::StatusOr<std::unique_ptr<Pipe>> Make(torch::nn::Sequential layers,
+                                                    std::shared_ptr<comm::Communicator> comm,
+                                                    PipeOptions options,
+                                                    std::vector<int64_t> balance);
+  absl::StatusOr<at::Tensor> Step(const std::vector<at::Tensor>& inputs, bool is_list,
+                                  const at::Tensor& target, const LossFn& loss_fn);
+  absl::Status Forward(internal::StepState& st, int64_t i);
+  absl::Status Backward(internal::StepState& st, int64_t i);
+  // "pipe stage 1/4 (rank 1)"
+  std::string Name() const;
+  absl::Status Fail(absl::Status status);
+
+  std::shared_ptr<comm::Communicator> comm_;
+  // The pipe's own communicators (split from comm_): activations flow on fwd_, gradients and
+  // the loss broadcast on bwd_, so a pending send in one direction never holds up a receive in
+  // the other (each communicator runs its operations in issue order).
+  std::shared_ptr<comm::Communicator> fwd_;
+  std::shared_ptr<comm::Communicator> bwd_;
+  PipeOptions options_;
+  absl::Duration timeout_;
+  int64_t stage_ = 0;
+  int64_t num_stages_ = 1;
+  int64_t first_layer_ = 0;
+  std::vector<int64_t> balance_;
+  torch::nn::Sequential layers_{nullptr};
+  std::vector<PipeEvent> trace_;
+  absl::Status broken_;
+  std::string doing_;  // the action running now, for error messages
+  struct Links;
+  std::unique_ptr<Links> links_;
+};
+
+}  // namespace fairscale::pipe

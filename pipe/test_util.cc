@@ -1,0 +1,134 @@
+#include "pipe/test_util.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cos.h>
+#include <ATen/ops/mse_loss.h>
+#include <ATen/ops/sin.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "comm/registry.h"
+#include "comm/testing/rank_runner.h"
+
+namespace fairscale::pipe::testing {
+
+void InitDeterministic(torch::nn::Module& m) {
+  c10::NoGradGuard no_grad;
+  for (const auto& item : m.named_parameters()) {
+    double phase = 0;
+    for (char c : item.key()) phase = std::fmod(phase * 31 + static_cast<unsigned char>(c), 997.0);
+    at::Tensor p = item.value();
+    at::Tensor v = at::sin(at::arange(p.numel(), p.options()) * 0.731 + phase * 0.1) * 0.5;
+    p.copy_(v.view(p.sizes()));
+  }
+}
+
+torch::nn::Sequential MakeMlp() {
+  torch::nn::Sequential m(torch::nn::Linear(4, 6), torch::nn::Tanh(), torch::nn::Linear(6, 6),
+                          torch::nn::Tanh(), torch::nn::Linear(6, 6), torch::nn::Tanh(),
+                          torch::nn::Linear(6, 3));
+  InitDeterministic(*m);
+  return m;
+}
+
+at::Tensor Inputs(int64_t rows, int seed) {
+  return at::sin(at::arange(rows * 4, at::kFloat).view({rows, 4}) * 0.37 + seed);
+}
+
+at::Tensor Targets(int64_t rows, int seed) {
+  return at::cos(at::arange(rows * 3, at::kFloat).view({rows, 3}) * 0.53 + seed);
+}
+
+at::Tensor Mse(const at::Tensor& output, const at::Tensor& target) {
+  return at::mse_loss(output, target);
+}
+
+Reference RunReference(const std::function<torch::nn::Sequential()>& make_model,
+                       const std::vector<at::Tensor>& inputs,
+                       const std::vector<at::Tensor>& targets, int64_t chunks,
+                       const LossFn& loss_fn) {
+  torch::nn::Sequential model = make_model();
+  Reference ref;
+  for (size_t s = 0; s < inputs.size(); ++s) {
+    const int64_t n = inputs[s].size(0);
+    double total = 0;
+    for (int64_t i = 0; i < chunks; ++i) {
+      const int64_t offset = i * (n / chunks) + std::min(i, n % chunks);
+      const int64_t size = n / chunks + (i < n % chunks ? 1 : 0);
+      at::Tensor loss = loss_fn(model->forward(inputs[s].narrow(0, offset, size)),
+                                targets[s].narrow(0, offset, size));
+      total += loss.item<double>();
+      (loss / static_cast<double>(chunks)).backward();
+    }
+    ref.losses.push_back(total / static_cast<double>(chunks));
+  }
+  for (const auto& item : model->named_parameters()) {
+    ref.grads[item.key()] = item.value().grad().defined() ? item.value().grad().clone()
+                                                          : at::zeros_like(item.value());
+  }
+  return ref;
+}
+
+absl::Status ExpectClose(const std::string& what, const at::Tensor& actual,
+                         const at::Tensor& expected, double rtol) {
+  if (!actual.defined()) return absl::InternalError(absl::StrCat(what, ": undefined tensor"));
+  if (actual.sizes() != expected.sizes()) {
+    return absl::InternalError(absl::StrCat(what, ": shape mismatch"));
+  }
+  const double diff =
+      (actual.detach().to(at::kDouble) - expected.to(at::kDouble)).norm().item<double>();
+  const double ref = expected.to(at::kDouble).norm().item<double>();
+  if (diff <= rtol * ref || (ref < 1e-12 && diff < 1e-9)) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": relative error ", diff / std::max(ref, 1e-30),
+                                          " > ", rtol, " (|expected| = ", ref, ")"));
+}
+
+absl::Status CheckStageGrads(const Pipe& pipe, const std::map<std::string, at::Tensor>& grads,
+                             double rtol, const std::string& what) {
+  int checked = 0;
+  for (const auto& item : pipe.stage_module()->named_parameters()) {
+    auto it = grads.find(item.key());
+    if (it == grads.end()) {
+      return absl::InternalError(absl::StrCat(what, ": no reference for ", item.key()));
+    }
+    absl::Status s = ExpectClose(absl::StrCat(what, " grad ", item.key()), item.value().grad(),
+                                 it->second, rtol);
+    if (!s.ok()) return s;
+    ++checked;
+  }
+  if (checked == 0 && !pipe.stage_module()->parameters().empty()) {
+    return absl::InternalError(absl::StrCat(what, ": no parameter checked"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<absl::Status> RunInproc(
+    int world,
+    const std::function<absl::Status(int rank, std::shared_ptr<comm::Communicator>)>& body,
+    absl::Duration timeout) {
+  return comm::testing::RunThreads(
+      world,
+      [&](int rank) -> absl::Status {
+        try {
+          absl::StatusOr<std::shared_ptr<comm::Communicator>> comm =
+              comm::CreateCommunicator("inproc", comm::testing::RankConfig(timeout));
+          if (!comm.ok()) return comm.status();
+          absl::Status status = body(rank, *comm);
+          // A rank that returns destroys its communicator; a peer still finishing its last
+          // operation would find it gone.
+          if (!status.ok()) return status;
+          return (*comm)->Barrier().Wait();
+        } catch (const std::exception& e) {
+          return absl::InternalError(e.what());
+        }
+      },
+      timeout + absl::Seconds(30));
+}
+
+}  // namespace fairscale::pipe::testing
