@@ -48,8 +48,9 @@ class Tier {
   int64_t chunk_count(size_t tensor, int64_t chunk) const;
 
   // Copies chunk `chunk` of tensor `tensor` to / from `count * element size` bytes at dst / src.
-  // Reads verify the chunk (kDataLoss naming the tier, tensor and chunk). Thread-compatible:
-  // one thread at a time (the offloaders' I/O thread), any chunk order.
+  // Reads verify the chunk (kDataLoss naming the tier, tensor and chunk). Threads: one thread
+  // may read while one other thread writes and commits, on different chunks (OffloadModel reads
+  // the next slice ahead while it writes the current one); any chunk order.
   virtual absl::Status ReadChunk(size_t tensor, int64_t chunk, void* dst) = 0;
   virtual absl::Status WriteChunk(size_t tensor, int64_t chunk, const void* src) = 0;
   // Makes the writes so far the tier's committed content (a file tier records its checksums and
