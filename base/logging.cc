@@ -1,5 +1,7 @@
 #include "base/logging.h"
 
+#include <cstdlib>
+
 #include <atomic>
 
 #include "absl/strings/str_cat.h"
@@ -11,6 +13,12 @@ std::atomic<int> g_size{-1};
 thread_local int t_rank = -1;
 thread_local int t_size = -1;
 }  // namespace
+
+std::string OutputRankPrefix(int rank) {
+  const char* prefixed = std::getenv("FS_OUTPUT_PREFIXED");
+  if (prefixed != nullptr && std::string(prefixed) == "1") return "";
+  return "[rank " + std::to_string(rank) + "] ";
+}
 
 void SetLogRank(int rank, int size) {
   g_rank.store(rank);

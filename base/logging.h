@@ -17,6 +17,11 @@ namespace fairscale::base {
 // Sets the process-wide rank shown in every FS_LOG line. size < 0 clears it.
 void SetLogRank(int rank, int size);
 
+// "[rank N] " for a program's own stderr lines, or "" when a launcher already prefixes every
+// output line of this process (FS_OUTPUT_PREFIXED=1, set by //launch), so lines never carry the
+// prefix twice.
+std::string OutputRankPrefix(int rank);
+
 // Overrides the rank for the current thread while alive.
 class ScopedLogRank {
  public:

@@ -206,14 +206,16 @@ int RunRank() {
   }
   absl::StatusOr<std::shared_ptr<comm::Communicator>> comm = comm::CreateCommunicatorFromEnv();
   if (!comm.ok()) {
-    std::fprintf(stderr, "[rank %s] train_gpt: cannot create the communicator: %s\n",
-                 std::getenv("RANK"), comm.status().ToString().c_str());
+    const char* rank = std::getenv("RANK");
+    std::fprintf(stderr, "%strain_gpt: cannot create the communicator: %s\n",
+                 base::OutputRankPrefix(rank != nullptr ? std::atoi(rank) : -1).c_str(),
+                 comm.status().ToString().c_str());
     return 1;
   }
   base::SetLogRank((*comm)->rank(), (*comm)->size());
   absl::StatusOr<gpt::TrainResult> result = gpt::TrainRank(*config, *comm);
   if (!result.ok()) {
-    std::fprintf(stderr, "[rank %d] train_gpt: %s\n", (*comm)->rank(),
+    std::fprintf(stderr, "%strain_gpt: %s\n", base::OutputRankPrefix((*comm)->rank()).c_str(),
                  result.status().ToString().c_str());
     (*comm)->Abort(result.status());  // peers blocked on us fail now instead of timing out
     return 1;

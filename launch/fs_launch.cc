@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/time/time.h"
+#include "glog/logging.h"
 #include "launch/launcher.h"
 
 ABSL_FLAG(int, nproc_per_node, 1, "ranks to start on this node");
@@ -81,6 +82,10 @@ int main(int argc, char** argv) {
   std::vector<char*> ours_argv;
   for (std::string& s : ours) ours_argv.push_back(s.data());
   absl::ParseCommandLine(static_cast<int>(ours_argv.size()), ours_argv.data());
+  // The store's log lines (glog, via //base:logging) go to stderr without glog's "Logging before
+  // InitGoogleLogging" warning.
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
 
   fairscale::launch::LaunchOptions o;
   o.nproc_per_node = absl::GetFlag(FLAGS_nproc_per_node);

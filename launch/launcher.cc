@@ -622,6 +622,8 @@ std::vector<std::string> RankEnv(const LaunchOptions& o, int local_rank, int mas
   env.push_back(absl::StrCat("FS_RESTART_COUNT=", attempt));
   env.push_back(absl::StrCat("FS_STORE_TOKEN=", token));
   env.push_back(absl::StrCat("FS_STORE_PREFIX=fs_launch/", attempt, "/job"));
+  // The launcher prefixes every output line with "[rank N] ": the program need not.
+  if (o.capture_output && o.prefix_output) env.push_back("FS_OUTPUT_PREFIXED=1");
   return env;
 }
 

@@ -82,7 +82,8 @@ std::string NewStoreToken();
 // The environment of one rank ("KEY=VALUE"), as Launch gives it: options.env, then RANK,
 // LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
 // TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
-// FS_RESTART_COUNT, FS_STORE_TOKEN, FS_STORE_PREFIX.
+// FS_RESTART_COUNT, FS_STORE_TOKEN, FS_STORE_PREFIX, and FS_OUTPUT_PREFIXED=1 when the launcher
+// prefixes the rank's output lines with "[rank N] " (so the program need not add its own).
 std::vector<std::string> RankEnv(const LaunchOptions& options, int local_rank, int master_port,
                                  const std::string& token, int attempt);
 

@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "base/logging.h"
 #include "absl/strings/numbers.h"
 #include "amp/sharded_grad_scaler.h"
 #include "base/status_macros.h"
@@ -219,8 +220,8 @@ class Trainer {
         }
       }
       if (rank_ == config_.fault_rank && step == config_.fault_step && !config_.fault_in_save) {
-        std::fprintf(stderr, "[rank %d] train_gpt: fault injection: SIGKILL after step %lld\n",
-                     rank_, static_cast<long long>(step));
+        std::fprintf(stderr, "%strain_gpt: fault injection: SIGKILL after step %lld\n",
+                     base::OutputRankPrefix(rank_).c_str(), static_cast<long long>(step));
         std::fflush(stderr);
         ::raise(SIGKILL);
       }
@@ -476,9 +477,10 @@ class Trainer {
     }
     if (rank_ == config_.fault_rank && step == config_.fault_step && config_.fault_in_save) {
       std::fprintf(stderr,
-                   "[rank %d] train_gpt: fault injection: SIGKILL in the checkpoint save of "
+                   "%strain_gpt: fault injection: SIGKILL in the checkpoint save of "
                    "step %lld (%s written, COMPLETE not yet)\n",
-                   rank_, static_cast<long long>(step), file.c_str());
+                   base::OutputRankPrefix(rank_).c_str(), static_cast<long long>(step),
+                   file.c_str());
       std::fflush(stderr);
       ::raise(SIGKILL);
     }
