@@ -34,6 +34,7 @@ struct OffloadModelImpl::Param {
 struct OffloadModelImpl::Pass : torch::CustomClassHolder {
   OffloadModelImpl* model = nullptr;
   std::vector<std::vector<at::Tensor>> inputs, outputs;
+  std::vector<int64_t> split;  // micro-batch sizes along dim 0
   bool input_requires_grad = false;
 };
 
@@ -290,6 +291,7 @@ at::Tensor OffloadModelImpl::ForwardPass(Pass& pass, const at::Tensor& x) {
   pass.input_requires_grad = x.requires_grad();
   std::vector<at::Tensor> acts = x.chunk(options_.num_microbatches(), 0);
   const size_t mbs = acts.size();
+  for (const at::Tensor& a : acts) pass.split.push_back(a.size(0));
   pass.inputs.assign(slices_.size(), std::vector<at::Tensor>(mbs));
   pass.outputs.assign(slices_.size(), std::vector<at::Tensor>(mbs));
   at::AutoGradMode grad(true);
@@ -317,9 +319,7 @@ at::Tensor OffloadModelImpl::ForwardPass(Pass& pass, const at::Tensor& x) {
 at::Tensor OffloadModelImpl::BackwardPass(Pass& pass, const at::Tensor& grad) {
   TORCH_CHECK(!pass.outputs.empty(), "OffloadModel: backward through the same forward twice");
   const size_t mbs = pass.outputs[0].size();
-  std::vector<at::Tensor> grads = grad.chunk(static_cast<int64_t>(mbs), 0);
-  TORCH_CHECK(grads.size() == mbs, "OffloadModel: gradient of batch ", grad.size(0),
-              " does not split into ", mbs, " micro-batches like the forward");
+  std::vector<at::Tensor> grads = grad.split_with_sizes(pass.split, 0);
   for (int64_t s = num_slices() - 1; s >= 0; --s) {
     Check(Ensure(s, -1), "backward");
     for (size_t b = 0; b < mbs; ++b) {
