@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "comm/torch/tensor_buffer.h"
 #include "fsdp/internal/errors.h"
+#include "fsdp/internal/param_ranges.h"
 #include "fsdp/internal/root_state.h"
 
 namespace fairscale::fsdp {
@@ -217,7 +218,7 @@ void FullyShardedDataParallelImpl::collect_and_shard() {
       fp.numel += slot.numel;
     }
     if (sharded()) {
-      fp.shard_numel = (fp.numel + world_ - 1) / world_;
+      fp.shard_numel = internal::ShardNumel(fp.numel, world_);
       fp.padded_numel = fp.shard_numel * world_;
       fp.shard_offset = rank_ * fp.shard_numel;
     } else {

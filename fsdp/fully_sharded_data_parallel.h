@@ -225,6 +225,11 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // This unit and every unit nested in it, parents before children.
   std::vector<FullyShardedDataParallelImpl*> fsdp_units();
   std::vector<FlatParamInfo> flat_param_info() const;
+  // Every unit of the model this root drives, parents before children, with their prefix()es
+  // set (initializes the root on first use, as forward would). Root only; no communication.
+  std::vector<FullyShardedDataParallelImpl*> root_units();
+  // Whether this unit keeps only a shard of its flat parameters (see sharded()).
+  bool is_sharded() const { return sharded(); }
 
   // This rank's shards of every unit plus their layout and the model's buffers (root only,
   // outside forward/backward; no communication). See LocalStateDict, and local_checkpoint.h

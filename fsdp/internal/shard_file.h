@@ -1,0 +1,135 @@
+// The files of a sharded FSDP checkpoint (//fsdp, internal; no LibTorch): one file per rank
+// holding ranges of the flattened original tensors, and the JSON manifest that rank 0 writes
+// last. sharded_checkpoint.cc maps models onto them; consolidate_checkpoint reads them offline.
+//
+// Rank file: "FSDPSHD1" | records (raw little-endian element bytes, back to back) | header JSON |
+// u64 header length | u64 FNV-1a of the header | "FSDPSHD1". The header lists each record: its
+// key ("p/<param>", "b/<buffer>", "o/<param>/<state>"), dtype, the [begin, end) elements of the
+// flattened tensor it holds, where its bytes are and their FNV-1a. A reader opens the footer and
+// header and then reads only the records it needs, checking each one's checksum.
+//
+// Every file is written to "<path>.tmp", fsync'ed and renamed over `path` (then the directory is
+// fsync'ed), so a crash never leaves a torn file under its final name.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace fairscale::fsdp::internal {
+
+// fsync(tmp), rename(tmp, path), fsync(directory of path). kDataLoss naming the file on error.
+absl::Status CommitFile(const std::string& tmp, const std::string& path);
+// Writes `data` to `path` atomically (tmp, fsync, rename).
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view data);
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path);
+
+struct RecordMeta {
+  std::string key;
+  std::string dtype;  // c10 name: "Float", "Double", "BFloat16", ...
+  int64_t begin = 0;  // elements of the flattened tensor
+  int64_t end = 0;
+  int64_t offset = 0;  // bytes from the start of the file
+  int64_t nbytes = 0;
+  uint64_t fnv1a = 0;
+};
+
+struct ShardFileInfo {
+  int rank = 0;
+  int world_size = 0;
+  std::vector<RecordMeta> records;
+};
+
+// Streams records into "<path>.tmp"; Finish() writes the header and commits the file.
+class ShardFileWriter {
+ public:
+  static absl::StatusOr<std::unique_ptr<ShardFileWriter>> Open(const std::string& path, int rank,
+                                                               int world_size);
+  ~ShardFileWriter();
+  absl::Status Add(const std::string& key, const std::string& dtype, int64_t begin, int64_t end,
+                   const void* data, int64_t nbytes);
+  struct Summary {
+    int64_t bytes = 0;
+    uint64_t fnv1a = 0;         // of the whole file
+    uint64_t header_fnv1a = 0;  // of the header JSON
+  };
+  absl::StatusOr<Summary> Finish();
+
+ private:
+  ShardFileWriter(std::string path, std::FILE* file, int rank, int world_size);
+  absl::Status Write(const void* data, size_t n);
+  std::string path_;
+  std::FILE* file_;
+  ShardFileInfo info_;
+  int64_t written_ = 0;
+  uint64_t fnv_;
+};
+
+// An open rank file whose footer and header were read and checked against the manifest's
+// `bytes` and `header_fnv1a`. Errors are kDataLoss naming the file.
+class ShardFileReader {
+ public:
+  static absl::StatusOr<std::unique_ptr<ShardFileReader>> Open(const std::string& path,
+                                                               int64_t bytes,
+                                                               uint64_t header_fnv1a);
+  ~ShardFileReader();
+  const ShardFileInfo& info() const { return info_; }
+  const std::string& path() const { return path_; }
+  // The bytes of record `i`, checked against its checksum (kDataLoss naming file and key).
+  absl::StatusOr<std::string> Read(size_t i);
+
+ private:
+  ShardFileReader(std::string path, std::FILE* file) : path_(std::move(path)), file_(file) {}
+  std::string path_;
+  std::FILE* file_;
+  ShardFileInfo info_;
+};
+
+// The manifest ("manifest.json"), written by rank 0 after every rank file is committed.
+struct Manifest {
+  struct Tensor {
+    std::string name;
+    std::vector<int64_t> shape;
+    std::string dtype;
+    std::string alias_of;  // parameters: the primary name of a tied parameter, else ""
+  };
+  struct File {
+    std::string name;  // relative to the checkpoint directory
+    int64_t bytes = 0;
+    uint64_t fnv1a = 0;
+    uint64_t header_fnv1a = 0;
+  };
+  struct OptimParam {
+    int64_t step = 0;
+    std::vector<std::string> tensors;
+  };
+  struct OptimGroup {
+    std::map<std::string, double> options;
+    std::vector<std::string> params;
+  };
+  int world_size = 0;
+  std::vector<std::string> units;
+  std::vector<Tensor> params;   // unwrapped named_parameters() order
+  std::vector<Tensor> buffers;  // unwrapped named_buffers() order
+  bool has_optimizer = false;
+  std::string optimizer_kind;
+  std::vector<OptimGroup> param_groups;
+  std::map<std::string, OptimParam> optimizer_state;
+  std::vector<File> files;  // files[r]: rank r's
+};
+
+inline constexpr const char* kManifestName = "manifest.json";
+std::string RankFileName(int rank);  // "rank00003.shard"
+
+std::string ManifestToJson(const Manifest& manifest);
+// kDataLoss naming `path` when the JSON is malformed or incomplete.
+absl::StatusOr<Manifest> ManifestFromJson(absl::string_view json, const std::string& path);
+
+}  // namespace fairscale::fsdp::internal

@@ -1,0 +1,246 @@
+#include "fsdp/internal/state_layout.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "comm/torch/tensor_buffer.h"
+#include "fsdp/internal/errors.h"
+#include "fsdp/internal/optim_state.h"
+#include "fsdp/internal/param_ranges.h"
+
+namespace fairscale::fsdp::internal {
+namespace {
+
+// Walks the wrapped modules as the unwrapped module's named_parameters() would: a module's own
+// parameters, then its children in order, entering nested units' wrapped modules in place.
+void WalkUnwrapped(const std::shared_ptr<torch::nn::Module>& m, const std::string& path,
+                   std::vector<std::string>& params,
+                   std::vector<std::pair<std::string, at::Tensor>>& buffers) {
+  for (const auto& item : m->named_parameters(/*recurse=*/false)) params.push_back(path + item.key());
+  for (const auto& item : m->named_buffers(/*recurse=*/false)) {
+    if (item.value().defined()) buffers.emplace_back(path + item.key(), item.value());
+  }
+  for (const auto& child : m->named_children()) {
+    const std::string child_path = path + child.key() + ".";
+    if (auto unit = std::dynamic_pointer_cast<FullyShardedDataParallelImpl>(child.value())) {
+      WalkUnwrapped(unit->module(), child_path, params, buffers);
+    } else {
+      WalkUnwrapped(child.value(), child_path, params, buffers);
+    }
+  }
+}
+
+}  // namespace
+
+std::string ShapeString(at::IntArrayRef shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+std::vector<std::string> ModelLayout::primary_names() const {
+  std::vector<std::string> out;
+  for (const std::string& n : param_names) {
+    if (entry(n).name == n) out.push_back(n);
+  }
+  return out;
+}
+
+ModelLayout GetModelLayout(FullyShardedDataParallel& model) {
+  ModelLayout out;
+  out.rank = model->rank();
+  out.world = model->world_size();
+  for (FullyShardedDataParallelImpl* u : model->root_units()) {
+    const auto params = u->named_parameters(/*recurse=*/false);
+    for (const FlatParamInfo& info : u->flat_param_info()) {
+      const size_t f = out.flats.size();
+      out.flats.push_back({u, info, params[info.name], u->is_sharded()});
+      for (size_t e = 0; e < info.params.size(); ++e) {
+        out.where[info.params[e].name] = {f, e};
+        for (const std::string& a : info.params[e].aliases) out.where[a] = {f, e};
+      }
+    }
+  }
+  WalkUnwrapped(model->module(), "", out.param_names, out.buffers);
+  for (const std::string& n : out.param_names) {
+    TORCH_CHECK(out.where.count(n), "fsdp state dict: parameter '", n,
+                "' of the wrapped module is in no flat parameter");
+  }
+  return out;
+}
+
+at::Tensor GatherFlat(const ModelLayout& layout, size_t f, const at::Tensor& shard,
+                      const std::string& context) {
+  const FlatRef& flat = layout.flats[f];
+  if (!flat.sharded) return shard;
+  TORCH_CHECK(shard.is_contiguous() && shard.numel() == flat.info.shard_numel, context,
+              ": expected a contiguous shard of ", flat.info.shard_numel, " elements");
+  at::Tensor full = at::empty({flat.info.padded_numel}, shard.options());
+  const auto& comm = flat.unit->communicator();
+  ThrowIfError(comm->AllGather(ValueOrThrow(comm::ToConstBuffer(shard), context),
+                               ValueOrThrow(comm::ToBuffer(full), context))
+                   .Wait(),
+               context + ": all_gather");
+  return full;
+}
+
+absl::StatusOr<LocalStateDict> StageShards(const ModelLayout& layout, const RangeReader& params,
+                                           const RangeReader& buffers) {
+  c10::NoGradGuard no_grad;
+  LocalStateDict out;
+  out.rank = layout.rank;
+  out.world_size = layout.world;
+  for (const FlatRef& flat : layout.flats) {
+    const FlatParamInfo& info = flat.info;
+    at::Tensor t = at::zeros({info.shard_numel}, flat.shard.options().requires_grad(false));
+    absl::Status status;
+    ForEachOverlap(info.params, info.shard_offset, info.shard_offset + info.shard_numel,
+                   [&](size_t i, int64_t entry_begin, int64_t flat_begin, int64_t length) {
+                     if (!status.ok()) return;
+                     status = params(info.params[i].name, entry_begin,
+                                     t.narrow(0, flat_begin - info.shard_offset, length));
+                   });
+    if (!status.ok()) return status;
+    out.shards.push_back(
+        {flat.unit->prefix(), flat.unit->options().sharding_strategy(), info, std::move(t)});
+  }
+  for (const auto& [name, b] : layout.buffers) {
+    at::Tensor t = at::empty_like(b);
+    absl::Status status = buffers(name, 0, t);
+    if (!status.ok()) return status;
+    out.buffers.emplace_back(name, std::move(t));
+  }
+  return out;
+}
+
+absl::StatusOr<FullOptimState> OptimGroups(const ModelLayout& layout,
+                                           const torch::optim::Optimizer& optimizer) {
+  FullOptimState out;
+  absl::StatusOr<std::string> kind = OptimizerKind(optimizer);
+  if (!kind.ok()) return kind.status();
+  out.kind = *kind;
+  std::map<std::string, size_t> order;
+  for (const std::string& n : layout.param_names) order.emplace(n, order.size());
+  for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    const auto& group = optimizer.param_groups()[g];
+    FullOptimState::Group og;
+    og.options = GetOptions(out.kind, group.options());
+    for (const at::Tensor& p : group.params()) {
+      const FlatRef* flat = nullptr;
+      for (const FlatRef& f : layout.flats) {
+        if (f.shard.is_same(p)) flat = &f;
+      }
+      if (flat == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "optimizer param group ", g, " steps a tensor that is not a flat parameter of this ",
+            "FSDP model; build the optimizer over model->parameters()"));
+      }
+      for (const auto& e : flat->info.params) og.params.push_back(e.name);
+    }
+    std::sort(og.params.begin(), og.params.end(),
+              [&](const std::string& a, const std::string& b) { return order[a] < order[b]; });
+    out.param_groups.push_back(std::move(og));
+  }
+  return out;
+}
+
+absl::StatusOr<StagedOptim> StageOptim(const ModelLayout& layout,
+                                       const torch::optim::Optimizer& optimizer,
+                                       const FullOptimState& meta, const RangeReader& read) {
+  c10::NoGradGuard no_grad;
+  absl::StatusOr<FullOptimState> here = OptimGroups(layout, optimizer);
+  if (!here.ok()) return here.status();
+  if (here->kind != meta.kind) {
+    return absl::InvalidArgumentError(absl::StrCat("the optimizer state is of a '", meta.kind,
+                                                   "' optimizer, this optimizer is '",
+                                                   here->kind, "'"));
+  }
+  if (here->param_groups.size() != meta.param_groups.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the optimizer state has ", meta.param_groups.size(),
+                     " param groups, this optimizer ", here->param_groups.size()));
+  }
+  StagedOptim out;
+  out.kind = meta.kind;
+  for (size_t g = 0; g < meta.param_groups.size(); ++g) {
+    const std::set<std::string> saved(meta.param_groups[g].params.begin(),
+                                      meta.param_groups[g].params.end());
+    for (const std::string& n : here->param_groups[g].params) {
+      if (!saved.count(n)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("parameter '", n, "' is in param group ", g,
+                         " of this optimizer but not in group ", g, " of the optimizer state"));
+      }
+    }
+    if (saved.size() != here->param_groups[g].params.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "param group ", g, " holds ", saved.size(), " parameters in the optimizer state but ",
+          here->param_groups[g].params.size(), " here"));
+    }
+    auto probe = optimizer.param_groups()[g].options().clone();
+    absl::Status options_ok = SetOptions(meta.kind, meta.param_groups[g].options, *probe);
+    if (!options_ok.ok()) return options_ok;
+    out.group_options.push_back(meta.param_groups[g].options);
+  }
+  for (const auto& group : optimizer.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      const FlatRef* flat = nullptr;
+      for (const FlatRef& f : layout.flats) {
+        if (f.shard.is_same(p)) flat = &f;
+      }
+      const FlatParamInfo& info = flat->info;
+      // Every parameter of a flat parameter shares its optimizer state object: all or none
+      // of them have state, with one step count.
+      const auto first = meta.state.find(info.params.front().name);
+      for (const auto& e : info.params) {
+        const auto it = meta.state.find(e.name);
+        const bool same = (it == meta.state.end()) == (first == meta.state.end()) &&
+                          (it == meta.state.end() || (it->second.step == first->second.step &&
+                                                      it->second.tensors.size() ==
+                                                          first->second.tensors.size()));
+        if (!same) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "parameters '", info.params.front().name, "' and '", e.name,
+              "' share a flat parameter here but have different optimizer states (step or "
+              "state tensors) in the saved state"));
+        }
+      }
+      if (first == meta.state.end()) {
+        out.stateless.push_back(p);
+        continue;
+      }
+      ParamState ps;
+      ps.step = first->second.step;
+      for (const auto& [tname, unused] : first->second.tensors) {
+        at::Tensor t = at::zeros({info.shard_numel}, p.options().requires_grad(false));
+        absl::Status status;
+        ForEachOverlap(info.params, info.shard_offset, info.shard_offset + info.shard_numel,
+                       [&](size_t i, int64_t entry_begin, int64_t flat_begin, int64_t length) {
+                         if (!status.ok()) return;
+                         status = read(absl::StrCat(info.params[i].name, "/", tname), entry_begin,
+                                       t.narrow(0, flat_begin - info.shard_offset, length));
+                       });
+        if (!status.ok()) return status;
+        ps.tensors[tname] = std::move(t);
+      }
+      out.states.emplace_back(p, MakeParamState(meta.kind, ps));
+    }
+  }
+  return out;
+}
+
+void ApplyOptim(torch::optim::Optimizer& optimizer, StagedOptim staged) {
+  for (size_t g = 0; g < staged.group_options.size(); ++g) {
+    ThrowIfError(SetOptions(staged.kind, staged.group_options[g],
+                            optimizer.param_groups()[g].options()),
+                 "load optimizer state");
+  }
+  for (const at::Tensor& p : staged.stateless) optimizer.state().erase(StateKey(p));
+  for (auto& [p, s] : staged.states) optimizer.state()[StateKey(p)] = std::move(s);
+}
+
+}  // namespace fairscale::fsdp::internal

@@ -1,0 +1,270 @@
+// Full state dicts of FullyShardedDataParallel models and their optimizers (state_dict.h).
+#include "fsdp/state_dict.h"
+
+#include <c10/core/GradMode.h>
+#include <torch/serialize/output-archive.h>
+
+#include <cstdio>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "fsdp/internal/errors.h"
+#include "fsdp/internal/optim_state.h"
+#include "fsdp/internal/root_state.h"
+#include "fsdp/internal/shard_file.h"
+#include "fsdp/internal/state_layout.h"
+
+namespace fairscale::fsdp {
+
+using internal::ModelLayout;
+using internal::ShapeString;
+using internal::ThrowIfError;
+
+std::vector<FullyShardedDataParallelImpl*> FullyShardedDataParallelImpl::root_units() {
+  if (!state_) init_root();
+  TORCH_CHECK(is_root(), label(), ": the state dicts are taken from the root unit");
+  TORCH_CHECK(!state_->backward_active && !in_forward_, label(),
+              ": state dicts are not available inside forward or backward");
+  return state_->units;
+}
+
+namespace {
+
+at::Tensor ToCpuCopy(const at::Tensor& t) {
+  return t.detach().to(t.options().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true);
+}
+
+std::string What(FullyShardedDataParallel& model, const char* op) {
+  return absl::StrCat(op, " rank ", model->rank(), "/", model->world_size());
+}
+
+// Reads ranges of the flattened tensors of a map, checking the length.
+template <typename Lookup>
+internal::RangeReader MapReader(Lookup lookup) {
+  return [lookup](const std::string& key, int64_t begin, at::Tensor dst) -> absl::Status {
+    const at::Tensor* t = lookup(key);
+    if (t == nullptr || !t->defined()) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", key, "' is missing"));
+    }
+    if (begin + dst.numel() > t->numel()) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", key, "' has ", t->numel(),
+                                                     " elements, expected at least ",
+                                                     begin + dst.numel()));
+    }
+    dst.copy_(t->reshape({-1}).narrow(0, begin, dst.numel()));
+    return absl::OkStatus();
+  };
+}
+
+}  // namespace
+
+StateDict full_state_dict(FullyShardedDataParallel& model, bool rank0_only) {
+  const std::string what = What(model, "full_state_dict");
+  ModelLayout layout = internal::GetModelLayout(model);
+  const bool keep = !rank0_only || layout.rank == 0;
+  c10::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> by_name;
+  for (size_t f = 0; f < layout.flats.size(); ++f) {
+    const internal::FlatRef& flat = layout.flats[f];
+    // One flat parameter gathered at a time; `full` is freed before the next.
+    at::Tensor full = internal::GatherFlat(layout, f, flat.shard.detach(),
+                                           absl::StrCat(what, " unit '", flat.unit->prefix(), "'"));
+    if (!keep) continue;
+    for (const FlatParamInfo::Entry& e : flat.info.params) {
+      by_name[e.name] = ToCpuCopy(full.narrow(0, e.offset, e.numel).view(e.shape));
+    }
+  }
+  StateDict out;
+  if (!keep) return out;
+  for (const std::string& n : layout.param_names) out.insert(n, by_name.at(layout.entry(n).name));
+  for (const auto& [n, b] : layout.buffers) out.insert(n, ToCpuCopy(b));
+  return out;
+}
+
+void load_full_state_dict(FullyShardedDataParallel& model, const StateDict& state) {
+  const std::string what = What(model, "load_full_state_dict");
+  ModelLayout layout = internal::GetModelLayout(model);
+  // Names, shapes and dtypes first.
+  std::set<std::string> expected;
+  auto check = [&](const std::string& n, at::IntArrayRef shape, at::ScalarType dtype) {
+    expected.insert(n);
+    const at::Tensor* t = state.find(n);
+    ThrowIfError(t == nullptr || !t->defined()
+                     ? absl::InvalidArgumentError(absl::StrCat("tensor '", n, "' is missing"))
+                 : t->sizes() != shape
+                     ? absl::InvalidArgumentError(absl::StrCat(
+                           "tensor '", n, "' has shape ", ShapeString(t->sizes()),
+                           ", the model's has shape ", ShapeString(shape)))
+                 : t->scalar_type() != dtype
+                     ? absl::InvalidArgumentError(absl::StrCat("tensor '", n, "' is ",
+                                                               c10::toString(t->scalar_type()),
+                                                               ", the model's is ",
+                                                               c10::toString(dtype)))
+                     : absl::OkStatus(),
+                 what);
+  };
+  for (const std::string& n : layout.param_names) check(n, layout.entry(n).shape, layout.dtype(n));
+  for (const auto& [n, b] : layout.buffers) check(n, b.sizes(), b.scalar_type());
+  for (const auto& item : state) {
+    ThrowIfError(expected.count(item.key())
+                     ? absl::OkStatus()
+                     : absl::InvalidArgumentError(absl::StrCat(
+                           "tensor '", item.key(), "' is not a parameter or buffer of the model")),
+                 what);
+  }
+  const auto reader = MapReader([&state](const std::string& k) { return state.find(k); });
+  absl::StatusOr<LocalStateDict> staged = internal::StageShards(layout, reader, reader);
+  ThrowIfError(staged.status(), what);
+  model->load_local_state_dict(*staged);
+}
+
+FullOptimState full_optim_state_dict(FullyShardedDataParallel& model,
+                                     const torch::optim::Optimizer& optimizer, bool rank0_only) {
+  const std::string what = What(model, "full_optim_state_dict");
+  ModelLayout layout = internal::GetModelLayout(model);
+  absl::StatusOr<FullOptimState> groups = internal::OptimGroups(layout, optimizer);
+  ThrowIfError(groups.status(), what);
+  FullOptimState out = *std::move(groups);
+  const bool keep = !rank0_only || layout.rank == 0;
+  c10::NoGradGuard no_grad;
+  for (size_t f = 0; f < layout.flats.size(); ++f) {
+    const internal::FlatRef& flat = layout.flats[f];
+    internal::ParamState ps;
+    // Every rank steps its shard of every flat parameter, so all ranks agree on which have
+    // state and the gathers below match up.
+    if (!internal::GetParamState(optimizer, flat.shard, &ps)) continue;
+    for (const FlatParamInfo::Entry& e : flat.info.params) {
+      if (keep) out.state[e.name].step = ps.step;
+    }
+    for (const auto& [tname, t] : ps.tensors) {
+      at::Tensor full = internal::GatherFlat(
+          layout, f, t.detach().contiguous(),
+          absl::StrCat(what, " unit '", flat.unit->prefix(), "' ", tname));
+      if (!keep) continue;
+      for (const FlatParamInfo::Entry& e : flat.info.params) {
+        out.state[e.name].tensors[tname] =
+            ToCpuCopy(full.narrow(0, e.offset, e.numel).view(e.shape));
+      }
+    }
+  }
+  if (!keep) return FullOptimState();
+  return out;
+}
+
+void load_full_optim_state_dict(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer,
+                                const FullOptimState& state) {
+  const std::string what = What(model, "load_full_optim_state_dict");
+  ModelLayout layout = internal::GetModelLayout(model);
+  for (const auto& [name, ps] : state.state) {
+    ThrowIfError(
+        layout.where.count(name)
+            ? absl::OkStatus()
+            : absl::InvalidArgumentError(absl::StrCat(
+                  "the optimizer state has parameter '", name, "', which the model does not")),
+        what);
+    for (const auto& [tname, t] : ps.tensors) {
+      ThrowIfError(t.defined() && t.sizes() == at::IntArrayRef(layout.entry(name).shape)
+                       ? absl::OkStatus()
+                       : absl::InvalidArgumentError(absl::StrCat(
+                             "optimizer state '", name, "/", tname, "' has shape ",
+                             t.defined() ? ShapeString(t.sizes()) : "undefined",
+                             ", the parameter's is ", ShapeString(layout.entry(name).shape))),
+                   what);
+    }
+  }
+  const auto reader = MapReader([&state](const std::string& key) -> const at::Tensor* {
+    const size_t slash = key.rfind('/');
+    auto it = state.state.find(key.substr(0, slash));
+    if (it == state.state.end()) return nullptr;
+    auto t = it->second.tensors.find(key.substr(slash + 1));
+    return t == it->second.tensors.end() ? nullptr : &t->second;
+  });
+  absl::StatusOr<internal::StagedOptim> staged =
+      internal::StageOptim(layout, optimizer, state, reader);
+  ThrowIfError(staged.status(), what);
+  internal::ApplyOptim(optimizer, *std::move(staged));
+}
+
+// ---- plain LibTorch files -----------------------------------------------------------------
+
+namespace {
+
+// Module::save's layout: a module's tensors by their own name, each child in a nested archive.
+struct ArchiveNode {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::vector<std::pair<std::string, ArchiveNode>> children;
+  ArchiveNode& child(const std::string& key) {
+    for (auto& [k, c] : children) {
+      if (k == key) return c;
+    }
+    return children.emplace_back(key, ArchiveNode()).second;
+  }
+  void write(torch::serialize::OutputArchive& archive) const {
+    for (const auto& [k, t] : tensors) archive.write(k, t);
+    for (const auto& [k, c] : children) {
+      torch::serialize::OutputArchive nested(archive.compilation_unit());
+      c.write(nested);
+      archive.write(k, nested);
+    }
+  }
+};
+
+void SaveArchive(torch::serialize::OutputArchive& archive, const std::string& path,
+                 const std::string& what) {
+  const std::string tmp = path + ".tmp";
+  try {
+    archive.save_to(tmp);
+  } catch (const c10::Error& e) {
+    std::remove(tmp.c_str());
+    TORCH_CHECK(false, what, ": cannot write '", tmp, "': ", e.what_without_backtrace());
+  }
+  ThrowIfError(internal::CommitFile(tmp, path), what);
+}
+
+}  // namespace
+
+void save_module_state_dict(const StateDict& state, const std::string& path) {
+  ArchiveNode root;
+  for (const auto& item : state) {
+    ArchiveNode* node = &root;
+    std::string name = item.key();
+    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.')) {
+      node = &node->child(name.substr(0, dot));
+      name = name.substr(dot + 1);
+    }
+    node->tensors.emplace_back(name, item.value());
+  }
+  torch::serialize::OutputArchive archive;
+  root.write(archive);
+  SaveArchive(archive, path, absl::StrCat("save_module_state_dict('", path, "')"));
+}
+
+void save_torch_optimizer(const FullOptimState& state, const std::string& path) {
+  const std::string what = absl::StrCat("save_torch_optimizer('", path, "')");
+  // Stand-ins for the unwrapped module's parameters; Optimizer::save records only their order.
+  std::vector<std::vector<at::Tensor>> groups;
+  std::vector<std::map<std::string, double>> options;
+  std::vector<std::pair<at::Tensor, const FullOptimState::Param*>> with_state;
+  for (const FullOptimState::Group& g : state.param_groups) {
+    auto& params = groups.emplace_back();
+    for (const std::string& n : g.params) {
+      params.push_back(at::empty({0}));
+      auto it = state.state.find(n);
+      if (it != state.state.end()) with_state.emplace_back(params.back(), &it->second);
+    }
+    options.push_back(g.options);
+  }
+  auto opt = internal::MakePlainOptimizer(state.kind, groups, options);
+  ThrowIfError(opt.status(), what);
+  for (const auto& [p, ps] : with_state) {
+    internal::ParamState s;
+    s.step = ps->step;
+    s.tensors = ps->tensors;
+    (*opt)->state()[internal::StateKey(p)] = internal::MakeParamState(state.kind, s);
+  }
+  torch::serialize::OutputArchive archive;
+  (*opt)->save(archive);
+  SaveArchive(archive, path, what);
+}
+
+}  // namespace fairscale::fsdp
