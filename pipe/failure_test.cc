@@ -1,0 +1,148 @@
+// Failures: a stage that throws (in forward, in backward, in the loss) or gets a bad batch makes
+// every rank's train_step fail with an error naming that stage, never a hang; the pipe stays
+// failed afterwards; bad configurations are kInvalidArgument from Create.
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "pipe/pipe.h"
+#include "pipe/test_util.h"
+
+namespace fairscale::pipe {
+namespace {
+
+using base::testing::IsOk;
+using base::testing::StatusIs;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+enum class Boom { kNone, kForward, kBackward };
+
+// Identity that throws in forward, or registers a hook that throws in backward.
+class BoomLayerImpl : public torch::nn::Module {
+ public:
+  explicit BoomLayerImpl(Boom boom) : boom_(boom) {}
+  at::Tensor forward(const at::Tensor& x) {
+    TORCH_CHECK(boom_ != Boom::kForward, "boom in forward");
+    at::Tensor y = x * 1.0;
+    if (boom_ == Boom::kBackward && y.requires_grad()) {
+      y.register_hook([](const at::Tensor& g) -> at::Tensor {
+        TORCH_CHECK(false, "boom in backward");
+        return g;
+      });
+    }
+    return y;
+  }
+
+ private:
+  Boom boom_;
+};
+TORCH_MODULE(BoomLayer);
+
+// Linear, Tanh | Boom, Linear | Linear with balance {2, 2, 1}: the Boom layer is on stage 1.
+torch::nn::Sequential MakeModel(Boom boom) {
+  torch::nn::Sequential m(torch::nn::Linear(4, 6), torch::nn::Tanh(), BoomLayer(boom),
+                          torch::nn::Linear(6, 6), torch::nn::Linear(6, 3));
+  testing::InitDeterministic(*m);
+  return m;
+}
+
+struct Case {
+  std::string name;
+  Boom boom = Boom::kNone;
+  bool loss_throws = false;
+  int64_t input_rows = 12;
+  int failing_stage = 1;
+  std::string what;  // in the failing stage's message
+};
+
+TEST(FailureTest, EveryRankNamesTheFailingStage) {
+  const std::vector<Case> cases = {
+      {"forward", Boom::kForward, false, 12, 1, "boom in forward"},
+      {"backward", Boom::kBackward, false, 12, 1, "boom in backward"},
+      {"loss", Boom::kNone, true, 12, 2, "bad loss"},
+      {"batch", Boom::kNone, false, 2, 0, "fewer than chunks = 3"},
+  };
+  for (const Case& c : cases) {
+    for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+      const std::string at = absl::StrCat(c.name, " ", ScheduleName(schedule));
+      const std::string stage_name = absl::StrCat("pipe stage ", c.failing_stage, "/3");
+      std::vector<absl::Status> statuses = testing::RunInproc(
+          3,
+          [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+            absl::StatusOr<std::unique_ptr<Pipe>> pipe =
+                Pipe::Create(MakeModel(c.boom), comm,
+                             PipeOptions()
+                                 .balance({2, 2, 1})
+                                 .chunks(3)
+                                 .schedule(schedule)
+                                 .timeout(absl::Seconds(20)));
+            if (!pipe.ok()) return pipe.status();
+            LossFn loss = [&](const at::Tensor& out, const at::Tensor& y) {
+              TORCH_CHECK(!c.loss_throws, "bad loss");
+              return testing::Mse(out, y);
+            };
+            absl::StatusOr<at::Tensor> first = (*pipe)->train_step(
+                testing::Inputs(c.input_rows, 1), testing::Targets(12, 2), loss);
+            if (first.ok()) return absl::InternalError("train_step succeeded");
+            // A failed pipe stays failed.
+            absl::StatusOr<at::Tensor> again = (*pipe)->train_step(
+                testing::Inputs(12, 1), testing::Targets(12, 2), testing::Mse);
+            if (again.status().code() != absl::StatusCode::kFailedPrecondition) {
+              return absl::InternalError(
+                  absl::StrCat("second train_step: ", again.status().ToString()));
+            }
+            return first.status();
+          },
+          absl::Seconds(20));
+      for (int r = 0; r < 3; ++r) {
+        EXPECT_FALSE(statuses[r].ok()) << at << " rank " << r;
+        EXPECT_THAT(statuses[r].message(), HasSubstr(stage_name)) << at << " rank " << r;
+        EXPECT_THAT(statuses[r].message(), HasSubstr(c.what)) << at << " rank " << r;
+        EXPECT_THAT(statuses[r].message(), Not(HasSubstr("train_step succeeded")));
+      }
+    }
+  }
+}
+
+TEST(FailureTest, BadConfigurationIsInvalidArgument) {
+  struct Config {
+    int world;
+    std::vector<int64_t> balance;
+    int64_t chunks;
+    std::string message;
+  };
+  const std::vector<Config> configs = {
+      {2, {2, 2}, 1, "sums to 4 but the model has 5 layers"},
+      {2, {5, 0}, 1, "balance[1] = 0"},
+      {2, {2, 2, 1}, 1, "has 3 entries but the communicator has 2 ranks"},
+      {6, {}, 1, "6 stages (one per rank) but the model has only 5 layers"},
+      {2, {3, 2}, 0, "chunks must be >= 1"},
+  };
+  for (const Config& config : configs) {
+    std::vector<absl::Status> statuses = testing::RunInproc(
+        config.world, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+          return Pipe::Create(MakeModel(Boom::kNone), comm,
+                              PipeOptions().balance(config.balance).chunks(config.chunks))
+              .status();
+        });
+    for (int r = 0; r < config.world; ++r) {
+      EXPECT_THAT(statuses[r], StatusIs(absl::StatusCode::kInvalidArgument,
+                                        HasSubstr(config.message)))
+          << config.message << " rank " << r;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fairscale::pipe
