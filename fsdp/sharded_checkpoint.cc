@@ -265,8 +265,8 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
                                .to(at::kCPU)
                                .contiguous();
             status = (*writer)->Add(prefix + flat.info.params[i].name + suffix,
-                                    DtypeName(t.scalar_type()), entry_begin,
-                                    entry_begin + length, t.data_ptr(), t.nbytes());
+                                    DtypeName(t.scalar_type()), flat.info.params[i].shape,
+                                    entry_begin, entry_begin + length, t.data_ptr(), t.nbytes());
           });
     };
     for (const internal::FlatRef& flat : layout.flats) {
@@ -285,8 +285,8 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
       for (const auto& [name, b] : layout.buffers) {
         if (!status.ok()) break;
         at::Tensor t = b.detach().to(at::kCPU).contiguous();
-        status = (*writer)->Add("b/" + name, DtypeName(t.scalar_type()), 0, t.numel(),
-                                t.data_ptr(), t.nbytes());
+        status = (*writer)->Add("b/" + name, DtypeName(t.scalar_type()), t.sizes().vec(), 0,
+                                t.numel(), t.data_ptr(), t.nbytes());
       }
     }
     if (status.ok()) {
@@ -341,7 +341,7 @@ void load_sharded_checkpoint(FullyShardedDataParallel& model, torch::optim::Opti
   LocalStateDict staged_model;
   internal::StagedOptim staged_optim;
   // Everything is read and checked before anything changes.
-  const absl::Status status = [&]() -> absl::Status {
+  auto stage = [&]() -> absl::Status {
     auto reader = CheckpointReader::Open(dir, /*verify_whole_files=*/false);
     if (!reader.ok()) return reader.status();
     CheckpointReader& r = **reader;
@@ -370,7 +370,13 @@ void load_sharded_checkpoint(FullyShardedDataParallel& model, torch::optim::Opti
       staged_optim = *std::move(opt);
     }
     return absl::OkStatus();
-  }();
+  };
+  absl::Status status;
+  try {
+    status = stage();
+  } catch (const c10::Error& e) {  // still agree with the other ranks, which may be waiting
+    status = absl::InternalError(e.what_without_backtrace());
+  }
   ThrowIfAnyFailed(model->communicator(), status, what);
   model->load_local_state_dict(staged_model);
   if (optimizer != nullptr) internal::ApplyOptim(*optimizer, std::move(staged_optim));

@@ -185,6 +185,35 @@ TEST(FsdpShardedCheckpoint, BadFilesAreNamedErrorsAndChangeNothing) {
   ExpectLoadError(no_opt, OptimizerKind::kAdam, {"INVALID_ARGUMENT", "without optimizer state"});
 }
 
+TEST(FsdpShardedCheckpoint, EachRankReadsOnlyWhatItNeedsAndAllAgreeBeforeLoading) {
+  const std::string dir = TmpPath("agree");
+  SaveAt4(OptimizerKind::kAdam, dir);
+  // Rank 3 of 4 saved the end of the root's flat parameter ([51, 66) of 66: fc_out); at world
+  // size 2 only rank 1 ([33, 66)) reads that record.
+  const std::string rank3 = dir + "/rank00003.shard";
+  std::string bytes = ReadFile(rank3);
+  bytes[10] ^= 0x5a;
+  WriteFile(rank3, bytes);
+  ExpectAllOk(
+      testing::RunRanks(
+          2,
+          [&](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+            auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
+            auto opt = testing::MakeOptimizer(OptimizerKind::kAdam, model->parameters());
+            const StateDict before = full_state_dict(model);
+            const std::vector<std::string> needles =
+                rank == 1 ? std::vector<std::string>{"DATA_LOSS", rank3, "tensor 'p/fc_out.weight'",
+                                                     "rank 1/2"}
+                          : std::vector<std::string>{"rank 0/2", "rank(s) 1 failed",
+                                                     "nothing was changed"};
+            FS_RETURN_IF_ERROR(
+                ExpectError([&] { load_sharded_checkpoint(model, opt.get(), dir); }, needles));
+            FS_RETURN_IF_ERROR(Check(opt->state().empty(), "optimizer state changed"));
+            return SameDict(full_state_dict(model), before, "model after a failed load");
+          }),
+      "agreement");
+}
+
 TEST(FsdpShardedCheckpoint, ShapeMismatchNamesTheTensor) {
   const std::string dir = TmpPath("shape");
   SaveAt4(OptimizerKind::kAdam, dir);

@@ -128,11 +128,13 @@ absl::Status ShardFileWriter::Write(const void* data, size_t n) {
   return absl::OkStatus();
 }
 
-absl::Status ShardFileWriter::Add(const std::string& key, const std::string& dtype, int64_t begin,
-                                  int64_t end, const void* data, int64_t nbytes) {
+absl::Status ShardFileWriter::Add(const std::string& key, const std::string& dtype,
+                                  const std::vector<int64_t>& shape, int64_t begin, int64_t end,
+                                  const void* data, int64_t nbytes) {
   RecordMeta r;
   r.key = key;
   r.dtype = dtype;
+  r.shape = shape;
   r.begin = begin;
   r.end = end;
   r.offset = written_;
@@ -147,6 +149,7 @@ absl::StatusOr<ShardFileWriter::Summary> ShardFileWriter::Finish() {
   for (const RecordMeta& r : info_.records) {
     records.push_back({{"key", r.key},
                        {"dtype", r.dtype},
+                       {"shape", r.shape},
                        {"begin", r.begin},
                        {"end", r.end},
                        {"offset", r.offset},
@@ -226,12 +229,16 @@ absl::StatusOr<std::unique_ptr<ShardFileReader>> ShardFileReader::Open(const std
       RecordMeta m;
       m.key = rec.at("key").get<std::string>();
       m.dtype = rec.at("dtype").get<std::string>();
+      m.shape = rec.at("shape").get<std::vector<int64_t>>();
       m.begin = rec.at("begin").get<int64_t>();
       m.end = rec.at("end").get<int64_t>();
       m.offset = rec.at("offset").get<int64_t>();
       m.nbytes = rec.at("nbytes").get<int64_t>();
+      int64_t numel = 1;
+      for (int64_t d : m.shape) numel *= d;
       if (!ParseHex(rec.at("fnv1a").get<std::string>(), &m.fnv1a) || m.offset < 0 ||
-          m.nbytes < 0 || m.offset + m.nbytes > bytes || m.begin < 0 || m.end < m.begin) {
+          m.nbytes < 0 || m.offset + m.nbytes > bytes || m.begin < 0 || m.end < m.begin ||
+          m.end > numel) {
         return absl::DataLossError(absl::StrCat("checkpoint file '", path, "': record '", m.key,
                                                 "' is malformed"));
       }

@@ -4,8 +4,8 @@
 //
 // Rank file: "FSDPSHD1" | records (raw little-endian element bytes, back to back) | header JSON |
 // u64 header length | u64 FNV-1a of the header | "FSDPSHD1". The header lists each record: its
-// key ("p/<param>", "b/<buffer>", "o/<param>/<state>"), dtype, the [begin, end) elements of the
-// flattened tensor it holds, where its bytes are and their FNV-1a. A reader opens the footer and
+// key ("p/<param>", "b/<buffer>", "o/<param>/<state>"), dtype, the whole tensor's shape, the
+// [begin, end) elements of the flattened tensor it holds, where its bytes are and their FNV-1a. A reader opens the footer and
 // header and then reads only the records it needs, checking each one's checksum.
 //
 // Every file is written to "<path>.tmp", fsync'ed and renamed over `path` (then the directory is
@@ -33,7 +33,8 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path);
 
 struct RecordMeta {
   std::string key;
-  std::string dtype;  // c10 name: "Float", "Double", "BFloat16", ...
+  std::string dtype;            // c10 name: "Float", "Double", "BFloat16", ...
+  std::vector<int64_t> shape;   // of the whole original tensor
   int64_t begin = 0;  // elements of the flattened tensor
   int64_t end = 0;
   int64_t offset = 0;  // bytes from the start of the file
@@ -53,7 +54,8 @@ class ShardFileWriter {
   static absl::StatusOr<std::unique_ptr<ShardFileWriter>> Open(const std::string& path, int rank,
                                                                int world_size);
   ~ShardFileWriter();
-  absl::Status Add(const std::string& key, const std::string& dtype, int64_t begin, int64_t end,
+  absl::Status Add(const std::string& key, const std::string& dtype,
+                   const std::vector<int64_t>& shape, int64_t begin, int64_t end,
                    const void* data, int64_t nbytes);
   struct Summary {
     int64_t bytes = 0;
