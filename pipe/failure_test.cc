@@ -107,8 +107,8 @@ TEST(FailureTest, EveryRankNamesTheFailingStage) {
           absl::Seconds(20));
       for (int r = 0; r < 3; ++r) {
         EXPECT_FALSE(statuses[r].ok()) << at << " rank " << r;
-        EXPECT_THAT(statuses[r].message(), HasSubstr(stage_name)) << at << " rank " << r;
-        EXPECT_THAT(statuses[r].message(), HasSubstr(c.what)) << at << " rank " << r;
+        EXPECT_THAT(std::string(statuses[r].message()), HasSubstr(stage_name)) << at << " rank " << r;
+        EXPECT_THAT(std::string(statuses[r].message()), HasSubstr(c.what)) << at << " rank " << r;
         EXPECT_THAT(statuses[r].message(), Not(HasSubstr("train_step succeeded")));
       }
     }

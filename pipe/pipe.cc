@@ -209,6 +209,10 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(torch::nn::Sequential layers,
     if (!c.ok()) return Annotate(c.status(), pipe->Name() + ": splitting the communicator");
     *child = *std::move(c);
   }
+  // Every rank has both communicators before any uses them: a rank that failed its first step
+  // at once must not tear its communicators down while a peer is still creating its own.
+  absl::Status ready = pipe->bwd_->Barrier(op).Wait(pipe->timeout_);
+  if (!ready.ok()) return Annotate(ready, pipe->Name() + ": waiting for the other stages");
   pipe->comm_ = std::move(comm);
   pipe->links_ = std::make_unique<Links>();
   if (pipe->stage_ > 0) {

@@ -121,9 +121,11 @@ std::vector<absl::Status> RunInproc(
           if (!comm.ok()) return comm.status();
           absl::Status status = body(rank, *comm);
           // A rank that returns destroys its communicator; a peer still finishing its last
-          // operation would find it gone.
-          if (!status.ok()) return status;
-          return (*comm)->Barrier().Wait();
+          // operation, or not yet joined (a body that failed before any collective), would
+          // find it gone. After a failure the barrier still runs (the world communicator is
+          // not the pipe's, which the failure aborted).
+          absl::Status barrier = (*comm)->Barrier().Wait();
+          return status.ok() ? barrier : status;
         } catch (const std::exception& e) {
           return absl::InternalError(e.what());
         }

@@ -52,7 +52,7 @@ absl::Status ExpectClose(const std::string& what, const at::Tensor& actual,
                          const at::Tensor& expected, double rtol);
 
 // Runs body(rank, comm) on `world` threads over fresh inproc communicators (operation timeout
-// `timeout`), then a barrier when the body succeeded; exceptions become kInternal.
+// `timeout`), then a barrier (also after a failed body); exceptions become kInternal.
 std::vector<absl::Status> RunInproc(
     int world, const std::function<absl::Status(int rank, std::shared_ptr<comm::Communicator>)>& body,
     absl::Duration timeout = absl::Seconds(30));
