@@ -1,0 +1,301 @@
+// Pipeline benchmark: a stack of residual MLP blocks trained one step at a time, un-pipelined in
+// one process and as pipe::Pipe over p stage processes on 127.0.0.1 (tcp; copies of this binary,
+// FileStore rendezvous, as in //oss/bench). Per configuration (stages, schedule, chunks):
+// throughput against one process, the measured bubble fraction next to the theoretical
+// (p - 1) / (m + p - 1), and each stage's peak activation memory (tensor bytes above what was
+// live before the step, gradients already allocated: //base:tracking_allocator). See README.md.
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/mse_loss.h>
+#include <ATen/ops/randn.h>
+#include <ATen/Parallel.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+#include <torch/utils.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "base/subprocess.h"
+#include "base/tracking_allocator.h"
+#include "comm/registry.h"
+#include "comm/store/file_store.h"
+#include "pipe/pipe.h"
+
+ABSL_FLAG(std::string, stages, "2,4", "pipeline depths to run, comma-separated");
+ABSL_FLAG(std::string, chunks, "1,4,8,16", "micro-batch counts, comma-separated");
+ABSL_FLAG(int, blocks, 8, "residual MLP blocks");
+ABSL_FLAG(int, width, 256, "block width");
+ABSL_FLAG(int, hidden, 1024, "block hidden width");
+ABSL_FLAG(int, batch, 64, "rows per step");
+ABSL_FLAG(int, warmup, 1, "untimed steps");
+ABSL_FLAG(int, steps, 4, "timed steps (median reported)");
+ABSL_FLAG(int, threads, 1, "intra-op threads per process");
+ABSL_FLAG(std::string, out, "", "also write the table here");
+
+namespace fairscale::pipe::bench {
+namespace {
+
+[[noreturn]] void Die(const std::string& message) {
+  std::fprintf(stderr, "pipe_bench: %s\n", message.c_str());
+  std::exit(1);
+}
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  BlockImpl(int64_t width, int64_t hidden)
+      : fc1_(register_module("fc1", torch::nn::Linear(width, hidden))),
+        fc2_(register_module("fc2", torch::nn::Linear(hidden, width))) {}
+  at::Tensor forward(const at::Tensor& x) { return x + fc2_(at::gelu(fc1_(x))); }
+
+ private:
+  torch::nn::Linear fc1_, fc2_;
+};
+TORCH_MODULE(Block);
+
+torch::nn::Sequential MakeModel() {
+  torch::manual_seed(0);  // the same weights in every process
+  torch::nn::Sequential m;
+  for (int b = 0; b < absl::GetFlag(FLAGS_blocks); ++b) {
+    m->push_back(Block(absl::GetFlag(FLAGS_width), absl::GetFlag(FLAGS_hidden)));
+  }
+  return m;
+}
+
+at::Tensor Loss(const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); }
+
+// Zeroes the gradients in place: after the warm-up step they stay allocated, so the bytes a
+// timed step adds over what was live before it are its activations (and transient buffers),
+// not the gradient buffers.
+void ZeroGrad(const std::vector<at::Tensor>& params) {
+  for (const at::Tensor& p : params) {
+    if (p.grad().defined()) p.grad().zero_();
+  }
+}
+
+std::vector<int> ParseList(const std::string& flag, const std::string& value) {
+  std::vector<int> out;
+  for (absl::string_view v : absl::StrSplit(value, ',')) {
+    int n = 0;
+    if (!absl::SimpleAtoi(v, &n) || n < 1) Die(absl::StrCat("bad --", flag, " entry '", v, "'"));
+    out.push_back(n);
+  }
+  return out;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Config {
+  Schedule schedule;
+  int chunks;
+  std::string Name() const { return absl::StrCat(ScheduleName(schedule), "/", chunks); }
+};
+
+std::vector<Config> Configs() {
+  std::vector<Config> out;
+  for (int m : ParseList("chunks", absl::GetFlag(FLAGS_chunks))) {
+    for (Schedule s : {Schedule::kGPipe, Schedule::k1F1B}) out.push_back({s, m});
+  }
+  return out;
+}
+
+// The un-pipelined step: median seconds and peak activation bytes.
+std::pair<double, int64_t> RunOneProcess(base::TrackingCpuAllocator* tracker) {
+  torch::nn::Sequential model = MakeModel();
+  const at::Tensor x = at::randn({absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_width)});
+  const at::Tensor y = at::randn_like(x);
+  std::vector<double> times;
+  int64_t peak = 0;
+  for (int step = 0; step < absl::GetFlag(FLAGS_warmup) + absl::GetFlag(FLAGS_steps); ++step) {
+    ZeroGrad(model->parameters());
+    const int64_t live = tracker->live_bytes();
+    tracker->reset_peak();
+    const absl::Time t0 = absl::Now();
+    Loss(model->forward(x), y).backward();
+    const double dt = absl::ToDoubleSeconds(absl::Now() - t0);
+    if (step >= absl::GetFlag(FLAGS_warmup)) {
+      times.push_back(dt);
+      peak = std::max(peak, tracker->peak_bytes() - live);
+    }
+  }
+  return {Median(times), peak};
+}
+
+// One stage process: every configuration in turn; one line per configuration:
+// name, median step seconds, median bubble fraction, peak activation bytes.
+int RunStage(int rank, int n, const std::string& dir) {
+  base::TrackingCpuAllocator* tracker = base::TrackingCpuAllocator::Install();
+  at::set_num_threads(absl::GetFlag(FLAGS_threads));
+  comm::CommConfig config;
+  config.rank = rank;
+  config.size = n;
+  config.timeout = absl::Minutes(5);
+  auto store = comm::FileStore::Create(dir + "/store");
+  if (!store.ok()) Die(store.status().ToString());
+  config.store = std::shared_ptr<comm::Store>(*std::move(store));
+  auto created = comm::CreateCommunicator("tcp", config);
+  if (!created.ok()) Die(created.status().ToString());
+  std::shared_ptr<comm::Communicator> comm = *std::move(created);
+  std::ofstream out(absl::StrCat(dir, "/rank", rank, ".tsv"));
+  const at::Tensor x = at::randn({absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_width)});
+  const at::Tensor y = at::randn_like(x);
+  for (const Config& c : Configs()) {
+    auto pipe = Pipe::Create(MakeModel(), comm,
+                             PipeOptions().chunks(c.chunks).schedule(c.schedule).checkpoint(
+                                 CheckpointMode::kNever));
+    if (!pipe.ok()) Die(pipe.status().ToString());
+    std::vector<double> times, bubbles;
+    int64_t peak = 0;
+    for (int step = 0; step < absl::GetFlag(FLAGS_warmup) + absl::GetFlag(FLAGS_steps); ++step) {
+      ZeroGrad((*pipe)->parameters());
+      // Start every stage together, so that the step time is the pipeline's.
+      absl::Status s = comm->Barrier().Wait();
+      if (!s.ok()) Die(s.ToString());
+      const int64_t live = tracker->live_bytes();
+      tracker->reset_peak();
+      const absl::Time t0 = absl::Now();
+      auto loss = (*pipe)->train_step(x, y, Loss);
+      const double dt = absl::ToDoubleSeconds(absl::Now() - t0);
+      if (!loss.ok()) Die(loss.status().ToString());
+      double busy = 0;
+      for (const PipeEvent& e : (*pipe)->trace()) busy += absl::ToDoubleSeconds(e.end - e.start);
+      if (step >= absl::GetFlag(FLAGS_warmup)) {
+        peak = std::max(peak, tracker->peak_bytes() - live);
+        times.push_back(dt);
+        bubbles.push_back(1.0 - busy / dt);
+      }
+    }
+    out << c.Name() << '\t' << Median(times) << '\t' << Median(bubbles) << '\t' << peak << '\n';
+  }
+  out.close();
+  absl::Status s = comm->Barrier().Wait();
+  if (!s.ok()) Die(s.ToString());
+  return 0;
+}
+
+struct Row {
+  double step_s = 0;             // slowest stage's median
+  double bubble = 0;             // mean over stages
+  std::vector<int64_t> peaks;    // per stage
+};
+
+std::map<std::string, Row> RunPipeline(int n) {
+  std::string base = std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp";
+  std::string tmpl = base + "/pipe_bench_XXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  if (mkdtemp(buf.data()) == nullptr) Die("mkdtemp failed");
+  const std::string dir = buf.data();
+  std::vector<std::string> args;
+  args.push_back(absl::StrCat("--chunks=", absl::GetFlag(FLAGS_chunks)));
+  args.push_back(absl::StrCat("--blocks=", absl::GetFlag(FLAGS_blocks)));
+  args.push_back(absl::StrCat("--width=", absl::GetFlag(FLAGS_width)));
+  args.push_back(absl::StrCat("--hidden=", absl::GetFlag(FLAGS_hidden)));
+  args.push_back(absl::StrCat("--batch=", absl::GetFlag(FLAGS_batch)));
+  args.push_back(absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)));
+  args.push_back(absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)));
+  args.push_back(absl::StrCat("--threads=", absl::GetFlag(FLAGS_threads)));
+  std::vector<absl::StatusOr<int>> results = base::RunSelfCopies(
+      n, args,
+      [&](int r) -> std::vector<std::string> {
+        return {absl::StrCat("FS_PIPE_BENCH_RANK=", r), absl::StrCat("FS_PIPE_BENCH_SIZE=", n),
+                absl::StrCat("FS_PIPE_BENCH_DIR=", dir)};
+      },
+      absl::Minutes(20));
+  for (int r = 0; r < n; ++r) {
+    if (!results[r].ok() || *results[r] != 0) {
+      Die(absl::StrCat("stage ", r, " of ", n, ": ",
+                       results[r].ok() ? absl::StrCat("exit code ", *results[r])
+                                       : results[r].status().ToString()));
+    }
+  }
+  std::map<std::string, Row> rows;
+  for (int r = 0; r < n; ++r) {
+    std::ifstream in(absl::StrCat(dir, "/rank", r, ".tsv"));
+    std::string line;
+    while (std::getline(in, line)) {
+      std::vector<std::string> f = absl::StrSplit(line, '\t');
+      if (f.size() != 4) continue;
+      double step = 0, bubble = 0;
+      int64_t peak = 0;
+      (void)absl::SimpleAtod(f[1], &step);
+      (void)absl::SimpleAtod(f[2], &bubble);
+      (void)absl::SimpleAtoi(f[3], &peak);
+      Row& row = rows[f[0]];
+      row.step_s = std::max(row.step_s, step);
+      row.bubble += bubble / n;
+      row.peaks.push_back(peak);
+    }
+  }
+  return rows;
+}
+
+double MiB(int64_t b) { return static_cast<double>(b) / 1048576.0; }
+
+int Main() {
+  base::TrackingCpuAllocator* tracker = base::TrackingCpuAllocator::Install();
+  at::set_num_threads(absl::GetFlag(FLAGS_threads));
+  const auto [one_s, one_peak] = RunOneProcess(tracker);
+  const int batch = absl::GetFlag(FLAGS_batch);
+  std::string table = absl::StrFormat(
+      "%d residual MLP blocks (width %d, hidden %d), batch %d, f32, no checkpointing; %d "
+      "warm-up + %d timed steps (median); tcp on 127.0.0.1, %d intra-op thread(s) per "
+      "process\n\none process: %.1f ms/step, %.0f rows/s, peak activations %.2f MiB\n\n"
+      "| stages | schedule | chunks | ms/step | rows/s | vs 1 process | bubble | theory "
+      "(p-1)/(m+p-1) | peak activation MiB per stage |\n|---|---|---|---|---|---|---|---|---|\n",
+      absl::GetFlag(FLAGS_blocks), absl::GetFlag(FLAGS_width), absl::GetFlag(FLAGS_hidden),
+      batch, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_steps),
+      absl::GetFlag(FLAGS_threads), one_s * 1e3, batch / one_s, MiB(one_peak));
+  for (int p : ParseList("stages", absl::GetFlag(FLAGS_stages))) {
+    std::fprintf(stderr, "%d stages...\n", p);
+    std::map<std::string, Row> rows = RunPipeline(p);
+    for (const Config& c : Configs()) {
+      auto it = rows.find(c.Name());
+      if (it == rows.end() || static_cast<int>(it->second.peaks.size()) != p) {
+        Die(absl::StrCat("no result for ", c.Name(), " at ", p, " stages"));
+      }
+      const Row& row = it->second;
+      std::string peaks;
+      for (int64_t b : row.peaks) absl::StrAppend(&peaks, peaks.empty() ? "" : " / ",
+                                                  absl::StrFormat("%.2f", MiB(b)));
+      absl::StrAppend(&table, absl::StrFormat("| %d | %s | %d | %.1f | %.0f | %.2fx | %.2f | %.2f | %s |\n",
+                                              p, ScheduleName(c.schedule), c.chunks,
+                                              row.step_s * 1e3, batch / row.step_s,
+                                              one_s / row.step_s, row.bubble,
+                                              (p - 1.0) / (c.chunks + p - 1.0), peaks));
+    }
+  }
+  std::fputs(table.c_str(), stdout);
+  if (!absl::GetFlag(FLAGS_out).empty()) std::ofstream(absl::GetFlag(FLAGS_out)) << table;
+  return 0;
+}
+
+}  // namespace
+}  // namespace fairscale::pipe::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  if (const char* rank = std::getenv("FS_PIPE_BENCH_RANK")) {
+    return fairscale::pipe::bench::RunStage(std::atoi(rank),
+                                            std::atoi(std::getenv("FS_PIPE_BENCH_SIZE")),
+                                            std::getenv("FS_PIPE_BENCH_DIR"));
+  }
+  return fairscale::pipe::bench::Main();
+}
