@@ -2,7 +2,12 @@
 // (comm::testing::RunProcesses) talking over the "tcp" backend on 127.0.0.1. The inproc tests
 // cover the schedules; this one catches what only a real transport and separate address spaces
 // show (send buffers kept alive until delivery, the two split communicators, the loss broadcast).
-// 3 stages, both schedules, 3 micro-batches, two steps, against the single-process reference.
+// 3 stages, both schedules, 3 micro-batches, two steps, against the single-process reference;
+// and a stage process that dies mid-step.
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,6 +17,7 @@
 #include "base/status_matchers.h"
 #include "comm/registry.h"
 #include "comm/testing/rank_runner.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "pipe/pipe.h"
 #include "pipe/test_util.h"
@@ -53,6 +59,58 @@ TEST(TcpProcessTest, ThreeStagesMatchOneProcess) {
         absl::Seconds(60));
     for (int r = 0; r < kStages; ++r) {
       EXPECT_THAT(statuses[r], IsOk()) << ScheduleName(schedule) << " rank " << r;
+    }
+  }
+}
+
+// Identity; when armed, exits the process in the forward of its second micro-batch.
+class DieImpl : public torch::nn::Module {
+ public:
+  explicit DieImpl(bool armed) : armed_(armed) {}
+  at::Tensor forward(const at::Tensor& x) {
+    if (armed_ && ++forwards_ == 2) std::_Exit(3);
+    return x;
+  }
+
+ private:
+  bool armed_;
+  int forwards_ = 0;
+};
+TORCH_MODULE(Die);
+
+// Stage 1 of 3 dies in the middle of the forwards: both other stages fail (no hang) with an
+// error that names stage 1 (the link they were waiting on).
+TEST(TcpProcessTest, DeadStageFailsTheOthers) {
+  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+    std::vector<absl::Status> statuses = comm::testing::RunProcesses(
+        3,
+        [&](int rank) -> absl::Status {
+          FS_ASSIGN_OR_RETURN(
+              std::shared_ptr<comm::Communicator> comm,
+              comm::CreateCommunicator("tcp", comm::testing::RankConfig(absl::Seconds(20))));
+          torch::nn::Sequential mlp = testing::MakeMlp();
+          torch::nn::Sequential model;
+          for (size_t l = 0; l < mlp->size(); ++l) {
+            if (l == 3) model->push_back(Die(rank == 1));  // stage 1 gets layers 3, 4, 5
+            model->push_back(*(mlp->begin() + l));
+          }
+          FS_ASSIGN_OR_RETURN(std::unique_ptr<Pipe> pipe,
+                              Pipe::Create(model, comm,
+                                           PipeOptions().balance({3, 3, 2}).chunks(3).schedule(
+                                               schedule)));
+          FS_ASSIGN_OR_RETURN(at::Tensor loss, pipe->train_step(testing::Inputs(12, 1),
+                                                                testing::Targets(12, 2),
+                                                                testing::Mse));
+          return absl::InternalError("train_step succeeded");
+        },
+        absl::Seconds(60));
+    EXPECT_FALSE(statuses[1].ok());
+    for (int r : {0, 2}) {
+      EXPECT_FALSE(statuses[r].ok()) << ScheduleName(schedule) << " rank " << r;
+      EXPECT_NE(statuses[r].code(), absl::StatusCode::kDeadlineExceeded)
+          << ScheduleName(schedule) << " rank " << r << ": " << statuses[r];
+      EXPECT_THAT(std::string(statuses[r].message()), ::testing::HasSubstr("stage 1"))
+          << ScheduleName(schedule) << " rank " << r;
     }
   }
 }
