@@ -116,8 +116,9 @@ std::vector<Config> Configs() {
   return out;
 }
 
-// The un-pipelined step: median seconds and peak activation bytes.
-std::pair<double, int64_t> RunOneProcess(base::TrackingCpuAllocator* tracker) {
+// The un-pipelined step over `chunks` micro-batches in turn (gradients accumulated, as Pipe
+// does): median seconds and peak activation bytes.
+std::pair<double, int64_t> RunOneProcess(base::TrackingCpuAllocator* tracker, int chunks) {
   torch::nn::Sequential model = MakeModel();
   const at::Tensor x = at::randn({absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_width)});
   const at::Tensor y = at::randn_like(x);
@@ -128,7 +129,11 @@ std::pair<double, int64_t> RunOneProcess(base::TrackingCpuAllocator* tracker) {
     const int64_t live = tracker->live_bytes();
     tracker->reset_peak();
     const absl::Time t0 = absl::Now();
-    Loss(model->forward(x), y).backward();
+    for (int i = 0; i < chunks; ++i) {
+      const int64_t rows = x.size(0) / chunks;
+      (Loss(model->forward(x.narrow(0, i * rows, rows)), y.narrow(0, i * rows, rows)) / chunks)
+          .backward();
+    }
     const double dt = absl::ToDoubleSeconds(absl::Now() - t0);
     if (step >= absl::GetFlag(FLAGS_warmup)) {
       times.push_back(dt);
@@ -252,14 +257,20 @@ double MiB(int64_t b) { return static_cast<double>(b) / 1048576.0; }
 int Main() {
   base::TrackingCpuAllocator* tracker = base::TrackingCpuAllocator::Install();
   at::set_num_threads(absl::GetFlag(FLAGS_threads));
-  const auto [one_s, one_peak] = RunOneProcess(tracker);
+  const auto [one_s, one_peak] = RunOneProcess(tracker, 1);
+  std::map<int, double> one_chunked_s;
+  for (int m : ParseList("chunks", absl::GetFlag(FLAGS_chunks))) {
+    if (absl::GetFlag(FLAGS_batch) % m != 0) Die(absl::StrCat("--chunks ", m, " must divide --batch"));
+    one_chunked_s[m] = RunOneProcess(tracker, m).first;
+  }
   const int batch = absl::GetFlag(FLAGS_batch);
   std::string table = absl::StrFormat(
       "%d residual MLP blocks (width %d, hidden %d), batch %d, f32, no checkpointing; %d "
       "warm-up + %d timed steps (median); tcp on 127.0.0.1, %d intra-op thread(s) per "
       "process\n\none process: %.1f ms/step, %.0f rows/s, peak activations %.2f MiB\n\n"
-      "| stages | schedule | chunks | ms/step | rows/s | vs 1 process | bubble | theory "
-      "(p-1)/(m+p-1) | peak activation MiB per stage |\n|---|---|---|---|---|---|---|---|---|\n",
+      "| stages | schedule | chunks | ms/step | rows/s | vs 1 process | 1 process, same chunks "
+      "ms/step | bubble | theory (p-1)/(m+p-1) | peak activation MiB per stage |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n",
       absl::GetFlag(FLAGS_blocks), absl::GetFlag(FLAGS_width), absl::GetFlag(FLAGS_hidden),
       batch, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_steps),
       absl::GetFlag(FLAGS_threads), one_s * 1e3, batch / one_s, MiB(one_peak));
@@ -275,11 +286,12 @@ int Main() {
       std::string peaks;
       for (int64_t b : row.peaks) absl::StrAppend(&peaks, peaks.empty() ? "" : " / ",
                                                   absl::StrFormat("%.2f", MiB(b)));
-      absl::StrAppend(&table, absl::StrFormat("| %d | %s | %d | %.1f | %.0f | %.2fx | %.2f | %.2f | %s |\n",
-                                              p, ScheduleName(c.schedule), c.chunks,
-                                              row.step_s * 1e3, batch / row.step_s,
-                                              one_s / row.step_s, row.bubble,
-                                              (p - 1.0) / (c.chunks + p - 1.0), peaks));
+      absl::StrAppend(
+          &table, absl::StrFormat("| %d | %s | %d | %.1f | %.0f | %.2fx | %.1f | %.2f | %.2f | %s |\n",
+                                  p, ScheduleName(c.schedule), c.chunks, row.step_s * 1e3,
+                                  batch / row.step_s, one_s / row.step_s,
+                                  one_chunked_s[c.chunks] * 1e3, row.bubble,
+                                  (p - 1.0) / (c.chunks + p - 1.0), peaks));
     }
   }
   std::fputs(table.c_str(), stdout);

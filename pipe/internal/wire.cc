@@ -47,16 +47,38 @@ absl::Status SendTensor(comm::Communicator* comm, int peer, const at::Tensor& t,
   return absl::OkStatus();
 }
 
-// Receives into a fresh tensor of `layout` (waits).
+// Receives one tensor per layout (all issued at once, then waited for), into fresh tensors.
+// On an error, names the index of the tensor that failed.
+absl::StatusOr<std::vector<at::Tensor>> RecvTensors(comm::Communicator* comm, int peer,
+                                                    const std::vector<TensorLayout>& layouts,
+                                                    absl::Duration timeout,
+                                                    const std::string& what) {
+  std::vector<at::Tensor> out;
+  std::vector<comm::Work> works;
+  for (const TensorLayout& layout : layouts) {
+    at::Tensor t = at::empty(layout.sizes, at::TensorOptions().dtype(WireType(layout.dtype)));
+    absl::StatusOr<comm::Buffer> buffer = comm::ToBuffer(t);
+    if (!buffer.ok()) return buffer.status();
+    works.push_back(comm->Recv(*buffer, peer));
+    out.push_back(std::move(t));
+  }
+  absl::Status first;
+  for (size_t i = 0; i < works.size(); ++i) {
+    absl::Status s = works[i].Wait(timeout);
+    if (first.ok() && !s.ok()) first = WithContext(s, absl::StrCat(what, " ", i));
+  }
+  if (!first.ok()) return first;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (layouts[i].dtype == c10::ScalarType::Bool) out[i] = out[i].to(c10::ScalarType::Bool);
+  }
+  return out;
+}
+
 absl::StatusOr<at::Tensor> RecvTensor(comm::Communicator* comm, int peer,
                                       const TensorLayout& layout, absl::Duration timeout) {
-  at::Tensor t = at::empty(layout.sizes, at::TensorOptions().dtype(WireType(layout.dtype)));
-  absl::StatusOr<comm::Buffer> buffer = comm::ToBuffer(t);
-  if (!buffer.ok()) return buffer.status();
-  absl::Status s = comm->Recv(*buffer, peer).Wait(timeout);
-  if (!s.ok()) return s;
-  if (layout.dtype == c10::ScalarType::Bool) t = t.to(c10::ScalarType::Bool);
-  return t;
+  absl::StatusOr<std::vector<at::Tensor>> t = RecvTensors(comm, peer, {layout}, timeout, "tensor");
+  if (!t.ok()) return t.status();
+  return std::move(t->at(0));
 }
 
 }  // namespace
@@ -201,17 +223,19 @@ absl::StatusOr<Boundary> ActivationLink::Recv(int64_t micro_batch) {
   } else if (!last_layout_.has_value()) {
     return absl::InternalError("the first activation header carries no layout");
   }
+  absl::StatusOr<std::vector<at::Tensor>> tensors =
+      RecvTensors(comm_, peer_, last_layout_->tensors, timeout_, "activation");
+  if (!tensors.ok()) {
+    return WithContext(tensors.status(), absl::StrCat("activations ", DescribeLayout(*last_layout_)));
+  }
   Boundary out;
   out.is_list = last_layout_->is_list;
-  for (size_t i = 0; i < last_layout_->tensors.size(); ++i) {
+  out.tensors = *std::move(tensors);
+  for (size_t i = 0; i < out.tensors.size(); ++i) {
     const TensorLayout& layout = last_layout_->tensors[i];
-    absl::StatusOr<at::Tensor> t = RecvTensor(comm_, peer_, layout, timeout_);
-    if (!t.ok()) {
-      return WithContext(t.status(), absl::StrCat("activation ", i, " of ",
-                                                  DescribeLayout(*last_layout_)));
+    if (layout.requires_grad && at::isFloatingType(layout.dtype)) {
+      out.tensors[i].requires_grad_(true);
     }
-    if (layout.requires_grad && at::isFloatingType(layout.dtype)) t->requires_grad_(true);
-    out.tensors.push_back(*std::move(t));
   }
   return out;
 }
@@ -238,13 +262,7 @@ absl::Status SendGradients(comm::Communicator* comm, int peer,
 absl::StatusOr<std::vector<at::Tensor>> RecvGradients(comm::Communicator* comm, int peer,
                                                       const std::vector<TensorLayout>& layouts,
                                                       absl::Duration timeout) {
-  std::vector<at::Tensor> out;
-  for (size_t i = 0; i < layouts.size(); ++i) {
-    absl::StatusOr<at::Tensor> t = RecvTensor(comm, peer, layouts[i], timeout);
-    if (!t.ok()) return WithContext(t.status(), absl::StrCat("gradient ", i));
-    out.push_back(*std::move(t));
-  }
-  return out;
+  return RecvTensors(comm, peer, layouts, timeout, "gradient");
 }
 
 }  // namespace fairscale::pipe::internal
