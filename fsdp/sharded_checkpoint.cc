@@ -191,30 +191,6 @@ FullOptimState OptimMeta(const Manifest& m) {
   return meta;
 }
 
-// Every rank learns whether all ranks succeeded; returns the failing ranks (collective).
-std::vector<int> FailedRanks(const std::shared_ptr<comm::Communicator>& comm, bool ok,
-                             const std::string& what) {
-  std::vector<int64_t> flags(comm->size());
-  const int64_t mine = ok ? 1 : 0;
-  ThrowIfError(comm->AllGather(comm::MakeConstBuffer(&mine, 1),
-                               comm::MakeBuffer(flags.data(), flags.size()))
-                   .Wait(),
-               what + ": all_gather of the ranks' status");
-  std::vector<int> failed;
-  for (size_t r = 0; r < flags.size(); ++r) {
-    if (flags[r] == 0) failed.push_back(static_cast<int>(r));
-  }
-  return failed;
-}
-
-void ThrowIfAnyFailed(const std::shared_ptr<comm::Communicator>& comm, const absl::Status& status,
-                      const std::string& what) {
-  const std::vector<int> failed = FailedRanks(comm, status.ok(), what);
-  ThrowIfError(status, what);
-  TORCH_CHECK(failed.empty(), what, ": rank(s) ", absl::StrJoin(failed, ", "),
-              " failed (see their errors); nothing was changed");
-}
-
 }  // namespace
 
 void save_sharded_checkpoint(FullyShardedDataParallel& model,
@@ -242,7 +218,7 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
     status = absl::DataLossError(
         absl::StrCat("cannot remove the old '", manifest_path, "': ", std::strerror(errno)));
   }
-  ThrowIfAnyFailed(comm, status, what);
+  internal::ThrowIfAnyFailed(comm, status, what);
 
   Manifest manifest;
   manifest.world_size = layout.world;
@@ -295,7 +271,7 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
       if (s.ok()) summary = *s;
     }
   }
-  ThrowIfAnyFailed(comm, status, what);
+  internal::ThrowIfAnyFailed(comm, status, what);
 
   // Rank 0 learns every file's size and checksums, then writes the manifest last.
   const int64_t mine[3] = {summary.bytes, static_cast<int64_t>(summary.fnv1a),
@@ -330,7 +306,7 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
     }
     status = internal::WriteFileAtomically(manifest_path, internal::ManifestToJson(manifest));
   }
-  ThrowIfAnyFailed(comm, status, what);
+  internal::ThrowIfAnyFailed(comm, status, what);
 }
 
 void load_sharded_checkpoint(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
@@ -377,7 +353,7 @@ void load_sharded_checkpoint(FullyShardedDataParallel& model, torch::optim::Opti
   } catch (const c10::Error& e) {  // still agree with the other ranks, which may be waiting
     status = absl::InternalError(e.what_without_backtrace());
   }
-  ThrowIfAnyFailed(model->communicator(), status, what);
+  internal::ThrowIfAnyFailed(model->communicator(), status, what);
   model->load_local_state_dict(staged_model);
   if (optimizer != nullptr) internal::ApplyOptim(*optimizer, std::move(staged_optim));
 }

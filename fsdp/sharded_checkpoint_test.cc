@@ -5,6 +5,7 @@
 // INVALID_ARGUMENT naming the file and tensor and change nothing; the consolidation (library and
 // //fsdp:consolidate_checkpoint) gives files plain LibTorch loads into the unwrapped model and
 // optimizer.
+#include <torch/optim/adam.h>
 #include <torch/serialize.h>
 
 #include <cstdio>
@@ -88,6 +89,62 @@ TEST(FsdpShardedCheckpoint, SaveAt4LoadAt1To3ContinuesLikeTheUninterruptedRun) {
           absl::StrCat(testing::OptimizerName(c.kind), " at ", world));
     }
   }
+}
+
+// Adam with two param groups: the root unit's flat parameter, and the nested units' (or the
+// other way round with `swapped`).
+std::unique_ptr<torch::optim::Adam> GroupedAdam(FullyShardedDataParallel& model, double lr0,
+                                                double lr1, bool swapped = false) {
+  std::vector<at::Tensor> root, nested;
+  for (FullyShardedDataParallelImpl* u : model->fsdp_units()) {
+    (u == model.get() ? root : nested).push_back(u->named_parameters(false)["flat_param"]);
+  }
+  if (swapped) std::swap(root, nested);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(root, std::make_unique<torch::optim::AdamOptions>(lr0));
+  groups.emplace_back(nested, std::make_unique<torch::optim::AdamOptions>(lr1));
+  return std::make_unique<torch::optim::Adam>(groups, torch::optim::AdamOptions(lr0));
+}
+
+TEST(FsdpShardedCheckpoint, ParamGroupsAreKept) {
+  const std::string dir = TmpPath("groups");
+  ExpectAllOk(testing::RunRanks(4,
+                                [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
+                                  auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
+                                  auto opt = GroupedAdam(model, 0.01, 0.02);
+                                  TrainSteps(model, *opt, 0, 2, rank, w);
+                                  save_sharded_checkpoint(model, opt.get(), dir);
+                                  return absl::OkStatus();
+                                }),
+              "save");
+  ExpectAllOk(
+      testing::RunRanks(
+          2,
+          [&](int, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+            auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
+            auto swapped = GroupedAdam(model, 0.5, 0.5, /*swapped=*/true);
+            FS_RETURN_IF_ERROR(ExpectError(
+                [&] { load_sharded_checkpoint(model, swapped.get(), dir); },
+                {"INVALID_ARGUMENT", "param group 0 of this optimizer but not in group 0"}));
+            auto opt = GroupedAdam(model, 0.5, 0.5);
+            load_sharded_checkpoint(model, opt.get(), dir);
+            const auto lr = [&](int g) {
+              return static_cast<torch::optim::AdamOptions&>(opt->param_groups()[g].options()).lr();
+            };
+            FS_RETURN_IF_ERROR(Check(lr(0) == 0.01 && lr(1) == 0.02, "group options restored"));
+            const FullOptimState osd = full_optim_state_dict(model, *opt);
+            FS_RETURN_IF_ERROR(Check(
+                osd.param_groups.size() == 2 &&
+                    osd.param_groups[0].params ==
+                        std::vector<std::string>{"fc_in.weight", "fc_in.bias", "fc_out.weight",
+                                                 "fc_out.bias"} &&
+                    osd.param_groups[1].params.size() == 8 &&
+                    osd.param_groups[1].params.front() == "block0.fc1.weight" &&
+                    osd.state.at("block1.fc2.bias").step == 2,
+                "groups in the unwrapped layout"));
+            return absl::OkStatus();
+          }),
+      "load");
 }
 
 std::string ReadFile(const std::string& path) {

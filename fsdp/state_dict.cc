@@ -1,6 +1,8 @@
 // Full state dicts of FullyShardedDataParallel models and their optimizers (state_dict.h).
 #include "fsdp/state_dict.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <torch/serialize/output-archive.h>
 
@@ -8,6 +10,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "comm/torch/tensor_buffer.h"
 #include "fsdp/internal/errors.h"
 #include "fsdp/internal/optim_state.h"
 #include "fsdp/internal/root_state.h"
@@ -19,6 +22,7 @@ namespace fairscale::fsdp {
 using internal::ModelLayout;
 using internal::ShapeString;
 using internal::ThrowIfError;
+using internal::ValueOrThrow;
 
 std::vector<FullyShardedDataParallelImpl*> FullyShardedDataParallelImpl::root_units() {
   if (!state_) init_root();
@@ -81,41 +85,95 @@ StateDict full_state_dict(FullyShardedDataParallel& model, bool rank0_only) {
   return out;
 }
 
-void load_full_state_dict(FullyShardedDataParallel& model, const StateDict& state) {
-  const std::string what = What(model, "load_full_state_dict");
-  ModelLayout layout = internal::GetModelLayout(model);
-  // Names, shapes and dtypes first.
+namespace {
+
+// INVALID_ARGUMENT naming the first tensor of `state` that does not fit the model.
+absl::Status CheckFullStateDict(const ModelLayout& layout, const StateDict& state) {
   std::set<std::string> expected;
-  auto check = [&](const std::string& n, at::IntArrayRef shape, at::ScalarType dtype) {
+  auto check = [&](const std::string& n, at::IntArrayRef shape,
+                   at::ScalarType dtype) -> absl::Status {
     expected.insert(n);
     const at::Tensor* t = state.find(n);
-    ThrowIfError(t == nullptr || !t->defined()
-                     ? absl::InvalidArgumentError(absl::StrCat("tensor '", n, "' is missing"))
-                 : t->sizes() != shape
-                     ? absl::InvalidArgumentError(absl::StrCat(
-                           "tensor '", n, "' has shape ", ShapeString(t->sizes()),
-                           ", the model's has shape ", ShapeString(shape)))
-                 : t->scalar_type() != dtype
-                     ? absl::InvalidArgumentError(absl::StrCat("tensor '", n, "' is ",
-                                                               c10::toString(t->scalar_type()),
-                                                               ", the model's is ",
-                                                               c10::toString(dtype)))
-                     : absl::OkStatus(),
-                 what);
+    if (t == nullptr || !t->defined()) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", n, "' is missing"));
+    }
+    if (t->sizes() != shape) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", n, "' has shape ",
+                                                     ShapeString(t->sizes()),
+                                                     ", the model's has shape ", ShapeString(shape)));
+    }
+    if (t->scalar_type() != dtype) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", n, "' is ",
+                                                     c10::toString(t->scalar_type()),
+                                                     ", the model's is ", c10::toString(dtype)));
+    }
+    return absl::OkStatus();
   };
-  for (const std::string& n : layout.param_names) check(n, layout.entry(n).shape, layout.dtype(n));
-  for (const auto& [n, b] : layout.buffers) check(n, b.sizes(), b.scalar_type());
-  for (const auto& item : state) {
-    ThrowIfError(expected.count(item.key())
-                     ? absl::OkStatus()
-                     : absl::InvalidArgumentError(absl::StrCat(
-                           "tensor '", item.key(), "' is not a parameter or buffer of the model")),
-                 what);
+  for (const std::string& n : layout.param_names) {
+    absl::Status s = check(n, layout.entry(n).shape, layout.dtype(n));
+    if (!s.ok()) return s;
   }
-  const auto reader = MapReader([&state](const std::string& k) { return state.find(k); });
-  absl::StatusOr<LocalStateDict> staged = internal::StageShards(layout, reader, reader);
-  ThrowIfError(staged.status(), what);
-  model->load_local_state_dict(*staged);
+  for (const auto& [n, b] : layout.buffers) {
+    absl::Status s = check(n, b.sizes(), b.scalar_type());
+    if (!s.ok()) return s;
+  }
+  for (const auto& item : state) {
+    if (!expected.count(item.key())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", item.key(), "' is not a parameter or buffer of the model"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Broadcast(FullyShardedDataParallel& model, const at::Tensor& t, const std::string& context) {
+  if (model->world_size() == 1) return;
+  ThrowIfError(
+      model->communicator()->Broadcast(ValueOrThrow(comm::ToBuffer(t), context), 0).Wait(),
+      context);
+}
+
+}  // namespace
+
+void load_full_state_dict(FullyShardedDataParallel& model, const StateDict& state,
+                          bool from_rank0) {
+  const std::string what = What(model, "load_full_state_dict");
+  ModelLayout layout = internal::GetModelLayout(model);
+  c10::NoGradGuard no_grad;
+  if (!from_rank0) {
+    ThrowIfError(CheckFullStateDict(layout, state), what);
+    const auto reader = MapReader([&state](const std::string& k) { return state.find(k); });
+    absl::StatusOr<LocalStateDict> staged = internal::StageShards(layout, reader, reader);
+    ThrowIfError(staged.status(), what);
+    model->load_local_state_dict(*staged);
+    return;
+  }
+  const bool root = layout.rank == 0;
+  internal::ThrowIfAnyFailed(model->communicator(),
+                             root ? CheckFullStateDict(layout, state) : absl::OkStatus(), what);
+  LocalStateDict staged;
+  staged.rank = layout.rank;
+  staged.world_size = layout.world;
+  for (const internal::FlatRef& flat : layout.flats) {
+    const FlatParamInfo& info = flat.info;
+    // One padded flat parameter at a time: rank 0 assembles it, every rank keeps its shard.
+    at::Tensor full = at::zeros({info.padded_numel}, flat.shard.options().requires_grad(false));
+    if (root) {
+      for (const FlatParamInfo::Entry& e : info.params) {
+        full.narrow(0, e.offset, e.numel).copy_(state[e.name].reshape({-1}));
+      }
+    }
+    Broadcast(model, full, absl::StrCat(what, ": broadcast of unit '", flat.unit->prefix(), "' ",
+                                         info.name));
+    staged.shards.push_back({flat.unit->prefix(), flat.unit->options().sharding_strategy(), info,
+                             full.narrow(0, info.shard_offset, info.shard_numel).clone()});
+  }
+  for (const auto& [name, b] : layout.buffers) {
+    at::Tensor t = root ? state[name].to(b.options()).contiguous().clone() : at::empty_like(b);
+    Broadcast(model, t, absl::StrCat(what, ": broadcast of buffer '", name, "'"));
+    staged.buffers.emplace_back(name, std::move(t));
+  }
+  model->load_local_state_dict(staged);
 }
 
 FullOptimState full_optim_state_dict(FullyShardedDataParallel& model,

@@ -10,7 +10,7 @@
 //     fsdp::save_torch_optimizer(osd, "optim.pt");       // torch::load(plain_adam, "optim.pt")
 //   }
 //   ...
-//   fsdp::load_full_state_dict(other_model, sd);         // each rank: its own shards
+//   fsdp::load_full_state_dict(other_model, sd, /*from_rank0=*/true);  // each rank: its shards
 //   fsdp::load_full_optim_state_dict(other_model, other_opt, osd);
 //
 // The full state dict is built one FSDP unit at a time: each flat parameter is all-gathered
@@ -43,11 +43,15 @@ using StateDict = torch::OrderedDict<std::string, at::Tensor>;
 // forward/backward.
 StateDict full_state_dict(FullyShardedDataParallel& model, bool rank0_only = false);
 
-// Loads a full state dict (every rank passes the whole dict) into the model: each rank keeps its
-// own shards. Every parameter and buffer of the model must be present with its shape and dtype
-// and there may be no other names; otherwise raises c10::Error (INVALID_ARGUMENT, naming the
-// tensor) before anything is changed. No communication.
-void load_full_state_dict(FullyShardedDataParallel& model, const StateDict& state);
+// Loads a full state dict into the model: each rank keeps its own shards. Every parameter and
+// buffer of the model must be present with its shape and dtype and there may be no other names;
+// otherwise raises c10::Error (INVALID_ARGUMENT, naming the tensor) before anything is changed.
+// Without `from_rank0` every rank passes the whole dict and nothing is communicated. With it,
+// only rank 0's `state` is read (the others may pass an empty dict, e.g. the result of
+// full_state_dict(model, true)); collective: rank 0 checks it, the ranks agree, and each flat
+// parameter is broadcast in turn (one flat parameter of temporary memory per rank).
+void load_full_state_dict(FullyShardedDataParallel& model, const StateDict& state,
+                          bool from_rank0 = false);
 
 // The optimizer state of the unwrapped model. Supported optimizers: torch::optim::SGD, Adam and
 // AdamW (what FSDP's users step their shards with).

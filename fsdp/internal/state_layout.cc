@@ -38,6 +38,23 @@ void WalkUnwrapped(const std::shared_ptr<torch::nn::Module>& m, const std::strin
 
 }  // namespace
 
+void ThrowIfAnyFailed(const std::shared_ptr<comm::Communicator>& comm, const absl::Status& status,
+                      const std::string& what) {
+  std::vector<int64_t> flags(comm->size());
+  const int64_t mine = status.ok() ? 1 : 0;
+  ThrowIfError(comm->AllGather(comm::MakeConstBuffer(&mine, 1),
+                               comm::MakeBuffer(flags.data(), flags.size()))
+                   .Wait(),
+               what + ": all_gather of the ranks' status");
+  ThrowIfError(status, what);
+  std::vector<int> failed;
+  for (size_t r = 0; r < flags.size(); ++r) {
+    if (flags[r] == 0) failed.push_back(static_cast<int>(r));
+  }
+  TORCH_CHECK(failed.empty(), what, ": rank(s) ", absl::StrJoin(failed, ", "),
+              " failed (see their errors); nothing was changed");
+}
+
 std::string ShapeString(at::IntArrayRef shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }

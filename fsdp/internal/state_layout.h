@@ -88,4 +88,9 @@ absl::StatusOr<FullOptimState> OptimGroups(const ModelLayout& layout,
 
 std::string ShapeString(at::IntArrayRef shape);
 
+// Collective: every rank learns whether all ranks' `status` is OK. Raises `status` on a failed
+// rank, and "rank(s) ... failed; nothing was changed" on the others.
+void ThrowIfAnyFailed(const std::shared_ptr<comm::Communicator>& comm, const absl::Status& status,
+                      const std::string& what);
+
 }  // namespace fairscale::fsdp::internal
