@@ -75,6 +75,26 @@ TEST(DiskTierTest, RoundTripAcrossChunks) {
   EXPECT_EQ(c, (std::vector<int64_t>{7, 8}));
 }
 
+TEST(DiskTierTest, CopyTensorAcrossChunkSizes) {
+  auto src = Write(TmpPath("copy_src.fso"));  // chunks of 8
+  for (int64_t chunk : {3, 8, 11, 100}) {
+    ASSERT_OK_AND_ASSIGN(auto dst, DiskTier::Create(TmpPath("copy_dst.fso"), Specs(), chunk, false));
+    for (size_t i = 0; i < Specs().size(); ++i) ASSERT_OK(CopyTensor(*src, *dst, i));
+    std::vector<float> b(37);
+    ASSERT_OK(dst->ReadTensor(1, b.data()));
+    for (int i = 0; i < 37; ++i) EXPECT_EQ(b[i], 100.f + i) << "chunk " << chunk;
+    std::vector<int64_t> c(2);
+    ASSERT_OK(dst->ReadTensor(3, c.data()));
+    EXPECT_EQ(c, (std::vector<int64_t>{7, 8}));
+  }
+  EXPECT_THAT(CopyTensor(*src, *src, 0), IsOk());
+  ASSERT_OK_AND_ASSIGN(auto other,
+                       DiskTier::Create(TmpPath("copy_other.fso"),
+                                        {{"a", c10::kFloat, {14}}, {"b", c10::kLong, {37}}}, 8, false));
+  EXPECT_THAT(CopyTensor(*src, *other, 0), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(CopyTensor(*src, *other, 1), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 TEST(DiskTierTest, FreshFileReadsZeros) {
   const std::string path = TmpPath("zeros.fso");
   ASSERT_OK_AND_ASSIGN(auto t, DiskTier::Create(path, Specs(), 8, false));

@@ -78,20 +78,6 @@ void SetGroupHyper(torch::optim::OptimizerParamGroup& group, bool decoupled, con
   }
 }
 
-// Copies tensor i from one tier to another (same layout) chunk by chunk through `buf`.
-absl::Status CopyTensor(Tier& from, Tier& to, size_t i, std::vector<char>& buf) {
-  const int64_t elem = static_cast<int64_t>(c10::elementSize(from.specs()[i].dtype));
-  buf.resize(static_cast<size_t>(std::max<int64_t>(
-      1, std::min(from.chunk_elems(), from.specs()[i].numel()) * elem)));
-  for (int64_t c = 0; c < from.num_chunks(i); ++c) {
-    absl::Status s = from.ReadChunk(i, c, buf.data());
-    if (!s.ok()) return s;
-    s = to.WriteChunk(i, c, buf.data());
-    if (!s.ok()) return s;
-  }
-  return absl::OkStatus();
-}
-
 absl::Status SyncDir(const std::string& dir) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return absl::OkStatus();  // best effort
@@ -391,10 +377,9 @@ absl::Status OffloadedAdam::Save(const std::string& path) const {
   absl::StatusOr<std::unique_ptr<DiskTier>> out =
       DiskTier::Create(tmp, tier_->specs(), tier_->chunk_elems(), /*sync=*/true);
   if (!out.ok()) return out.status();
-  std::vector<char> buf;
   absl::Status s;
   for (size_t i = 0; i + 2 < tier_->specs().size() && s.ok(); ++i) {
-    s = CopyTensor(*tier_, **out, i, buf);
+    s = CopyTensor(*tier_, **out, i);
   }
   if (s.ok()) s = WriteStepsAndHyper(**out);  // the current ones (lr may have changed)
   if (s.ok()) s = (*out)->Commit();
@@ -414,9 +399,8 @@ absl::Status OffloadedAdam::Load(const std::string& path) {
   absl::StatusOr<std::unique_ptr<DiskTier>> in =
       DiskTier::Open(path, tier_->specs(), {.expected_session = 0, .verify_all = true});
   if (!in.ok()) return in.status();
-  std::vector<char> buf;
   for (size_t i = 0; i < tier_->specs().size(); ++i) {
-    absl::Status s = CopyTensor(**in, *tier_, i, buf);
+    absl::Status s = CopyTensor(**in, *tier_, i);  // the file may use another chunk size
     if (!s.ok()) return s;
   }
   const size_t steps_i = tier_->specs().size() - 2, hyper_i = tier_->specs().size() - 1;

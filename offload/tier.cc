@@ -1,6 +1,8 @@
 #include "offload/tier.h"
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -42,6 +44,46 @@ absl::Status Tier::WriteTensor(size_t tensor, const void* src) {
   for (int64_t c = 0; c < num_chunks(tensor); ++c) {
     absl::Status s =
         WriteChunk(tensor, c, static_cast<const char*>(src) + chunk_begin(c) * elem);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CopyTensor(Tier& from, Tier& to, size_t i) {
+  const TensorSpec& spec = from.specs().at(i);
+  if (!(to.specs().at(i).dtype == spec.dtype) || to.specs().at(i).numel() != spec.numel()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot copy ", from.name(), " tensor ",
+                                                   DescribeSpec(spec), " into ", to.name(),
+                                                   " tensor ", DescribeSpec(to.specs().at(i))));
+  }
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(spec.dtype));
+  const int64_t n = spec.numel();
+  std::vector<char> src(static_cast<size_t>(std::max<int64_t>(1, std::min(from.chunk_elems(), n) * elem)));
+  if (from.chunk_elems() == to.chunk_elems()) {
+    for (int64_t c = 0; c < from.num_chunks(i); ++c) {
+      absl::Status s = from.ReadChunk(i, c, src.data());
+      if (s.ok()) s = to.WriteChunk(i, c, src.data());
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  std::vector<char> dst(static_cast<size_t>(std::max<int64_t>(1, std::min(to.chunk_elems(), n) * elem)));
+  int64_t loaded = -1;  // the source chunk in `src`
+  for (int64_t dc = 0; dc < to.num_chunks(i); ++dc) {
+    const int64_t begin = to.chunk_begin(dc), end = begin + to.chunk_count(i, dc);
+    for (int64_t pos = begin; pos < end;) {
+      const int64_t sc = pos / from.chunk_elems();
+      if (sc != loaded) {
+        absl::Status s = from.ReadChunk(i, sc, src.data());
+        if (!s.ok()) return s;
+        loaded = sc;
+      }
+      const int64_t take = std::min(end, from.chunk_begin(sc) + from.chunk_count(i, sc)) - pos;
+      std::memcpy(dst.data() + (pos - begin) * elem,
+                  src.data() + (pos - from.chunk_begin(sc)) * elem, static_cast<size_t>(take * elem));
+      pos += take;
+    }
+    absl::Status s = to.WriteChunk(i, dc, dst.data());
     if (!s.ok()) return s;
   }
   return absl::OkStatus();

@@ -65,4 +65,8 @@ class Tier {
   absl::Status WriteTensor(size_t tensor, const void* src);
 };
 
+// Copies tensor `i` of `from` into tensor `i` of `to` (same dtype and size), chunk by chunk, so
+// memory holds one chunk of each; the two tiers may use different chunk sizes.
+absl::Status CopyTensor(Tier& from, Tier& to, size_t i);
+
 }  // namespace fairscale::offload
