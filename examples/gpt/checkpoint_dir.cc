@@ -68,12 +68,6 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   return ss.str();
 }
 
-uint64_t Fnv1a64(const void* data, size_t n, uint64_t h) {
-  const unsigned char* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;  // FNV prime
-  return h;
-}
-
 absl::StatusOr<FileDigest> DigestFile(const std::string& dir, const std::string& name) {
   const std::string path = absl::StrCat(dir, "/", name);
   std::ifstream in(path, std::ios::binary);

@@ -24,6 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/fnv1a.h"
 
 namespace fairscale::examples::gpt {
 
@@ -36,9 +37,11 @@ absl::Status WriteFileAtomic(const std::string& path, const std::string& content
 absl::StatusOr<std::string> ReadFile(const std::string& path);
 
 // 64-bit FNV-1a of `n` bytes, continuing from `h` (start: kFnv1a64Basis), so data can be hashed
-// in pieces. The checksum COMPLETE records, and the parameter hashes of the job's metrics.
-inline constexpr uint64_t kFnv1a64Basis = 0xcbf29ce484222325ULL;
-uint64_t Fnv1a64(const void* data, size_t n, uint64_t h = kFnv1a64Basis);
+// in pieces: //base:fnv1a, the repository's one implementation (the offload tier's chunk
+// checksums use it too). The checksum COMPLETE records, and the parameter hashes of the job's
+// metrics.
+using base::Fnv1a64;
+using base::kFnv1a64Basis;
 
 struct FileDigest {
   std::string name;  // relative to the step directory
