@@ -1,5 +1,6 @@
 #include "pipe/pipe.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/narrow.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <c10/core/GradMode.h>
@@ -46,6 +47,7 @@ struct StepState {
   std::vector<MicroBatch> micro;
   double loss_sum = 0;
   c10::ScalarType loss_dtype = c10::ScalarType::Float;
+  explicit StepState(Orphans* orphans) : pending(orphans) {}
   PendingSends pending;
 };
 
@@ -59,6 +61,7 @@ struct Pipe::Links {
 namespace {
 
 using internal::Boundary;
+using internal::Orphans;
 
 absl::Status Annotate(const absl::Status& s, const std::string& context) {
   if (s.ok()) return s;
@@ -216,10 +219,12 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(torch::nn::Sequential layers,
   pipe->comm_ = std::move(comm);
   pipe->links_ = std::make_unique<Links>();
   if (pipe->stage_ > 0) {
-    pipe->links_->from_prev.emplace(pipe->fwd_.get(), pipe->stage_ - 1, pipe->timeout_);
+    pipe->links_->from_prev.emplace(pipe->fwd_.get(), pipe->stage_ - 1, pipe->timeout_,
+                                    &pipe->orphans_);
   }
   if (pipe->stage_ + 1 < pipe->num_stages_) {
-    pipe->links_->to_next.emplace(pipe->fwd_.get(), pipe->stage_ + 1, pipe->timeout_);
+    pipe->links_->to_next.emplace(pipe->fwd_.get(), pipe->stage_ + 1, pipe->timeout_,
+                                  &pipe->orphans_);
   }
   return pipe;
 }
@@ -258,7 +263,7 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
         absl::StrCat(Name(), ": the pipe failed earlier: ", broken_.message()));
   }
   trace_.clear();
-  internal::StepState st;
+  internal::StepState st(&orphans_);
   st.chunks = options_.chunks();
   st.loss_fn = &loss_fn;
   st.micro.resize(st.chunks);
@@ -302,14 +307,19 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
   if (!status.ok()) return Fail(Annotate(status, absl::StrCat(Name(), ": ", doing_)));
 
   // Every rank returns the mean loss: the last stage broadcasts it with its dtype.
-  double shared[2] = {st.loss_sum / static_cast<double>(st.chunks),
-                      static_cast<double>(st.loss_dtype)};
+  at::Tensor buffer = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
+  double* shared = buffer.data_ptr<double>();
+  shared[0] = st.loss_sum / static_cast<double>(st.chunks);
+  shared[1] = static_cast<double>(st.loss_dtype);
   comm::OpOptions op;
   op.timeout = timeout_;
   status = bwd_->Broadcast(comm::Buffer{shared, 2, comm::DataType::kF64, {}},
                            static_cast<int>(num_stages_ - 1), op)
                .Wait(timeout_);
-  if (!status.ok()) return Fail(Annotate(status, absl::StrCat(Name(), ": loss broadcast")));
+  if (!status.ok()) {
+    orphans_.push_back(buffer);
+    return Fail(Annotate(status, absl::StrCat(Name(), ": loss broadcast")));
+  }
   return at::scalar_tensor(shared[0], at::TensorOptions().dtype(
                                           static_cast<c10::ScalarType>(shared[1])));
 }
@@ -327,19 +337,20 @@ absl::Status Pipe::Forward(internal::StepState& st, int64_t i) {
   }
   const absl::Time start = absl::Now();
   const bool is_list_in = in.is_list;
-  bool is_list_out = false;
+  // The checkpointed backward calls `run` again after this frame is gone: it owns what it uses.
+  auto is_list_out = std::make_shared<bool>(false);
   torch::nn::Sequential layers = layers_;
   const int64_t first = first_layer_;
   auto run = [layers, is_list_in, first,
-              &is_list_out](const std::vector<at::Tensor>& xs) mutable -> std::vector<at::Tensor> {
+              is_list_out](const std::vector<at::Tensor>& xs) mutable -> std::vector<at::Tensor> {
     torch::nn::AnyValue v = is_list_in ? torch::nn::AnyValue(xs) : torch::nn::AnyValue(xs.at(0));
     for (torch::nn::AnyModule& layer : *layers) v = layer.any_forward(std::move(v));
     if (const at::Tensor* t = v.try_get<at::Tensor>()) {
-      is_list_out = false;
+      *is_list_out = false;
       return {*t};
     }
     if (const std::vector<at::Tensor>* l = v.try_get<std::vector<at::Tensor>>()) {
-      is_list_out = true;
+      *is_list_out = true;
       return *l;
     }
     TORCH_CHECK(false, "layer ", first + static_cast<int64_t>(layers->size()) - 1,
@@ -351,7 +362,7 @@ absl::Status Pipe::Forward(internal::StepState& st, int64_t i) {
                             (mode == CheckpointMode::kExceptLast && i + 1 < st.chunks);
   Boundary out;
   out.tensors = checkpointed ? checkpoint::checkpoint(run, in.tensors) : run(in.tensors);
-  out.is_list = is_list_out;
+  out.is_list = *is_list_out;
   internal::MicroBatch& mb = st.micro[i];
   mb.inputs = std::move(in.tensors);
   if (stage_ + 1 == num_stages_) {
@@ -382,7 +393,8 @@ absl::Status Pipe::Backward(internal::StepState& st, int64_t i) {
   } else {
     std::vector<at::Tensor> outs = RequiringGrad(mb.outputs);
     absl::StatusOr<std::vector<at::Tensor>> grads =
-        internal::RecvGradients(bwd_.get(), static_cast<int>(stage_ + 1), Layouts(outs), timeout_);
+        internal::RecvGradients(bwd_.get(), static_cast<int>(stage_ + 1), Layouts(outs), timeout_,
+                                &orphans_);
     if (!grads.ok()) {
       return Annotate(grads.status(), absl::StrCat("gradients from stage ", stage_ + 1));
     }

@@ -155,6 +155,11 @@ class Pipe {
   std::string Name() const;
   absl::Status Fail(absl::Status status);
 
+  // Declared first, destroyed last: buffers of failed operations that the communicators below
+  // may still touch, and the links that point at those communicators.
+  std::vector<at::Tensor> orphans_;
+  struct Links;
+  std::unique_ptr<Links> links_;
   std::shared_ptr<comm::Communicator> comm_;
   // The pipe's own communicators (split from comm_): activations flow on fwd_, gradients and
   // the loss broadcast on bwd_, so a pending send in one direction never holds up a receive in
@@ -171,8 +176,6 @@ class Pipe {
   std::vector<PipeEvent> trace_;
   absl::Status broken_;
   std::string doing_;  // the action running now, for error messages
-  struct Links;
-  std::unique_ptr<Links> links_;
 };
 
 }  // namespace fairscale::pipe

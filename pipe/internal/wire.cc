@@ -52,13 +52,16 @@ absl::Status SendTensor(comm::Communicator* comm, int peer, const at::Tensor& t,
 absl::StatusOr<std::vector<at::Tensor>> RecvTensors(comm::Communicator* comm, int peer,
                                                     const std::vector<TensorLayout>& layouts,
                                                     absl::Duration timeout,
-                                                    const std::string& what) {
+                                                    const std::string& what, Orphans* orphans) {
   std::vector<at::Tensor> out;
   std::vector<comm::Work> works;
   for (const TensorLayout& layout : layouts) {
     at::Tensor t = at::empty(layout.sizes, at::TensorOptions().dtype(WireType(layout.dtype)));
     absl::StatusOr<comm::Buffer> buffer = comm::ToBuffer(t);
-    if (!buffer.ok()) return buffer.status();
+    if (!buffer.ok()) {
+      orphans->insert(orphans->end(), out.begin(), out.end());
+      return buffer.status();
+    }
     works.push_back(comm->Recv(*buffer, peer));
     out.push_back(std::move(t));
   }
@@ -67,7 +70,11 @@ absl::StatusOr<std::vector<at::Tensor>> RecvTensors(comm::Communicator* comm, in
     absl::Status s = works[i].Wait(timeout);
     if (first.ok() && !s.ok()) first = WithContext(s, absl::StrCat(what, " ", i));
   }
-  if (!first.ok()) return first;
+  if (!first.ok()) {
+    // A receive that timed out may still write into its tensor.
+    orphans->insert(orphans->end(), out.begin(), out.end());
+    return first;
+  }
   for (size_t i = 0; i < out.size(); ++i) {
     if (layouts[i].dtype == c10::ScalarType::Bool) out[i] = out[i].to(c10::ScalarType::Bool);
   }
@@ -75,8 +82,10 @@ absl::StatusOr<std::vector<at::Tensor>> RecvTensors(comm::Communicator* comm, in
 }
 
 absl::StatusOr<at::Tensor> RecvTensor(comm::Communicator* comm, int peer,
-                                      const TensorLayout& layout, absl::Duration timeout) {
-  absl::StatusOr<std::vector<at::Tensor>> t = RecvTensors(comm, peer, {layout}, timeout, "tensor");
+                                      const TensorLayout& layout, absl::Duration timeout,
+                                      Orphans* orphans) {
+  absl::StatusOr<std::vector<at::Tensor>> t =
+      RecvTensors(comm, peer, {layout}, timeout, "tensor", orphans);
   if (!t.ok()) return t.status();
   return std::move(t->at(0));
 }
@@ -151,6 +160,10 @@ std::string DescribeLayout(const BoundaryLayout& layout) {
                       layout.is_list ? ")" : "");
 }
 
+PendingSends::~PendingSends() {
+  orphans_->insert(orphans_->end(), keep_alive_.begin(), keep_alive_.end());
+}
+
 void PendingSends::Add(comm::Work work, at::Tensor keep_alive) {
   works_.push_back(std::move(work));
   keep_alive_.push_back(std::move(keep_alive));
@@ -205,7 +218,7 @@ absl::Status ActivationLink::Send(int64_t micro_batch, const Boundary& boundary,
 
 absl::StatusOr<Boundary> ActivationLink::Recv(int64_t micro_batch) {
   absl::StatusOr<at::Tensor> header =
-      RecvTensor(comm_, peer_, TensorLayout{at::kLong, false, {kHeaderLen}}, timeout_);
+      RecvTensor(comm_, peer_, TensorLayout{at::kLong, false, {kHeaderLen}}, timeout_, orphans_);
   if (!header.ok()) return WithContext(header.status(), "header");
   const int64_t* h = header->data_ptr<int64_t>();
   if (h[0] != kMagic || h[1] != micro_batch || h[2] < 0) {
@@ -214,7 +227,7 @@ absl::StatusOr<Boundary> ActivationLink::Recv(int64_t micro_batch) {
   }
   if (h[2] > 0) {
     absl::StatusOr<at::Tensor> meta =
-        RecvTensor(comm_, peer_, TensorLayout{at::kLong, false, {h[2]}}, timeout_);
+        RecvTensor(comm_, peer_, TensorLayout{at::kLong, false, {h[2]}}, timeout_, orphans_);
     if (!meta.ok()) return WithContext(meta.status(), "layout");
     const int64_t* m = meta->data_ptr<int64_t>();
     absl::StatusOr<BoundaryLayout> layout = DecodeLayout(std::vector<int64_t>(m, m + h[2]));
@@ -224,7 +237,7 @@ absl::StatusOr<Boundary> ActivationLink::Recv(int64_t micro_batch) {
     return absl::InternalError("the first activation header carries no layout");
   }
   absl::StatusOr<std::vector<at::Tensor>> tensors =
-      RecvTensors(comm_, peer_, last_layout_->tensors, timeout_, "activation");
+      RecvTensors(comm_, peer_, last_layout_->tensors, timeout_, "activation", orphans_);
   if (!tensors.ok()) {
     return WithContext(tensors.status(), absl::StrCat("activations ", DescribeLayout(*last_layout_)));
   }
@@ -261,8 +274,8 @@ absl::Status SendGradients(comm::Communicator* comm, int peer,
 
 absl::StatusOr<std::vector<at::Tensor>> RecvGradients(comm::Communicator* comm, int peer,
                                                       const std::vector<TensorLayout>& layouts,
-                                                      absl::Duration timeout) {
-  return RecvTensors(comm, peer, layouts, timeout, "gradient");
+                                                      absl::Duration timeout, Orphans* orphans) {
+  return RecvTensors(comm, peer, layouts, timeout, "gradient", orphans);
 }
 
 }  // namespace fairscale::pipe::internal

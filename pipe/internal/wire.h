@@ -58,16 +58,26 @@ absl::StatusOr<BoundaryLayout> DecodeLayout(const std::vector<int64_t>& encoded)
 // "f32[4, 8] requires_grad, i64[4]".
 std::string DescribeLayout(const BoundaryLayout& layout);
 
+// Buffers of operations that failed or timed out and may still be in the backend's hands: they
+// are kept here, owned by something that outlives the communicator (Pipe declares it before its
+// communicators), instead of being freed under a running operation.
+using Orphans = std::vector<at::Tensor>;
+
 // Sends issued but not yet known to be complete, with the tensors they read (kept alive until
-// then).
+// then; if destroyed before WaitAll succeeded, they move to `orphans`).
 class PendingSends {
  public:
+  explicit PendingSends(Orphans* orphans) : orphans_(orphans) {}
+  ~PendingSends();
+  PendingSends(const PendingSends&) = delete;
+  PendingSends& operator=(const PendingSends&) = delete;
   void Add(comm::Work work, at::Tensor keep_alive);
   // Waits for every send; the first error wins. Clears the list.
   absl::Status WaitAll(absl::Duration timeout);
   size_t size() const { return works_.size(); }
 
  private:
+  Orphans* orphans_;
   std::vector<comm::Work> works_;
   std::vector<at::Tensor> keep_alive_;
 };
@@ -76,8 +86,8 @@ class PendingSends {
 // link so that it is sent only when it changes. Not thread-safe (one per stage and direction).
 class ActivationLink {
  public:
-  ActivationLink(comm::Communicator* comm, int peer, absl::Duration timeout)
-      : comm_(comm), peer_(peer), timeout_(timeout) {}
+  ActivationLink(comm::Communicator* comm, int peer, absl::Duration timeout, Orphans* orphans)
+      : comm_(comm), peer_(peer), timeout_(timeout), orphans_(orphans) {}
 
   // Issues header, layout (if changed) and payload sends. Tensors are sent detached.
   absl::Status Send(int64_t micro_batch, const Boundary& boundary, PendingSends* pending);
@@ -89,6 +99,7 @@ class ActivationLink {
   comm::Communicator* comm_;
   int peer_;
   absl::Duration timeout_;
+  Orphans* orphans_;
   std::optional<BoundaryLayout> last_layout_;
 };
 
@@ -99,6 +110,6 @@ absl::Status SendGradients(comm::Communicator* comm, int peer,
                            const std::vector<at::Tensor>& grads, PendingSends* pending);
 absl::StatusOr<std::vector<at::Tensor>> RecvGradients(comm::Communicator* comm, int peer,
                                                       const std::vector<TensorLayout>& layouts,
-                                                      absl::Duration timeout);
+                                                      absl::Duration timeout, Orphans* orphans);
 
 }  // namespace fairscale::pipe::internal
