@@ -255,6 +255,7 @@ absl::Status OffloadedAdam::StepGroups(const std::vector<size_t>& groups) {
   };
   std::vector<Unit> units;
   int64_t max_count = 1;
+  bool any_master = false;
   for (size_t g : groups) {
     for (size_t i = group_begin_[g]; i < group_begin_[g + 1]; ++i) {
       if (!params_[i].tensor.grad().defined()) continue;
@@ -262,6 +263,7 @@ absl::Status OffloadedAdam::StepGroups(const std::vector<size_t>& groups) {
       if (!s.ok()) return s;
       for (int64_t c = 0; c < tier_->num_chunks(params_[i].exp_avg); ++c) {
         units.push_back({i, c});
+        any_master = any_master || params_[i].master >= 0;
         max_count = std::max(max_count, tier_->chunk_count(params_[i].exp_avg, c));
       }
     }
@@ -281,7 +283,7 @@ absl::Status OffloadedAdam::StepGroups(const std::vector<size_t>& groups) {
   std::vector<Slot> slots;
   for (int k = 0; k < slots_n; ++k) {
     slots.push_back({at::empty({max_count}, at::kFloat), at::empty({max_count}, at::kFloat),
-                     at::empty({max_count}, at::kFloat)});
+                     any_master ? at::empty({max_count}, at::kFloat) : at::Tensor()});
   }
   auto read = [&](size_t k) -> absl::Status {
     const Unit& u = units[k];
