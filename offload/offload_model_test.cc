@@ -8,6 +8,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/serialize/input-archive.h>
@@ -118,6 +119,34 @@ TEST(OffloadModelOtherTest, InputGradientsAndAccumulationMatch) {
         EXPECT_LE((x1.grad() - x2.grad()).abs().max().item<double>(), 1e-6);
       }
       ref_opt.step();
+      model->step();
+      ASSERT_LE(MaxDiff(model, ref), 1e-6) << "step " << step << " ckpt " << ckpt;
+    }
+  }
+}
+
+TEST(OffloadModelOtherTest, DropoutMatchesWithAndWithoutCheckpointing) {
+  auto make = [] {
+    torch::manual_seed(11);
+    return torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::Dropout(0.3),
+                                 torch::nn::Linear(16, 16), torch::nn::Dropout(0.3),
+                                 torch::nn::Linear(16, 4));
+  };
+  for (bool ckpt : {false, true}) {
+    torch::nn::Sequential ref = make();
+    torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(0.01));
+    OffloadModel model(make(), OffloadModelOptions(TmpDir("drop")).num_slices(3)
+                                   .checkpoint_activation(ckpt),
+                       torch::optim::AdamOptions(0.01));
+    for (int step = 0; step < 4; ++step) {
+      const at::Tensor x = Input(step), y = Target(step);
+      torch::manual_seed(500 + step);  // the same dropout masks in both forwards
+      ref_opt.zero_grad();
+      torch::nn::functional::mse_loss(ref->forward(x), y).backward();
+      ref_opt.step();
+      torch::manual_seed(500 + step);
+      model->zero_grad();
+      torch::nn::functional::mse_loss(model(x), y).backward();
       model->step();
       ASSERT_LE(MaxDiff(model, ref), 1e-6) << "step " << step << " ckpt " << ckpt;
     }
