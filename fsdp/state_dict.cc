@@ -7,6 +7,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -209,36 +210,134 @@ FullOptimState full_optim_state_dict(FullyShardedDataParallel& model,
   return out;
 }
 
-void load_full_optim_state_dict(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer,
-                                const FullOptimState& state) {
-  const std::string what = What(model, "load_full_optim_state_dict");
-  ModelLayout layout = internal::GetModelLayout(model);
+namespace {
+
+absl::Status CheckFullOptimState(const ModelLayout& layout, const FullOptimState& state) {
   for (const auto& [name, ps] : state.state) {
-    ThrowIfError(
-        layout.where.count(name)
-            ? absl::OkStatus()
-            : absl::InvalidArgumentError(absl::StrCat(
-                  "the optimizer state has parameter '", name, "', which the model does not")),
-        what);
+    if (!layout.where.count(name)) {
+      return absl::InvalidArgumentError(absl::StrCat("the optimizer state has parameter '", name,
+                                                     "', which the model does not"));
+    }
     for (const auto& [tname, t] : ps.tensors) {
-      ThrowIfError(t.defined() && t.sizes() == at::IntArrayRef(layout.entry(name).shape)
-                       ? absl::OkStatus()
-                       : absl::InvalidArgumentError(absl::StrCat(
-                             "optimizer state '", name, "/", tname, "' has shape ",
-                             t.defined() ? ShapeString(t.sizes()) : "undefined",
-                             ", the parameter's is ", ShapeString(layout.entry(name).shape))),
-                   what);
+      if (!t.defined() || t.sizes() != at::IntArrayRef(layout.entry(name).shape)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "optimizer state '", name, "/", tname, "' has shape ",
+            t.defined() ? ShapeString(t.sizes()) : "undefined", ", the parameter's is ",
+            ShapeString(layout.entry(name).shape)));
+      }
     }
   }
-  const auto reader = MapReader([&state](const std::string& key) -> const at::Tensor* {
+  return absl::OkStatus();
+}
+
+// Everything of a FullOptimState but the tensor values, for broadcasting it from rank 0.
+std::string OptimMetaJson(const FullOptimState& state) {
+  nlohmann::json groups = nlohmann::json::array();
+  for (const auto& g : state.param_groups) {
+    groups.push_back({{"options", g.options}, {"params", g.params}});
+  }
+  nlohmann::json params = nlohmann::json::object();
+  for (const auto& [name, ps] : state.state) {
+    std::vector<std::string> tensors;
+    for (const auto& [tname, t] : ps.tensors) tensors.push_back(tname);
+    params[name] = {{"step", ps.step}, {"tensors", tensors}};
+  }
+  return nlohmann::json{{"kind", state.kind}, {"param_groups", groups}, {"state", params}}.dump();
+}
+
+FullOptimState OptimMetaFromJson(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text);
+  FullOptimState meta;
+  meta.kind = j.at("kind").get<std::string>();
+  for (const auto& g : j.at("param_groups")) {
+    meta.param_groups.push_back({g.at("options").get<std::map<std::string, double>>(),
+                                 g.at("params").get<std::vector<std::string>>()});
+  }
+  for (const auto& [name, p] : j.at("state").items()) {
+    auto& ps = meta.state[name];
+    ps.step = p.at("step").get<int64_t>();
+    for (const auto& t : p.at("tensors")) ps.tensors[t.get<std::string>()] = at::Tensor();
+  }
+  return meta;
+}
+
+void BroadcastString(FullyShardedDataParallel& model, std::string* text,
+                     const std::string& context) {
+  if (model->world_size() == 1) return;
+  const auto& comm = model->communicator();
+  int64_t size = static_cast<int64_t>(text->size());
+  ThrowIfError(comm->Broadcast(comm::MakeBuffer(&size, 1), 0).Wait(), context);
+  std::vector<uint8_t> bytes(text->begin(), text->end());
+  bytes.resize(static_cast<size_t>(size));
+  ThrowIfError(comm->Broadcast(comm::MakeBuffer(bytes.data(), bytes.size()), 0).Wait(), context);
+  text->assign(bytes.begin(), bytes.end());
+}
+
+}  // namespace
+
+void load_full_optim_state_dict(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer,
+                                const FullOptimState& state, bool from_rank0) {
+  const std::string what = What(model, "load_full_optim_state_dict");
+  ModelLayout layout = internal::GetModelLayout(model);
+  c10::NoGradGuard no_grad;
+  if (!from_rank0) {
+    ThrowIfError(CheckFullOptimState(layout, state), what);
+    const auto reader = MapReader([&state](const std::string& key) -> const at::Tensor* {
+      const size_t slash = key.rfind('/');
+      auto it = state.state.find(key.substr(0, slash));
+      if (it == state.state.end()) return nullptr;
+      auto t = it->second.tensors.find(key.substr(slash + 1));
+      return t == it->second.tensors.end() ? nullptr : &t->second;
+    });
+    absl::StatusOr<internal::StagedOptim> staged =
+        internal::StageOptim(layout, optimizer, state, reader);
+    ThrowIfError(staged.status(), what);
+    internal::ApplyOptim(optimizer, *std::move(staged));
+    return;
+  }
+  const bool root = layout.rank == 0;
+  internal::ThrowIfAnyFailed(model->communicator(),
+                             root ? CheckFullOptimState(layout, state) : absl::OkStatus(), what);
+  std::string meta_json = root ? OptimMetaJson(state) : std::string();
+  BroadcastString(model, &meta_json, what + ": broadcast of the optimizer state's layout");
+  const FullOptimState meta = OptimMetaFromJson(meta_json);
+  // One padded flat state tensor at a time: rank 0 assembles it, every rank keeps its slice.
+  std::map<std::pair<size_t, std::string>, at::Tensor> slices;
+  for (size_t f = 0; f < layout.flats.size(); ++f) {
+    const internal::FlatRef& flat = layout.flats[f];
+    const FlatParamInfo& info = flat.info;
+    const auto first = meta.state.find(info.params.front().name);
+    if (first == meta.state.end()) continue;
+    for (const auto& [tname, unused] : first->second.tensors) {
+      at::Tensor full = at::zeros({info.padded_numel}, flat.shard.options().requires_grad(false));
+      for (const FlatParamInfo::Entry& e : info.params) {
+        auto p = root ? state.state.find(e.name) : state.state.end();
+        if (p == state.state.end()) continue;
+        auto t = p->second.tensors.find(tname);
+        if (t != p->second.tensors.end()) {
+          full.narrow(0, e.offset, e.numel).copy_(t->second.reshape({-1}));
+        }
+      }
+      Broadcast(model, full, absl::StrCat(what, ": broadcast of unit '", flat.unit->prefix(),
+                                          "' ", info.name, " ", tname));
+      slices[{f, tname}] = full.narrow(0, info.shard_offset, info.shard_numel).clone();
+    }
+  }
+  const internal::RangeReader reader = [&](const std::string& key, int64_t begin,
+                                           at::Tensor dst) -> absl::Status {
     const size_t slash = key.rfind('/');
-    auto it = state.state.find(key.substr(0, slash));
-    if (it == state.state.end()) return nullptr;
-    auto t = it->second.tensors.find(key.substr(slash + 1));
-    return t == it->second.tensors.end() ? nullptr : &t->second;
-  });
+    const auto [f, e] = layout.where.at(key.substr(0, slash));
+    auto slice = slices.find({f, key.substr(slash + 1)});
+    if (slice == slices.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("optimizer state '", key, "' is missing"));
+    }
+    const FlatParamInfo& info = layout.flats[f].info;
+    dst.copy_(slice->second.narrow(0, info.params[e].offset + begin - info.shard_offset,
+                                   dst.numel()));
+    return absl::OkStatus();
+  };
   absl::StatusOr<internal::StagedOptim> staged =
-      internal::StageOptim(layout, optimizer, state, reader);
+      internal::StageOptim(layout, optimizer, meta, reader);
   ThrowIfError(staged.status(), what);
   internal::ApplyOptim(optimizer, *std::move(staged));
 }

@@ -82,8 +82,11 @@ FullOptimState full_optim_state_dict(FullyShardedDataParallel& model,
 // Re-shards a full optimizer state for this model at its world size: each rank slices its own
 // shards' state and restores the groups' hyper-parameters. The optimizer must be of the same
 // kind with as many groups, grouping the parameters as saved; checked before anything changes.
+// Without `from_rank0` every rank passes the whole state and nothing is communicated. With it,
+// only rank 0's `state` is read (collective): rank 0 checks it and broadcasts its layout, then
+// each flat parameter's state tensors one at a time (each rank keeps its slice).
 void load_full_optim_state_dict(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer,
-                                const FullOptimState& state);
+                                const FullOptimState& state, bool from_rank0 = false);
 
 // ---- plain LibTorch files -----------------------------------------------------------------
 

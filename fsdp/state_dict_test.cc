@@ -341,8 +341,11 @@ TEST(FsdpFullOptimState, ReshardsToOtherWorldSizesAndContinues) {
               [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
                 auto model = MakeModel(comm, ShardingStrategy::kFullShard, /*nested=*/w != 2);
                 auto opt = testing::MakeOptimizer(kind, model->parameters());
-                load_full_state_dict(model, sd);
-                load_full_optim_state_dict(model, *opt, osd);
+                // At world size 3 only rank 0 holds the dicts (broadcast); elsewhere every rank.
+                const bool from_rank0 = w == 3;
+                const bool has = !from_rank0 || rank == 0;
+                load_full_state_dict(model, has ? sd : StateDict(), from_rank0);
+                load_full_optim_state_dict(model, *opt, has ? osd : FullOptimState(), from_rank0);
                 const auto losses = TrainSteps(model, *opt, kSaveAt, kSteps, rank, w);
                 FS_RETURN_IF_ERROR(ExpectReferenceLosses(ref, losses, kSaveAt, rank, w));
                 return testing::CheckShards(model, ref[kSteps - 1].params, false,
