@@ -6,6 +6,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <exception>
 #include <numeric>
 #include <optional>
@@ -47,6 +48,7 @@ struct StepState {
   std::vector<MicroBatch> micro;
   double loss_sum = 0;
   c10::ScalarType loss_dtype = c10::ScalarType::Float;
+  bool train = true;  // false: forwards only, no graph kept (eval_step)
   explicit StepState(Orphans* orphans) : pending(orphans) {}
   PendingSends pending;
 };
@@ -248,16 +250,27 @@ absl::Status Pipe::Fail(absl::Status status) {
 
 absl::StatusOr<at::Tensor> Pipe::train_step(const at::Tensor& input, const at::Tensor& target,
                                             const LossFn& loss_fn) {
-  return Step({input}, false, target, loss_fn);
+  return Step({input}, false, target, loss_fn, true);
 }
 
 absl::StatusOr<at::Tensor> Pipe::train_step(const std::vector<at::Tensor>& inputs,
                                             const at::Tensor& target, const LossFn& loss_fn) {
-  return Step(inputs, true, target, loss_fn);
+  return Step(inputs, true, target, loss_fn, true);
+}
+
+absl::StatusOr<at::Tensor> Pipe::eval_step(const at::Tensor& input, const at::Tensor& target,
+                                           const LossFn& loss_fn) {
+  return Step({input}, false, target, loss_fn, false);
+}
+
+absl::StatusOr<at::Tensor> Pipe::eval_step(const std::vector<at::Tensor>& inputs,
+                                           const at::Tensor& target, const LossFn& loss_fn) {
+  return Step(inputs, true, target, loss_fn, false);
 }
 
 absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, bool is_list,
-                                      const at::Tensor& target, const LossFn& loss_fn) {
+                                      const at::Tensor& target, const LossFn& loss_fn,
+                                      bool train) {
   if (!broken_.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat(Name(), ": the pipe failed earlier: ", broken_.message()));
@@ -266,11 +279,12 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
   internal::StepState st(&orphans_);
   st.chunks = options_.chunks();
   st.loss_fn = &loss_fn;
+  st.train = train;
   st.micro.resize(st.chunks);
   absl::Status status;
   doing_ = "splitting the batch";
   try {
-    c10::AutoGradMode grad_mode(true);
+    c10::AutoGradMode grad_mode(train);
     if (stage_ == 0) {
       st.first_inputs.resize(st.chunks);
       for (size_t k = 0; k < inputs.size() && status.ok(); ++k) {
@@ -290,7 +304,13 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
       if (status.ok()) status = parts.status();
       if (status.ok()) st.targets = *std::move(parts);
     }
-    for (const Action& a : MakeSchedule(options_.schedule(), num_stages_, stage_, st.chunks)) {
+    std::vector<Action> actions = MakeSchedule(options_.schedule(), num_stages_, stage_, st.chunks);
+    if (!train) {
+      actions.erase(std::remove_if(actions.begin(), actions.end(),
+                                   [](const Action& a) { return a.phase == Phase::kBackward; }),
+                    actions.end());
+    }
+    for (const Action& a : actions) {
       if (!status.ok()) break;
       doing_ = absl::StrCat(a.phase == Phase::kForward ? "forward" : "backward",
                             " of micro-batch ", a.micro_batch);
@@ -358,8 +378,9 @@ absl::Status Pipe::Forward(internal::StepState& st, int64_t i) {
                 "; stages exchange at::Tensor or std::vector<at::Tensor>");
   };
   const CheckpointMode mode = options_.checkpoint();
-  const bool checkpointed = mode == CheckpointMode::kAlways ||
-                            (mode == CheckpointMode::kExceptLast && i + 1 < st.chunks);
+  const bool checkpointed =
+      st.train && (mode == CheckpointMode::kAlways ||
+                   (mode == CheckpointMode::kExceptLast && i + 1 < st.chunks));
   Boundary out;
   out.tensors = checkpointed ? checkpoint::checkpoint(run, in.tensors) : run(in.tensors);
   out.is_list = *is_list_out;
@@ -376,10 +397,15 @@ absl::Status Pipe::Forward(internal::StepState& st, int64_t i) {
     st.loss_dtype = mb.loss.scalar_type();
     st.loss_sum += mb.loss.detach().item<double>();
     trace_.push_back({stage_, i, Phase::kForward, start, absl::Now()});
+    if (!st.train) mb = internal::MicroBatch();
     return absl::OkStatus();
   }
   trace_.push_back({stage_, i, Phase::kForward, start, absl::Now()});
-  mb.outputs = out.tensors;
+  if (st.train) {
+    mb.outputs = out.tensors;
+  } else {
+    mb = internal::MicroBatch();  // the pending send keeps what it reads
+  }
   return Annotate(links_->to_next->Send(i, out, &st.pending),
                   absl::StrCat("sending activations to stage ", stage_ + 1));
 }

@@ -125,6 +125,13 @@ class Pipe {
   absl::StatusOr<at::Tensor> train_step(const std::vector<at::Tensor>& inputs,
                                         const at::Tensor& target, const LossFn& loss_fn);
 
+  // Forwards only (no grad, no checkpointing, no activations kept), same batch split, loss and
+  // errors as train_step: the mean micro-batch loss on every rank, e.g. for validation.
+  absl::StatusOr<at::Tensor> eval_step(const at::Tensor& input, const at::Tensor& target,
+                                       const LossFn& loss_fn);
+  absl::StatusOr<at::Tensor> eval_step(const std::vector<at::Tensor>& inputs,
+                                       const at::Tensor& target, const LossFn& loss_fn);
+
   int64_t stage() const { return stage_; }
   int64_t num_stages() const { return num_stages_; }
   // Global index of this stage's first layer, and its layer count.
@@ -136,7 +143,7 @@ class Pipe {
   torch::nn::Sequential stage_module() const { return layers_; }
   std::vector<at::Tensor> parameters() const;
 
-  // The forwards and backwards of the last train_step, in the order they ran.
+  // The forwards and backwards of the last train_step (or eval_step), in the order they ran.
   const std::vector<PipeEvent>& trace() const { return trace_; }
   // OK, or the error that broke the pipe.
   const absl::Status& status() const { return broken_; }
@@ -148,7 +155,7 @@ class Pipe {
                                                     PipeOptions options,
                                                     std::vector<int64_t> balance);
   absl::StatusOr<at::Tensor> Step(const std::vector<at::Tensor>& inputs, bool is_list,
-                                  const at::Tensor& target, const LossFn& loss_fn);
+                                  const at::Tensor& target, const LossFn& loss_fn, bool train);
   absl::Status Forward(internal::StepState& st, int64_t i);
   absl::Status Backward(internal::StepState& st, int64_t i);
   // "pipe stage 1/4 (rank 1)"

@@ -138,5 +138,36 @@ TEST(PipeTest, CreateForStageMatchesCreate) {
   for (int r = 0; r < 2; ++r) EXPECT_THAT(statuses[r], IsOk()) << "rank " << r;
 }
 
+// eval_step: the reference loss on every rank, forwards only in the trace, no gradients.
+TEST(PipeTest, EvalStepMatchesAndLeavesNoGradients) {
+  const std::vector<at::Tensor> inputs = {testing::Inputs(12, 9)};
+  const std::vector<at::Tensor> targets = {testing::Targets(12, 10)};
+  const testing::Reference ref =
+      testing::RunReference(testing::MakeMlp, inputs, targets, 4, testing::Mse);
+  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+    std::vector<absl::Status> statuses = testing::RunInproc(
+        3, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+          absl::StatusOr<std::unique_ptr<Pipe>> pipe = Pipe::Create(
+              testing::MakeMlp(), comm,
+              PipeOptions().chunks(4).schedule(schedule).checkpoint(CheckpointMode::kAlways));
+          if (!pipe.ok()) return pipe.status();
+          absl::StatusOr<at::Tensor> loss = (*pipe)->eval_step(inputs[0], targets[0], testing::Mse);
+          if (!loss.ok()) return loss.status();
+          absl::Status s = testing::ExpectClose(
+              "eval loss", *loss, at::scalar_tensor(ref.losses[0], at::kDouble), 1e-5);
+          if (!s.ok()) return s;
+          if ((*pipe)->trace().size() != 4) return absl::InternalError("trace size");
+          for (const PipeEvent& e : (*pipe)->trace()) {
+            if (e.phase != Phase::kForward) return absl::InternalError("a backward ran");
+          }
+          for (const at::Tensor& p : (*pipe)->parameters()) {
+            if (p.grad().defined()) return absl::InternalError("eval_step left a gradient");
+          }
+          return absl::OkStatus();
+        });
+    for (int r = 0; r < 3; ++r) EXPECT_THAT(statuses[r], IsOk()) << "rank " << r;
+  }
+}
+
 }  // namespace
 }  // namespace fairscale::pipe
