@@ -1,8 +1,8 @@
 // Parity of pipe::Pipe with the same model run un-pipelined in one process: the loss of every
-// step and the accumulated gradient of every parameter within 1e-5 (f32), for 2, 3 and 4 stages
-// x chunks 1, 3, 8 x both schedules x the three checkpoint modes. Two steps per run: the second
-// has twice the rows (a layout change between the stages) and accumulates into the first's
-// gradients.
+// step and the accumulated gradient of every parameter within 1e-5 (f32), for 1 (no pipeline),
+// 2, 3 and 4 stages x chunks 1, 3, 8 x both schedules x the three checkpoint modes. Two steps
+// per run: the second has twice the rows (a layout change between the stages) and accumulates
+// into the first's gradients.
 #include <ATen/ops/scalar_tensor.h>
 
 #include <algorithm>
@@ -78,7 +78,7 @@ TEST_P(ParityTest, LossAndGradientsMatchOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(
     All, ParityTest,
-    ::testing::Combine(::testing::Values(2, 3, 4),
+    ::testing::Combine(::testing::Values(1, 2, 3, 4),
                        ::testing::Values(Schedule::kGPipe, Schedule::k1F1B),
                        ::testing::Values(CheckpointMode::kAlways, CheckpointMode::kExceptLast,
                                          CheckpointMode::kNever)),
