@@ -115,7 +115,8 @@ class Pipe {
   Pipe& operator=(const Pipe&) = delete;
 
   // One forward + backward over `chunks` micro-batches (collective). `input` is read on stage 0
-  // (ignored elsewhere; pass an undefined tensor), `target` on the last stage. Returns the mean
+  // (ignored elsewhere; pass an undefined tensor; it is used detached: no gradient flows back
+  // into it), `target` on the last stage. Returns the mean
   // micro-batch loss (detached, 0-dim, the loss's dtype converted through double) on every
   // rank. Gradients accumulate into parameters().
   absl::StatusOr<at::Tensor> train_step(const at::Tensor& input, const at::Tensor& target,
