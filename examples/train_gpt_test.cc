@@ -222,8 +222,9 @@ TEST_F(TrainGptTest, ShardedDataParallelResumeMatchesAnUninterruptedRunBitwise) 
   {
     std::ifstream in(dir_ + "/parts/checkpoints/step_00000010/COMPLETE");
     const nlohmann::json complete = nlohmann::json::parse(in);
-    EXPECT_EQ(complete["config"]["grad_scaler"]["scale"].get<double>(), 65536.0) << complete;
-    EXPECT_EQ(complete["config"]["grad_scaler"]["growth_tracker"].get<int64_t>(), 10) << complete;
+    const nlohmann::json& scaler = complete["trainer_state"]["grad_scaler"];
+    EXPECT_EQ(scaler["scale"].get<double>(), 65536.0) << complete;
+    EXPECT_EQ(scaler["growth_tracker"].get<int64_t>(), 10) << complete;
   }
   JobResult second = Run("parts", with({"--resume"}));
   ASSERT_EQ(second.exit_code, 0) << second.output;
@@ -260,7 +261,7 @@ TEST_F(TrainGptTest, ResumeMatchesAnUninterruptedRunBitwise) {
   // A save that was killed before COMPLETE: skipped by resume.
   const std::string ckpt = dir_ + "/parts/checkpoints";
   fs::create_directories(ckpt + "/step_00000015");
-  std::ofstream(ckpt + "/step_00000015/rank0.pt") << "half a file";
+  std::ofstream(ckpt + "/step_00000015/rank00000.shard") << "half a file";
 
   JobResult second = Run("parts", with({"--resume"}));
   ASSERT_EQ(second.exit_code, 0) << second.output;
@@ -274,7 +275,7 @@ TEST_F(TrainGptTest, ResumeMatchesAnUninterruptedRunBitwise) {
   EXPECT_EQ(second.final_record["param_fnv1a64"], whole.final_record["param_fnv1a64"]);
   // The stale directory was replaced by the resumed run's own step-15 checkpoint.
   EXPECT_TRUE(fs::exists(ckpt + "/step_00000015/COMPLETE"));
-  EXPECT_GT(fs::file_size(ckpt + "/step_00000015/rank0.pt"), 1000u);
+  EXPECT_GT(fs::file_size(ckpt + "/step_00000015/rank00000.shard"), 1000u);
 
   // --resume=auto on a finished run resumes at its last checkpoint (step 20): nothing to train,
   // same parameters.
@@ -289,7 +290,7 @@ TEST_F(TrainGptTest, CorruptCheckpointFailsNamingTheFile) {
                                         "--sample_tokens=0"};
   JobResult r = Run("c", job);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const std::string victim = dir_ + "/c/checkpoints/step_00000010/rank1.pt";
+  const std::string victim = dir_ + "/c/checkpoints/step_00000010/rank00001.shard";
   ASSERT_TRUE(fs::exists(victim));
   {
     std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);

@@ -23,9 +23,9 @@ pass "resume: 20 identical losses, parameters $a"
 # A corrupted rank file of the newest checkpoint: a clear error naming it.
 cp -r "$WORK/split" "$WORK/corrupt"
 newest=$(ls -d "$WORK/corrupt/checkpoints"/step_* | sort | tail -1)
-printf 'garbage' | dd of="$newest/rank1.pt" bs=1 seek=100 conv=notrunc status=none
+printf 'garbage' | dd of="$newest/rank00001.shard" bs=1 seek=100 conv=notrunc status=none
 launch corrupt 2 -- "${JOB[@]}" --resume=required
 [[ $STATUS -ne 0 ]] || fail "resume from a corrupted checkpoint succeeded"
-grep -q "$newest/rank1.pt" "$WORK/corrupt.log" ||
-  { cat "$WORK/corrupt.log"; fail "the error does not name $newest/rank1.pt"; }
-pass "corrupt checkpoint: $(grep -m1 "rank1.pt" "$WORK/corrupt.log")"
+grep -q "$newest/rank00001.shard" "$WORK/corrupt.log" ||
+  { cat "$WORK/corrupt.log"; fail "the error does not name $newest/rank00001.shard"; }
+pass "corrupt checkpoint: $(grep -m1 "rank00001.shard" "$WORK/corrupt.log")"

@@ -26,6 +26,7 @@ std::string StepDir(const std::string& root, int64_t step) {
 std::string RankFile(const std::string& step_dir, int rank) {
   return absl::StrCat(step_dir, "/rank", rank, ".pt");
 }
+std::string ShardFileName(int rank) { return absl::StrFormat("rank%05d.shard", rank); }
 
 absl::Status WriteFileAtomic(const std::string& path, const std::string& content) {
   const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
@@ -89,13 +90,23 @@ absl::StatusOr<FileDigest> DigestFile(const std::string& dir, const std::string&
 
 absl::Status WriteComplete(const std::string& step_dir, int64_t step, int world_size,
                            const nlohmann::json& config) {
+  std::vector<std::string> files;
+  for (int r = 0; r < world_size; ++r) files.push_back(absl::StrCat("rank", r, ".pt"));
+  return WriteComplete(step_dir, step, world_size, kFormatRankFiles, files, config,
+                       nlohmann::json::object());
+}
+
+absl::Status WriteComplete(const std::string& step_dir, int64_t step, int world_size,
+                           const std::string& format, const std::vector<std::string>& files,
+                           const nlohmann::json& config, const nlohmann::json& trainer_state) {
   nlohmann::json j;
   j["step"] = step;
   j["world_size"] = world_size;
+  j["format"] = format;
   j["config"] = config;
+  j["trainer_state"] = trainer_state;
   j["files"] = nlohmann::json::array();
-  for (int r = 0; r < world_size; ++r) {
-    const std::string name = absl::StrCat("rank", r, ".pt");
+  for (const std::string& name : files) {
     absl::StatusOr<FileDigest> d = DigestFile(step_dir, name);
     if (!d.ok()) return d.status();
     // As a hex string: JSON readers that hold numbers as doubles would round a 64-bit value.
@@ -142,7 +153,9 @@ absl::StatusOr<CompleteCheckpoint> ParseComplete(const std::string& dir) {
     if (j.is_discarded()) throw std::runtime_error("not valid JSON");
     c.step = j.at("step").get<int64_t>();
     c.world_size = j.at("world_size").get<int>();
+    c.format = j.value("format", std::string(kFormatRankFiles));
     c.config = j.at("config");
+    if (j.contains("trainer_state")) c.trainer_state = j.at("trainer_state");
     for (const nlohmann::json& f : j.at("files")) {
       FileDigest d;
       d.name = f.at("name").get<std::string>();
@@ -152,7 +165,7 @@ absl::StatusOr<CompleteCheckpoint> ParseComplete(const std::string& dir) {
       }
       c.files.push_back(d);
     }
-    if (static_cast<int>(c.files.size()) != c.world_size) {
+    if (c.format == kFormatRankFiles && static_cast<int>(c.files.size()) != c.world_size) {
       throw std::runtime_error(absl::StrCat("lists ", c.files.size(), " files for world size ",
                                             c.world_size));
     }

@@ -1,15 +1,22 @@
-// The checkpoint directory of the GPT job (//examples/gpt:checkpoint_dir): which sharded
-// checkpoints are complete, whether their files are intact, and which to delete. No LibTorch:
-// the rank files themselves are written by fsdp::save_local_checkpoint (atomic per file).
+// The checkpoint directory of the GPT job (//examples/gpt:checkpoint_dir): which checkpoints
+// are complete, whether their files are intact, and which to delete. No LibTorch: the files
+// themselves are written by the data-parallel mode (examples/gpt/parallel_model.h), each
+// atomically. Two formats of step directory:
 //
-// Layout:  <root>/step_00000040/rank0.pt ... rank{N-1}.pt   one file per rank
+//   "fsdp_sharded" (fsdp mode; fsdp::save_sharded_checkpoint, loadable at any world size):
+//          <root>/step_00000040/rank00000.shard ... rank{N-1}.shard + manifest.json
 //          <root>/step_00000040/COMPLETE                     written last, by rank 0
+//   "rank_files" (sdp mode, and fsdp checkpoints written before the sharded format: one
+//          fsdp::save_local_checkpoint file per rank, loadable only at the same world size):
+//          <root>/step_00000040/rank0.pt ... rank{N-1}.pt
+//          <root>/step_00000040/COMPLETE
 //
 // A step directory counts only once COMPLETE exists: rank 0 writes it (tmp + fsync + rename)
 // after a barrier that follows every rank's save, so a job killed mid-save leaves a directory
 // without COMPLETE, which resume skips and the next prune deletes; the previous checkpoint is
-// untouched. COMPLETE is JSON: {"step", "world_size", "config", "files": [{"name", "bytes",
-// "fnv1a64"}]}. The checksum is 64-bit FNV-1a over each rank file: it is there to catch
+// untouched. COMPLETE is JSON: {"step", "world_size", "format", "config", "trainer_state",
+// "files": [{"name", "bytes", "fnv1a64"}]} ("format" absent = "rank_files"; "trainer_state" is
+// the trainer's own state: loss scaler, full-parameter hash). The checksum is 64-bit FNV-1a over each rank file: it is there to catch
 // truncation, a partially overwritten or bit-flipped file (accidents, not attacks), needs no
 // library, and hashes a few MB in milliseconds; a cryptographic hash would buy nothing here.
 #pragma once
@@ -30,7 +37,12 @@ namespace fairscale::examples::gpt {
 
 std::string StepDir(const std::string& root, int64_t step);        // <root>/step_%08d
 std::string RankFile(const std::string& step_dir, int rank);        // <step_dir>/rank%d.pt
+// "rank%05d.shard": the name fsdp::save_sharded_checkpoint gives rank `rank`'s file.
+std::string ShardFileName(int rank);
+inline constexpr char kShardManifestName[] = "manifest.json";  // fsdp's manifest
 inline constexpr char kCompleteName[] = "COMPLETE";
+inline constexpr char kFormatRankFiles[] = "rank_files";
+inline constexpr char kFormatFsdpSharded[] = "fsdp_sharded";
 
 // Writes `content` to "<path>.tmp.<pid>", fsyncs it and renames it over `path`.
 absl::Status WriteFileAtomic(const std::string& path, const std::string& content);
@@ -55,13 +67,21 @@ struct CompleteCheckpoint {
   std::string dir;  // the step directory
   int64_t step = 0;
   int world_size = 0;
+  std::string format = kFormatRankFiles;
   nlohmann::json config;
+  nlohmann::json trainer_state = nlohmann::json::object();
   std::vector<FileDigest> files;
 };
 
-// Digests rank0.pt .. rank{world_size-1}.pt in `step_dir` and writes COMPLETE atomically.
+// Digests rank0.pt .. rank{world_size-1}.pt in `step_dir` and writes COMPLETE atomically
+// (format "rank_files").
 absl::Status WriteComplete(const std::string& step_dir, int64_t step, int world_size,
                            const nlohmann::json& config);
+// Digests `files` (names relative to `step_dir`) and writes COMPLETE atomically with `format`
+// and `trainer_state`.
+absl::Status WriteComplete(const std::string& step_dir, int64_t step, int world_size,
+                           const std::string& format, const std::vector<std::string>& files,
+                           const nlohmann::json& config, const nlohmann::json& trainer_state);
 
 // The newest step directory under `root` that has COMPLETE (nullopt if none, or if `root` does
 // not exist). Directories without COMPLETE are skipped; a COMPLETE that does not parse is

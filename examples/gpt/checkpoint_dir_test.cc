@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_matchers.h"
@@ -46,6 +47,34 @@ class CheckpointDirTest : public ::testing::Test {
 TEST_F(CheckpointDirTest, Names) {
   EXPECT_EQ(StepDir("/c", 40), "/c/step_00000040");
   EXPECT_EQ(RankFile("/c/step_00000040", 3), "/c/step_00000040/rank3.pt");
+  EXPECT_EQ(ShardFileName(3), "rank00003.shard");
+}
+
+// The fsdp mode's sharded step directory: COMPLETE lists the shards and the manifest (not one
+// file per rank) with the format and the trainer's state; a file changed later is caught.
+TEST_F(CheckpointDirTest, ShardedFormatListsShardsAndManifest) {
+  const std::string dir = StepDir(root_, 8);
+  fs::create_directories(dir);
+  const std::vector<std::string> files = {ShardFileName(0), ShardFileName(1), kShardManifestName};
+  for (const std::string& f : files) std::ofstream(dir + "/" + f) << f << std::string(100, 'x');
+  ASSERT_OK(WriteComplete(dir, 8, 2, kFormatFsdpSharded, files, {{"width", 8}},
+                          {{"full_param_fnv1a64", "0123456789abcdef"}}));
+  ASSERT_OK_AND_ASSIGN(auto latest, FindLatestComplete(root_));
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->format, kFormatFsdpSharded);
+  EXPECT_EQ(latest->world_size, 2);
+  EXPECT_EQ(latest->trainer_state["full_param_fnv1a64"], "0123456789abcdef");
+  ASSERT_EQ(latest->files.size(), 3u);
+  EXPECT_EQ(latest->files[2].name, "manifest.json");
+  EXPECT_OK(VerifyCheckpoint(*latest));
+  std::ofstream(dir + "/manifest.json", std::ios::app) << "!";
+  EXPECT_THAT(VerifyCheckpoint(*latest),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr(dir + "/manifest.json is corrupt")));
+  // A marker without "format" (written before it existed) reads as the per-rank format.
+  MakeStep(4, 1, true);
+  fs::remove_all(dir);
+  ASSERT_OK_AND_ASSIGN(latest, FindLatestComplete(root_));
+  EXPECT_EQ(latest->format, kFormatRankFiles);
 }
 
 TEST_F(CheckpointDirTest, NoDirectoryMeansNoCheckpoint) {

@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <set>
+#include <sstream>
 #include <utility>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "examples/gpt/checkpoint_dir.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/local_checkpoint.h"
+#include "fsdp/sharded_checkpoint.h"
 #include "fsdp/wrap.h"
 #include "offload/offloaded_optimizer.h"
 #include "oss/oss.h"
@@ -75,13 +77,29 @@ uint64_t HashNamed(const std::string& name, const at::Tensor& t, uint64_t h) {
   return HashTensor(t, Fnv1a64(name.data(), name.size(), h));
 }
 
+// Copies an optimizer's state through torch's archive (OffloadedAdam <-> torch::optim::Adam:
+// the same layout, bitwise). Both must step the same parameters in the same order.
+void CopyOptimizer(const torch::optim::Optimizer& from, torch::optim::Optimizer& to) {
+  torch::serialize::OutputArchive out;
+  from.save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  std::istringstream in_bytes(bytes.str());
+  torch::serialize::InputArchive in;
+  in.load_from(in_bytes);
+  to.load(in);
+}
+
 // FSDP: the embeddings, every block and the head each their own unit under a parameterless root;
 // Adam over the units' f32 master shards.
 class FsdpModel final : public ParallelModel {
  public:
   FsdpModel(fsdp::FullyShardedDataParallel model, std::unique_ptr<torch::optim::Optimizer> opt,
-            std::string label)
-      : model_(std::move(model)), opt_(std::move(opt)), label_(std::move(label)) {
+            torch::optim::AdamOptions adam, std::string label)
+      : model_(std::move(model)),
+        opt_(std::move(opt)),
+        adam_(std::move(adam)),
+        label_(std::move(label)) {
     for (const auto& info : model_->flat_param_info()) num_params_ += info.numel;
     for (auto* unit : model_->fsdp_units()) {
       if (unit == model_.get()) continue;
@@ -96,12 +114,52 @@ class FsdpModel final : public ParallelModel {
   int64_t num_params() const override { return num_params_; }
   std::string label() const override { return label_; }
 
-  void save(const std::string& file) override {
-    fsdp::save_local_checkpoint(model_, opt_.get(), file);
+  // fsdp::save_sharded_checkpoint: rank<r>.shard per rank + manifest.json, loadable at any
+  // world size. An OffloadedAdam is converted through a torch::optim::Adam (same archive layout)
+  // for the save, so the state is in memory for its duration.
+  std::string checkpoint_format() const override { return kFormatFsdpSharded; }
+  void save(const std::string& step_dir) override {
+    if (auto* offloaded = dynamic_cast<offload::OffloadedAdam*>(opt_.get())) {
+      torch::optim::Adam adam(model_->parameters(), adam_);
+      CopyOptimizer(*offloaded, adam);
+      fsdp::save_sharded_checkpoint(model_, &adam, step_dir);
+    } else {
+      fsdp::save_sharded_checkpoint(model_, opt_.get(), step_dir);
+    }
   }
-  int checkpoint_file_rank(int rank) const override { return rank; }
-  void load(const std::string& file) override {
-    fsdp::load_local_checkpoint(model_, opt_.get(), file);
+  std::vector<std::string> checkpoint_files(int world) const override {
+    std::vector<std::string> files;
+    for (int r = 0; r < world; ++r) files.push_back(ShardFileName(r));
+    files.push_back(kShardManifestName);
+    return files;
+  }
+  absl::Status check_resume(const std::string& format, int saved_world,
+                            int world) const override {
+    if (format == kFormatFsdpSharded) return absl::OkStatus();
+    if (format == kFormatRankFiles) {
+      if (saved_world == world) return absl::OkStatus();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "it is in the per-rank local format (", kFormatRankFiles,
+          ": rank<r>.pt, fsdp::save_local_checkpoint, written before the sharded format), which "
+          "loads only at the world size that wrote it (", saved_world, "); this job has ", world,
+          " ranks: resume it at ", saved_world, " ranks (its next checkpoints are sharded)"));
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("its format '", format, "' is not one data_parallel fsdp loads (",
+                     kFormatFsdpSharded, " or ", kFormatRankFiles, ")"));
+  }
+  void load(const std::string& step_dir, const std::string& format) override {
+    if (format == kFormatRankFiles) {  // older checkpoints: same world size (check_resume)
+      fsdp::load_local_checkpoint(model_, opt_.get(), RankFile(step_dir, model_->rank()));
+      return;
+    }
+    if (auto* offloaded = dynamic_cast<offload::OffloadedAdam*>(opt_.get())) {
+      torch::optim::Adam adam(model_->parameters(), adam_);
+      fsdp::load_sharded_checkpoint(model_, &adam, step_dir);
+      CopyOptimizer(adam, *offloaded);
+    } else {
+      fsdp::load_sharded_checkpoint(model_, opt_.get(), step_dir);
+    }
   }
 
   uint64_t param_hash() override {
@@ -132,6 +190,7 @@ class FsdpModel final : public ParallelModel {
  private:
   fsdp::FullyShardedDataParallel model_;
   std::unique_ptr<torch::optim::Optimizer> opt_;
+  torch::optim::AdamOptions adam_;  // the defaults opt_ was built with
   std::string label_;
   int64_t num_params_ = 0;
 };
@@ -164,7 +223,27 @@ class SdpModel final : public ParallelModel {
   // "model/<name>" for every parameter (the full model, the same on every rank) and, in rank 0's
   // file, "optimizer": the OSS state consolidated on rank 0 (the layout of an unsharded
   // torch::optim::Adam). Collective (the consolidation).
-  void save(const std::string& file) override {
+  std::string checkpoint_format() const override { return kFormatRankFiles; }
+  std::vector<std::string> checkpoint_files(int world) const override {
+    std::vector<std::string> files;
+    for (int r = 0; r < world; ++r) files.push_back(absl::StrCat("rank", r, ".pt"));
+    return files;
+  }
+  absl::Status check_resume(const std::string& format, int saved_world,
+                            int world) const override {
+    if (format != kFormatRankFiles) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "its format is '", format, "'; data_parallel sdp loads only ", kFormatRankFiles));
+    }
+    if (saved_world != world) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "it was written by ", saved_world, " ranks, this job has ", world,
+          " (data_parallel sdp resumes at the same world size only)"));
+    }
+    return absl::OkStatus();
+  }
+  void save(const std::string& step_dir) override {
+    const std::string file = RankFile(step_dir, rank_);
     oss_->consolidate_state_dict(0);
     torch::serialize::OutputArchive archive;
     for (const auto& item : plain_->named_parameters()) {
@@ -181,8 +260,8 @@ class SdpModel final : public ParallelModel {
   }
   // Every rank reads rank 0's file (the full parameters and the consolidated OSS state; OSS::load
   // keeps this rank's part).
-  int checkpoint_file_rank(int) const override { return 0; }
-  void load(const std::string& file) override {
+  void load(const std::string& step_dir, const std::string&) override {
+    const std::string file = RankFile(step_dir, 0);
     torch::serialize::InputArchive archive;
     archive.load_from(file);
     {
@@ -263,7 +342,7 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
     opt = std::make_unique<torch::optim::Adam>(model->parameters(), adam);
   }
   return std::unique_ptr<ParallelModel>(
-      std::make_unique<FsdpModel>(std::move(model), std::move(opt), config.strategy));
+      std::make_unique<FsdpModel>(std::move(model), std::move(opt), adam, config.strategy));
 }
 
 absl::Status ValidateParallelConfig(const TrainConfig& config) {

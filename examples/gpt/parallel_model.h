@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -44,12 +45,22 @@ class ParallelModel {
   // For the banner and the plot title: the FSDP strategy, or "sdp/<partition>".
   virtual std::string label() const = 0;
 
-  // Writes this rank's checkpoint file (atomically: tmp + rename). Collective.
-  virtual void save(const std::string& file) = 0;
-  // The rank whose file this rank loads on resume (sdp: 0, which holds the consolidated state).
-  virtual int checkpoint_file_rank(int rank) const = 0;
-  // Loads a file written by save() of `checkpoint_file_rank(rank)`; raises naming what differs.
-  virtual void load(const std::string& file) = 0;
+  // The format of the step directories save() writes (checkpoint_dir.h): fsdp
+  // kFormatFsdpSharded, sdp kFormatRankFiles.
+  virtual std::string checkpoint_format() const = 0;
+  // Writes this rank's part of the checkpoint into `step_dir` (every file atomically: tmp +
+  // rename). Collective.
+  virtual void save(const std::string& step_dir) = 0;
+  // The files, relative to the step directory, of a checkpoint save() wrote at `world` ranks:
+  // what COMPLETE lists and checksums.
+  virtual std::vector<std::string> checkpoint_files(int world) const = 0;
+  // OK if this mode, at world size `world`, can resume from a checkpoint of `format` written by
+  // `saved_world` ranks; kFailedPrecondition saying why not (naming the format) otherwise.
+  virtual absl::Status check_resume(const std::string& format, int saved_world,
+                                    int world) const = 0;
+  // Loads a checkpoint that passed check_resume (collective for fsdp_sharded); raises naming
+  // what differs, the file or the tensor.
+  virtual void load(const std::string& step_dir, const std::string& format) = 0;
 
   // FNV-1a 64 of this rank's parameters as the optimizer steps them (FSDP: the f32 shards).
   virtual uint64_t param_hash() = 0;

@@ -150,6 +150,15 @@ class Trainer {
     }
     FS_ASSIGN_OR_RETURN(result.start_step, MaybeResume());
     if (rank_ == 0) FS_RETURN_IF_ERROR(metrics_.Open(config_.metrics_path, result.start_step));
+    if (rank_ == 0 && result.start_step > 0) {
+      // The global batch is world size x batch: at another world size it changes (see README).
+      metrics_.Write({{"type", "resume"},
+                      {"step", result.start_step},
+                      {"from_world_size", resumed_from_world_},
+                      {"world_size", world_},
+                      {"global_batch", world_ * config_.batch},
+                      {"full_param_fnv1a64", absl::StrFormat("%016x", resumed_full_param_hash_)}});
+    }
     if (rank_ == 0 && !config_.checkpoint_dir.empty()) {
       FS_RETURN_IF_ERROR(RemoveCheckpointsAfter(config_.checkpoint_dir, result.start_step));
     }
@@ -162,7 +171,13 @@ class Trainer {
       if (config_.optimizer_offload == "disk") {
         absl::StrAppend(&options, ", Adam state on disk in ", config_.offload_dir);
       }
-      if (result.start_step > 0) absl::StrAppend(&options, ", resumed at step ", result.start_step);
+      if (result.start_step > 0) {
+        absl::StrAppend(&options, ", resumed at step ", result.start_step);
+        if (resumed_from_world_ != world_) {
+          absl::StrAppend(&options, " (saved at ", resumed_from_world_, " ranks)");
+        }
+        absl::StrAppendFormat(&options, ", full parameters %016x", resumed_full_param_hash_);
+      }
       std::printf("train_gpt: %d rank%s, %s, %s, %lld params, vocab %lld, %lld tokens/step%s\n",
                   world_, world_ == 1 ? "" : "s", ModeLabel().c_str(), config_.precision.c_str(),
                   static_cast<long long>(num_params_), static_cast<long long>(gc.vocab()),
@@ -428,10 +443,10 @@ class Trainer {
                                               "with ", kCompleteName, ") under ",
                                               config_.checkpoint_dir));
     }
-    if (latest->world_size != world_) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("resume: checkpoint ", latest->dir, " was written by ", latest->world_size,
-                       " ranks, this job has ", world_));
+    if (absl::Status st = model_->check_resume(latest->format, latest->world_size, world_);
+        !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("resume: checkpoint ", latest->dir, ": ",
+                                                  st.message()));
     }
     const nlohmann::json want = config_.ToJson();
     // Checkpoints written before data_parallel existed are FSDP ones.
@@ -446,16 +461,35 @@ class Trainer {
     }
     // Every rank checks every file, so all ranks fail with the same message.
     FS_RETURN_IF_ERROR(VerifyCheckpoint(*latest));
-    // sdp: every rank reads rank 0's file (see ParallelModel::checkpoint_file_rank).
-    const std::string file = RankFile(latest->dir, model_->checkpoint_file_rank(rank_));
     try {
-      model_->load(file);
+      model_->load(latest->dir, latest->format);
+    } catch (const c10::Error& e) {
+      return absl::DataLossError(absl::StrCat("resume: cannot load ", latest->dir, ": ",
+                                              e.what_without_backtrace()));
     } catch (const std::exception& e) {
-      return absl::DataLossError(absl::StrCat("resume: cannot load ", file, ": ", e.what()));
+      return absl::DataLossError(
+          absl::StrCat("resume: cannot load ", latest->dir, ": ", e.what()));
+    }
+    // The full parameters (gathered) must be bitwise those the checkpoint was saved with, at
+    // any world size; checkpoints written before the hash was recorded are not checked.
+    FS_ASSIGN_OR_RETURN(std::vector<uint64_t> full, FullParamHashes());
+    resumed_full_param_hash_ = full[0];
+    resumed_from_world_ = latest->world_size;
+    if (latest->trainer_state.contains("full_param_fnv1a64")) {
+      const std::string saved = latest->trainer_state["full_param_fnv1a64"].get<std::string>();
+      if (saved != absl::StrFormat("%016x", full[0])) {
+        return absl::DataLossError(absl::StrFormat(
+            "resume: checkpoint %s: the full parameters after loading hash to %016x (FNV-1a), "
+            "the run that saved them recorded %s",
+            latest->dir, full[0], saved));
+      }
     }
     // A checkpoint written without --loss_scale has no scaler state: the scaler starts afresh.
-    if (scaler_ && latest->config.contains("grad_scaler")) {
-      const nlohmann::json& saved = latest->config["grad_scaler"];
+    // (Recorded in trainer_state; checkpoints before it had it in config.)
+    const nlohmann::json& holder =
+        latest->trainer_state.contains("grad_scaler") ? latest->trainer_state : latest->config;
+    if (scaler_ && holder.contains("grad_scaler")) {
+      const nlohmann::json& saved = holder["grad_scaler"];
       amp::GradScalerState st = scaler_->state_dict();
       st.scale = saved.value("scale", st.scale);
       st.growth_tracker = saved.value("growth_tracker", st.growth_tracker);
@@ -469,32 +503,44 @@ class Trainer {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     if (ec) return absl::UnavailableError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
-    const std::string file = RankFile(dir, rank_);
     try {
-      model_->save(file);
+      model_->save(dir);
+    } catch (const c10::Error& e) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot save checkpoint ", dir, ": ", e.what_without_backtrace()));
     } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("cannot save checkpoint ", file, ": ", e.what()));
+      return absl::UnavailableError(absl::StrCat("cannot save checkpoint ", dir, ": ", e.what()));
     }
     if (rank_ == config_.fault_rank && step == config_.fault_step && config_.fault_in_save) {
       std::fprintf(stderr,
                    "%strain_gpt: fault injection: SIGKILL in the checkpoint save of "
                    "step %lld (%s written, COMPLETE not yet)\n",
                    base::OutputRankPrefix(rank_).c_str(), static_cast<long long>(step),
-                   file.c_str());
+                   model_->checkpoint_files(world_)[rank_].c_str());
       std::fflush(stderr);
       ::raise(SIGKILL);
     }
+    // The gathered full parameters' hash, recorded so that a resume (at any world size) can
+    // check it loaded exactly them. Collective.
+    FS_ASSIGN_OR_RETURN(std::vector<uint64_t> full, FullParamHashes());
     // Every rank's file is in place before rank 0 declares the step complete.
     FS_RETURN_IF_ERROR(comm_->Barrier().Wait());
     if (rank_ != 0) return absl::OkStatus();
-    // The loss scaler's state (the same on every rank: ShardedGradScaler agrees on every
-    // decision) rides in COMPLETE's config, written atomically with it.
-    nlohmann::json recorded = config_.ToJson();
+    // The trainer's own state rides in COMPLETE, written atomically with it: the loss scaler
+    // (the same on every rank: ShardedGradScaler agrees on every decision) and the hash. The
+    // step is COMPLETE's; the data and the sampling are functions of (seed, step, rank).
+    nlohmann::json state = {{"full_param_fnv1a64", absl::StrFormat("%016x", full[0])}};
     if (scaler_) {
       const amp::GradScalerState st = scaler_->state_dict();
-      recorded["grad_scaler"] = {{"scale", st.scale}, {"growth_tracker", st.growth_tracker}};
+      state["grad_scaler"] = {{"scale", st.scale}, {"growth_tracker", st.growth_tracker}};
     }
-    FS_RETURN_IF_ERROR(WriteComplete(dir, step, world_, recorded));
+    FS_RETURN_IF_ERROR(WriteComplete(dir, step, world_, model_->checkpoint_format(),
+                                     model_->checkpoint_files(world_), config_.ToJson(), state));
+    metrics_.Write({{"type", "checkpoint"},
+                    {"step", step},
+                    {"world_size", world_},
+                    {"format", model_->checkpoint_format()},
+                    {"full_param_fnv1a64", state["full_param_fnv1a64"]}});
     return PruneCheckpoints(config_.checkpoint_dir, config_.keep_checkpoints);
   }
 
@@ -545,6 +591,10 @@ class Trainer {
   std::unique_ptr<amp::ShardedGradScaler> scaler_;  // with loss_scale
   Metrics metrics_;
   int64_t num_params_ = 0;
+  // Set by MaybeResume: the world size that wrote the checkpoint and the full-parameter hash
+  // after loading it.
+  int resumed_from_world_ = 0;
+  uint64_t resumed_full_param_hash_ = 0;
 };
 
 }  // namespace

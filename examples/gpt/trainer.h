@@ -11,6 +11,11 @@
 // Resuming from a checkpoint gives bitwise the same losses and parameters as a run that was
 // never interrupted: the data, the learning-rate schedule and the sampling depend only on the
 // step and the seed, and the checkpoint holds the parameters and the optimizer state.
+// The fsdp mode's checkpoints are sharded (fsdp::save_sharded_checkpoint), so a run may resume
+// at another world size: the per-rank batch stays (`batch` is part of ToJson()), rank r trains
+// on the batch of (seed, step, r), so the global batch becomes world size x batch; the schedule
+// continues from the step. Right after loading, the gathered full parameters must hash to the
+// value the saving run recorded in COMPLETE (kDataLoss otherwise), at any world size.
 #pragma once
 
 #include <cstdint>

@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
 #include "comm/registry.h"
@@ -162,6 +163,8 @@ TEST(TrainRankTest, TwoRanksMatchASingleProcessReference) {
 struct JobOutput {
   std::vector<double> losses;   // by step
   nlohmann::json final_record;  // null unless the run reached config.steps
+  std::vector<nlohmann::json> checkpoints;  // the "checkpoint" records
+  std::vector<nlohmann::json> resumes;      // the "resume" records
 };
 
 // Runs TrainRank at `world` ranks (processes over tcp) and returns what rank 0 recorded in the
@@ -189,6 +192,8 @@ JobOutput RunJob(TrainConfig config, int world, const std::string& name) {
     nlohmann::json j = nlohmann::json::parse(line);
     if (j["type"] == "train") out.losses.push_back(j["loss"].get<double>());
     if (j["type"] == "final") out.final_record = j;
+    if (j["type"] == "checkpoint") out.checkpoints.push_back(j);
+    if (j["type"] == "resume") out.resumes.push_back(j);
   }
   const int64_t last = config.stop_after > 0 ? config.stop_after : config.steps;
   EXPECT_EQ(out.losses.size(), static_cast<size_t>(last)) << name;
@@ -277,6 +282,82 @@ TEST(TrainRankTest, OptimizerOffloadGivesTheSameLossesAndResumes) {
       EXPECT_EQ(resumed[i].final_record["param_fnv1a64"], plain.final_record["param_fnv1a64"])
           << precision << " split " << i;
     }
+  }
+}
+
+// The fsdp checkpoints are sharded (fsdp::save_sharded_checkpoint): a run saved at 4 ranks
+// resumes at 2 (Adam in memory) and at 3 (Adam offloaded to disk, converted through Adam's
+// archive layout). The trainer checks that the full parameters it gathers right after loading
+// hash to what the 4-rank run recorded at its save (it fails the resume otherwise); here the
+// metrics' checkpoint and resume records must carry that same hash, the per-rank batch stays
+// (the global batch changes with the world size), and the loss keeps falling.
+TEST(TrainRankTest, ResumesAtAnotherWorldSize) {
+  namespace fs = std::filesystem;
+  const char* tmp_env = std::getenv("TEST_TMPDIR");
+  const std::string tmp = absl::StrCat(tmp_env ? tmp_env : "/tmp", "/trainer_test_reshard");
+  TrainConfig first = TinyConfig("");
+  first.checkpoint_every = 4;
+  first.stop_after = 4;
+  first.checkpoint_dir = tmp + "/ck4";
+  const JobOutput saved = RunJob(first, 4, "reshard_4");
+  const std::string metrics4 =
+      absl::StrCat(tmp_env ? tmp_env : "/tmp", "/trainer_test_reshard_4.jsonl");
+  JobOutput resumed[2];
+  const int worlds[2] = {2, 3};
+  for (int i = 0; i < 2; ++i) {
+    const std::string name = absl::StrCat("reshard_4to", worlds[i]);
+    TrainConfig second = first;
+    second.stop_after = 0;
+    second.resume = ResumeMode::kRequired;
+    // Each resume gets its own copy of the 4-rank checkpoints and metrics (a run owns the steps
+    // after the one it resumed from).
+    second.checkpoint_dir = absl::StrCat(tmp, "/ck_", name);
+    if (!comm::testing::IsRankProcess()) {
+      fs::remove_all(second.checkpoint_dir);
+      fs::copy(first.checkpoint_dir, second.checkpoint_dir, fs::copy_options::recursive);
+      fs::copy_file(metrics4,
+                    absl::StrCat(tmp_env ? tmp_env : "/tmp", "/trainer_test_", name, ".jsonl"),
+                    fs::copy_options::overwrite_existing);
+    }
+    if (worlds[i] == 3) {
+      second.optimizer_offload = "disk";
+      second.offload_dir = absl::StrCat(tmp, "/offload_", name);
+      second.offload_chunk_bytes = 1024;
+    }
+    resumed[i] = RunJob(second, worlds[i], name);
+  }
+  if (comm::testing::IsRankProcess()) return;
+  ASSERT_EQ(saved.losses.size(), 4u);
+  ASSERT_EQ(saved.checkpoints.size(), 1u);
+  EXPECT_EQ(saved.checkpoints[0]["step"], 4);
+  EXPECT_EQ(saved.checkpoints[0]["world_size"], 4);
+  EXPECT_EQ(saved.checkpoints[0]["format"], "fsdp_sharded");
+  for (int r = 0; r < 4; ++r) {
+    const std::string shard = absl::StrFormat("%s/step_00000004/rank%05d.shard",
+                                              first.checkpoint_dir, r);
+    EXPECT_TRUE(fs::exists(shard)) << shard;
+  }
+  for (int i = 0; i < 2; ++i) {
+    const std::string name = absl::StrCat("4 -> ", worlds[i]);
+    ASSERT_EQ(resumed[i].losses.size(), 8u) << name;
+    // Steps 1-4 are the 4-rank run's records, kept.
+    for (int s = 0; s < 4; ++s) EXPECT_EQ(resumed[i].losses[s], saved.losses[s]) << name;
+    ASSERT_EQ(resumed[i].resumes.size(), 1u) << name;
+    const nlohmann::json& r = resumed[i].resumes[0];
+    EXPECT_EQ(r["step"], 4) << name;
+    EXPECT_EQ(r["from_world_size"], 4) << name;
+    EXPECT_EQ(r["world_size"], worlds[i]) << name;
+    EXPECT_EQ(r["global_batch"], worlds[i] * first.batch) << name;
+    EXPECT_EQ(r["full_param_fnv1a64"], saved.checkpoints[0]["full_param_fnv1a64"]) << name;
+    ASSERT_TRUE(resumed[i].final_record.is_object()) << name;
+    // Training continues: the loss keeps falling after the resume.
+    const std::vector<double>& l = resumed[i].losses;
+    EXPECT_LT(l[7], l[3]) << name;
+    EXPECT_LT(l[4] + l[5] + l[6] + l[7], l[0] + l[1] + l[2] + l[3]) << name;
+    // The resumed run's own checkpoint (step 8) is sharded at its world size.
+    ASSERT_EQ(resumed[i].checkpoints.size(), 2u) << name;
+    EXPECT_EQ(resumed[i].checkpoints[1]["step"], 8) << name;
+    EXPECT_EQ(resumed[i].checkpoints[1]["world_size"], worlds[i]) << name;
   }
 }
 
