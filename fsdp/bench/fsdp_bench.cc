@@ -40,6 +40,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "base/subprocess.h"
+#include "comm/bench/harness.h"
 #include "comm/communicator.h"
 #include "comm/registry.h"
 #include "comm/store/file_store.h"
@@ -166,14 +167,7 @@ int RunRank(int rank, int n, const std::string& dir) {
   TrackingCpuAllocator* tracker = TrackingCpuAllocator::Install();
   at::set_num_threads(absl::GetFlag(FLAGS_threads));
   const Shape s = FlagShape();
-  comm::CommConfig config;
-  config.rank = rank;
-  config.size = n;
-  config.timeout = absl::Minutes(5);
-  auto store = comm::FileStore::Create(dir + "/store");
-  if (!store.ok()) Die(store.status().ToString());
-  config.store = std::shared_ptr<comm::Store>(*std::move(store));
-  auto created = comm::CreateCommunicator("tcp", config);
+  auto created = comm::bench::Connect({rank, n, dir});
   if (!created.ok()) Die(created.status().ToString());
   std::shared_ptr<comm::Communicator> comm = *std::move(created);
 
@@ -223,43 +217,17 @@ struct WorldResult {
   int64_t param_bytes = 0;
 };
 
-int RunWorld(int n, const char* self, WorldResult* result) {
-  std::string base = std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp";
-  std::string dir_template = base + "/fsdp_bench_XXXXXX";
-  std::vector<char> buf(dir_template.begin(), dir_template.end());
-  buf.push_back('\0');
-  if (mkdtemp(buf.data()) == nullptr) Die("mkdtemp failed");
-  const std::string dir = buf.data();
-  const Shape s = FlagShape();
-  std::vector<absl::StatusOr<int>> results = base::RunSelfCopies(
-      n, {absl::StrCat("--blocks=", s.blocks),
-                                     absl::StrCat("--width=", s.width),
-                                     absl::StrCat("--heads=", s.heads),
-                                     absl::StrCat("--seq=", s.seq),
-                                     absl::StrCat("--batch=", s.batch),
-                                     absl::StrCat("--vocab=", s.vocab),
-                                     absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
-                                     absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
-                                     absl::StrCat("--threads=", absl::GetFlag(FLAGS_threads)),
-                                     absl::StrCat("--configs=", absl::GetFlag(FLAGS_configs))},
-      [&](int r) -> std::vector<std::string> {
-        return {absl::StrCat("FS_FSDP_BENCH_RANK=", r), absl::StrCat("FS_FSDP_BENCH_SIZE=", n),
-                absl::StrCat("FS_FSDP_BENCH_DIR=", dir)};
-      },
+int RunWorld(int n, WorldResult* result) {
+  absl::StatusOr<std::string> ran = comm::bench::RunRanks(
+      "FS_FSDP_BENCH", n,
+      comm::bench::ForwardFlags({"blocks", "width", "heads", "seq", "batch", "vocab", "warmup",
+                                 "steps", "threads", "configs"}),
       absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_s)));
-  int failed = 0;
-  for (int r = 0; r < n; ++r) {
-    if (!results[r].ok() || *results[r] != 0) {
-      std::fprintf(stderr, "fsdp_bench: rank %d: %s\n", r,
-                   results[r].ok() ? absl::StrCat("exit code ", *results[r]).c_str()
-                                   : results[r].status().ToString().c_str());
-      ++failed;
-    }
-  }
-  if (failed) {
-    std::fprintf(stderr, "fsdp_bench: %d of %d ranks failed\n", failed, n);
+  if (!ran.ok()) {
+    std::fprintf(stderr, "fsdp_bench: at %d ranks: %s\n", n, ran.status().ToString().c_str());
     return 1;
   }
+  const std::string dir = *ran;
   std::map<std::string, Row> by_config;
   for (int r = 0; r < n; ++r) {
     std::ifstream in(absl::StrCat(dir, "/rank", r, ".tsv"));
@@ -297,7 +265,7 @@ int RunWorld(int n, const char* self, WorldResult* result) {
 
 double MiB(int64_t b) { return b / 1048576.0; }
 
-int Main(const char* self) {
+int Main() {
   const Shape s = FlagShape();
   std::vector<WorldResult> worlds;
   for (absl::string_view r : absl::StrSplit(absl::GetFlag(FLAGS_ranks), ',')) {
@@ -305,7 +273,7 @@ int Main(const char* self) {
     if (!absl::SimpleAtoi(r, &n) || n < 1) Die(absl::StrCat("bad --ranks entry '", r, "'"));
     std::fprintf(stderr, "world size %d...\n", n);
     WorldResult w;
-    if (RunWorld(n, self, &w) != 0) return 1;
+    if (RunWorld(n, &w) != 0) return 1;
     worlds.push_back(std::move(w));
   }
   // The units: each transformer block (12 w^2 + 13 w parameters), the embeddings
@@ -379,10 +347,8 @@ int Main(const char* self) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  if (const char* rank = std::getenv("FS_FSDP_BENCH_RANK")) {
-    return fairscale::fsdp::bench::RunRank(std::atoi(rank),
-                                           std::atoi(std::getenv("FS_FSDP_BENCH_SIZE")),
-                                           std::getenv("FS_FSDP_BENCH_DIR"));
+  if (auto me = fairscale::comm::bench::RankFromEnv("FS_FSDP_BENCH")) {
+    return fairscale::fsdp::bench::RunRank(me->rank, me->size, me->dir);
   }
-  return fairscale::fsdp::bench::Main(argv[0]);
+  return fairscale::fsdp::bench::Main();
 }

@@ -26,6 +26,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "base/subprocess.h"
+#include "comm/bench/harness.h"
 #include "comm/communicator.h"
 #include "comm/registry.h"
 #include "comm/store/file_store.h"
@@ -160,14 +161,7 @@ RankResult RunConfig(const std::string& config, TrackingCpuAllocator* tracker, i
 int RunRank(int rank, int n, const std::string& dir) {
   TrackingCpuAllocator* tracker = TrackingCpuAllocator::Install();
   at::set_num_threads(absl::GetFlag(FLAGS_threads));
-  comm::CommConfig config;
-  config.rank = rank;
-  config.size = n;
-  config.timeout = absl::Minutes(5);
-  auto store = comm::FileStore::Create(dir + "/store");
-  if (!store.ok()) Die(store.status().ToString());
-  config.store = std::shared_ptr<comm::Store>(*std::move(store));
-  auto created = comm::CreateCommunicator("tcp", config);
+  auto created = comm::bench::Connect({rank, n, dir});
   if (!created.ok()) Die(created.status().ToString());
   std::shared_ptr<comm::Communicator> comm = *std::move(created);
   std::ofstream out(absl::StrCat(dir, "/rank", rank, ".tsv"));
@@ -192,42 +186,13 @@ struct Row {
 };
 
 std::vector<Row> RunWorld(int n) {
-  std::string base = std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp";
-  std::string dir_template = base + "/oss_bench_XXXXXX";
-  std::vector<char> buf(dir_template.begin(), dir_template.end());
-  buf.push_back('\0');
-  if (mkdtemp(buf.data()) == nullptr) Die("mkdtemp failed");
-  const std::string dir = buf.data();
-  std::vector<std::string> args;
-  for (const char* f : {"blocks", "width", "heads", "seq", "batch", "vocab", "warmup", "steps",
-                        "threads"}) {
-    std::string value;
-    if (std::string(f) == "blocks") value = absl::StrCat(absl::GetFlag(FLAGS_blocks));
-    if (std::string(f) == "width") value = absl::StrCat(absl::GetFlag(FLAGS_width));
-    if (std::string(f) == "heads") value = absl::StrCat(absl::GetFlag(FLAGS_heads));
-    if (std::string(f) == "seq") value = absl::StrCat(absl::GetFlag(FLAGS_seq));
-    if (std::string(f) == "batch") value = absl::StrCat(absl::GetFlag(FLAGS_batch));
-    if (std::string(f) == "vocab") value = absl::StrCat(absl::GetFlag(FLAGS_vocab));
-    if (std::string(f) == "warmup") value = absl::StrCat(absl::GetFlag(FLAGS_warmup));
-    if (std::string(f) == "steps") value = absl::StrCat(absl::GetFlag(FLAGS_steps));
-    if (std::string(f) == "threads") value = absl::StrCat(absl::GetFlag(FLAGS_threads));
-    args.push_back(absl::StrCat("--", f, "=", value));
-  }
-  args.push_back(absl::StrCat("--configs=", absl::GetFlag(FLAGS_configs)));
-  std::vector<absl::StatusOr<int>> results = base::RunSelfCopies(
-      n, args,
-      [&](int r) -> std::vector<std::string> {
-        return {absl::StrCat("FS_OSS_BENCH_RANK=", r), absl::StrCat("FS_OSS_BENCH_SIZE=", n),
-                absl::StrCat("FS_OSS_BENCH_DIR=", dir)};
-      },
+  absl::StatusOr<std::string> ran = comm::bench::RunRanks(
+      "FS_OSS_BENCH", n,
+      comm::bench::ForwardFlags({"blocks", "width", "heads", "seq", "batch", "vocab", "warmup",
+                                 "steps", "threads", "configs"}),
       absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_s)));
-  for (int r = 0; r < n; ++r) {
-    if (!results[r].ok() || *results[r] != 0) {
-      Die(absl::StrCat("rank ", r, " of ", n, ": ",
-                       results[r].ok() ? absl::StrCat("exit code ", *results[r])
-                                       : results[r].status().ToString()));
-    }
-  }
+  if (!ran.ok()) Die(absl::StrCat("at ", n, " ranks: ", ran.status().ToString()));
+  const std::string dir = *ran;
   std::map<std::string, Row> by_config;
   for (int r = 0; r < n; ++r) {
     std::ifstream in(absl::StrCat(dir, "/rank", r, ".tsv"));
@@ -303,10 +268,8 @@ int Main() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  if (const char* rank = std::getenv("FS_OSS_BENCH_RANK")) {
-    return fairscale::oss::bench::RunRank(std::atoi(rank),
-                                          std::atoi(std::getenv("FS_OSS_BENCH_SIZE")),
-                                          std::getenv("FS_OSS_BENCH_DIR"));
+  if (auto me = fairscale::comm::bench::RankFromEnv("FS_OSS_BENCH")) {
+    return fairscale::oss::bench::RunRank(me->rank, me->size, me->dir);
   }
   return fairscale::oss::bench::Main();
 }

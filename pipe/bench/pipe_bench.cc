@@ -32,6 +32,7 @@
 #include "absl/time/clock.h"
 #include "base/subprocess.h"
 #include "base/tracking_allocator.h"
+#include "comm/bench/harness.h"
 #include "comm/registry.h"
 #include "comm/store/file_store.h"
 #include "pipe/pipe.h"
@@ -148,14 +149,7 @@ std::pair<double, int64_t> RunOneProcess(base::TrackingCpuAllocator* tracker, in
 int RunStage(int rank, int n, const std::string& dir) {
   base::TrackingCpuAllocator* tracker = base::TrackingCpuAllocator::Install();
   at::set_num_threads(absl::GetFlag(FLAGS_threads));
-  comm::CommConfig config;
-  config.rank = rank;
-  config.size = n;
-  config.timeout = absl::Minutes(5);
-  auto store = comm::FileStore::Create(dir + "/store");
-  if (!store.ok()) Die(store.status().ToString());
-  config.store = std::shared_ptr<comm::Store>(*std::move(store));
-  auto created = comm::CreateCommunicator("tcp", config);
+  auto created = comm::bench::Connect({rank, n, dir});
   if (!created.ok()) Die(created.status().ToString());
   std::shared_ptr<comm::Communicator> comm = *std::move(created);
   std::ofstream out(absl::StrCat(dir, "/rank", rank, ".tsv"));
@@ -202,35 +196,13 @@ struct Row {
 };
 
 std::map<std::string, Row> RunPipeline(int n) {
-  std::string base = std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp";
-  std::string tmpl = base + "/pipe_bench_XXXXXX";
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  if (mkdtemp(buf.data()) == nullptr) Die("mkdtemp failed");
-  const std::string dir = buf.data();
-  std::vector<std::string> args;
-  args.push_back(absl::StrCat("--chunks=", absl::GetFlag(FLAGS_chunks)));
-  args.push_back(absl::StrCat("--blocks=", absl::GetFlag(FLAGS_blocks)));
-  args.push_back(absl::StrCat("--width=", absl::GetFlag(FLAGS_width)));
-  args.push_back(absl::StrCat("--hidden=", absl::GetFlag(FLAGS_hidden)));
-  args.push_back(absl::StrCat("--batch=", absl::GetFlag(FLAGS_batch)));
-  args.push_back(absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)));
-  args.push_back(absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)));
-  args.push_back(absl::StrCat("--threads=", absl::GetFlag(FLAGS_threads)));
-  std::vector<absl::StatusOr<int>> results = base::RunSelfCopies(
-      n, args,
-      [&](int r) -> std::vector<std::string> {
-        return {absl::StrCat("FS_PIPE_BENCH_RANK=", r), absl::StrCat("FS_PIPE_BENCH_SIZE=", n),
-                absl::StrCat("FS_PIPE_BENCH_DIR=", dir)};
-      },
+  absl::StatusOr<std::string> ran = comm::bench::RunRanks(
+      "FS_PIPE_BENCH", n,
+      comm::bench::ForwardFlags(
+          {"chunks", "blocks", "width", "hidden", "batch", "warmup", "steps", "threads"}),
       absl::Minutes(20));
-  for (int r = 0; r < n; ++r) {
-    if (!results[r].ok() || *results[r] != 0) {
-      Die(absl::StrCat("stage ", r, " of ", n, ": ",
-                       results[r].ok() ? absl::StrCat("exit code ", *results[r])
-                                       : results[r].status().ToString()));
-    }
-  }
+  if (!ran.ok()) Die(absl::StrCat("at ", n, " stages: ", ran.status().ToString()));
+  const std::string dir = *ran;
   std::map<std::string, Row> rows;
   for (int r = 0; r < n; ++r) {
     std::ifstream in(absl::StrCat(dir, "/rank", r, ".tsv"));
@@ -304,10 +276,8 @@ int Main() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  if (const char* rank = std::getenv("FS_PIPE_BENCH_RANK")) {
-    return fairscale::pipe::bench::RunStage(std::atoi(rank),
-                                            std::atoi(std::getenv("FS_PIPE_BENCH_SIZE")),
-                                            std::getenv("FS_PIPE_BENCH_DIR"));
+  if (auto me = fairscale::comm::bench::RankFromEnv("FS_PIPE_BENCH")) {
+    return fairscale::pipe::bench::RunStage(me->rank, me->size, me->dir);
   }
   return fairscale::pipe::bench::Main();
 }
