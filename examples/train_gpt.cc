@@ -4,6 +4,7 @@
 //   ./bazelw run //examples:train_gpt
 //   ./bazelw run //examples:train_gpt -- --nproc=1 --steps=600 --precision=fp32
 //   ./bazelw run //examples:train_gpt -- --resume           # continue from the last checkpoint
+//   ./bazelw run //examples:train_gpt -- --resume --nproc=4 # ... at another world size (fsdp)
 //
 // Without RANK in the environment the binary is its own launcher (LaunchLocal below, which runs
 // //launch's Launch(), the fs_launch engine): it hosts the TCPStore with a job token, starts

@@ -165,7 +165,10 @@ absl::StatusOr<CompleteCheckpoint> ParseComplete(const std::string& dir) {
       }
       c.files.push_back(d);
     }
-    if (c.format == kFormatRankFiles && static_cast<int>(c.files.size()) != c.world_size) {
+    // rank_files: one file per rank; fsdp_sharded: one shard per rank and the manifest.
+    const int want_files = c.world_size + (c.format == kFormatFsdpSharded ? 1 : 0);
+    if ((c.format == kFormatRankFiles || c.format == kFormatFsdpSharded) &&
+        static_cast<int>(c.files.size()) != want_files) {
       throw std::runtime_error(absl::StrCat("lists ", c.files.size(), " files for world size ",
                                             c.world_size));
     }

@@ -71,10 +71,18 @@ TEST_F(CheckpointDirTest, ShardedFormatListsShardsAndManifest) {
   EXPECT_THAT(VerifyCheckpoint(*latest),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr(dir + "/manifest.json is corrupt")));
   // A marker without "format" (written before it existed) reads as the per-rank format.
-  MakeStep(4, 1, true);
+  const std::string old_dir = MakeStep(4, 1, true);
   fs::remove_all(dir);
+  ASSERT_OK_AND_ASSIGN(std::string text, ReadFile(old_dir + "/COMPLETE"));
+  nlohmann::json j = nlohmann::json::parse(text);
+  j.erase("format");
+  j.erase("trainer_state");
+  ASSERT_OK(WriteFileAtomic(old_dir + "/COMPLETE", j.dump()));
   ASSERT_OK_AND_ASSIGN(latest, FindLatestComplete(root_));
+  ASSERT_TRUE(latest.has_value());
   EXPECT_EQ(latest->format, kFormatRankFiles);
+  EXPECT_TRUE(latest->trainer_state.empty());
+  EXPECT_OK(VerifyCheckpoint(*latest));
 }
 
 TEST_F(CheckpointDirTest, NoDirectoryMeansNoCheckpoint) {
