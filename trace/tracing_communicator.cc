@@ -6,43 +6,45 @@
 #include "absl/strings/str_cat.h"
 
 namespace fairscale::trace {
-namespace {
-
-comm::OpOptions Options(const comm::OpContext& ctx) { return {ctx.timeout}; }
-
-}  // namespace
 
 TracingCommunicator::TracingCommunicator(std::shared_ptr<comm::Communicator> inner,
                                          std::shared_ptr<Recorder> recorder)
-    : comm::Communicator(inner->rank(), inner->size(), std::string(inner->backend()),
-                         inner->default_timeout()),
-      inner_(std::move(inner)),
+    : comm::ForwardingCommunicator(inner, std::string(inner->backend())),
       recorder_(std::move(recorder)) {}
 
-TracingCommunicator::Issue TracingCommunicator::Begin() const {
-  if (!recorder_->enabled()) return {};
-  Issue issue;
-  issue.lane = recorder_->AcquireLane();
-  issue.start_ns = recorder_->Now();
-  return issue;
+std::shared_ptr<comm::Communicator> TracingCommunicator::WrapChild(
+    std::shared_ptr<comm::Communicator> child) {
+  return std::make_shared<TracingCommunicator>(std::move(child), recorder_);
 }
 
-std::vector<Arg> TracingCommunicator::CommonArgs(const comm::OpContext& ctx, size_t bytes,
-                                                 size_t count, comm::DataType dtype) const {
+comm::Work TracingCommunicator::Forward(const comm::OpContext& ctx, const OpInfo& info,
+                                        const std::function<comm::Work()>& issue) {
+  if (!recorder_->enabled()) return issue();
+  const int lane = recorder_->AcquireLane();
+  const int64_t start_ns = recorder_->Now();
+  comm::Work work = issue();
+  // The span's arguments (README: seq, bytes, count, dtype, group, backend, and per op type).
   std::vector<Arg> args;
   args.reserve(9);
   args.emplace_back("seq", ctx.seq);
-  args.emplace_back("bytes", bytes);
-  args.emplace_back("count", count);
-  args.emplace_back("dtype", comm::DataTypeName(dtype));
+  args.emplace_back("bytes", info.bytes);
+  if (ctx.type == comm::OpType::kBatchP2P) {
+    args.emplace_back("sends", info.sends);
+    args.emplace_back("recvs", info.recvs);
+  } else {
+    args.emplace_back("count", info.count);
+    args.emplace_back("dtype", comm::DataTypeName(info.dtype));
+  }
   args.emplace_back("group", absl::StrCat(ctx.rank, "/", ctx.size));
   args.emplace_back("backend", ctx.backend);
-  return args;
-}
+  if (info.reduce_op.has_value()) args.emplace_back("op", comm::ReduceOpName(*info.reduce_op));
+  if (info.root >= 0) args.emplace_back("root", info.root);
+  if (info.peer >= 0) args.emplace_back("peer", info.peer);
+  if (ctx.type == comm::OpType::kSplit) {
+    args.emplace_back("color", info.color);
+    args.emplace_back("key", info.key);
+  }
 
-comm::Work TracingCommunicator::Finish(const comm::OpContext& ctx, const Issue& issue,
-                                       comm::Work work, std::vector<Arg> args) const {
-  if (issue.lane < 0) return work;  // recording was off when the op was issued
   std::shared_ptr<Recorder> recorder = recorder_;
   const std::string name(comm::OpTypeName(ctx.type));
   // The caller's blocking waits on this op, on the waiting thread (category "wait").
@@ -54,137 +56,14 @@ comm::Work TracingCommunicator::Finish(const comm::OpContext& ctx, const Issue& 
     recorder->Complete(wait_name, kCategoryWait, end_ns - absl::ToInt64Nanoseconds(waited), end_ns,
                        std::move(wait_args));
   });
-  work.OnDone([recorder, issue, name, args = std::move(args)](const absl::Status& status) mutable {
+  work.OnDone([recorder, lane, start_ns, name, args = std::move(args)](
+                  const absl::Status& status) mutable {
     const int64_t end_ns = recorder->Now();
     if (!status.ok()) args.emplace_back("error", status.ToString());
-    recorder->Complete(name, kCategoryComm, issue.start_ns, end_ns, std::move(args), issue.lane);
-    recorder->ReleaseLane(issue.lane);
+    recorder->Complete(name, kCategoryComm, start_ns, end_ns, std::move(args), lane);
+    recorder->ReleaseLane(lane);
   });
   return work;
-}
-
-comm::Work TracingCommunicator::DoAllReduce(const comm::OpContext& ctx, comm::ConstBuffer send,
-                                            comm::Buffer recv, comm::ReduceOp op) {
-  const Issue issue = Begin();
-  comm::Work work = inner_->AllReduce(send, recv, op, Options(ctx));
-  if (issue.lane < 0) return work;
-  std::vector<Arg> args = CommonArgs(ctx, send.bytes(), send.count, send.dtype);
-  args.emplace_back("op", comm::ReduceOpName(op));
-  return Finish(ctx, issue, std::move(work), std::move(args));
-}
-
-comm::Work TracingCommunicator::DoReduceScatter(const comm::OpContext& ctx, comm::ConstBuffer send,
-                                                comm::Buffer recv, comm::ReduceOp op) {
-  const Issue issue = Begin();
-  comm::Work work = inner_->ReduceScatter(send, recv, op, Options(ctx));
-  if (issue.lane < 0) return work;
-  std::vector<Arg> args = CommonArgs(ctx, send.bytes(), send.count, send.dtype);
-  args.emplace_back("op", comm::ReduceOpName(op));
-  return Finish(ctx, issue, std::move(work), std::move(args));
-}
-
-comm::Work TracingCommunicator::DoAllGather(const comm::OpContext& ctx, comm::ConstBuffer send,
-                                            comm::Buffer recv) {
-  const Issue issue = Begin();
-  comm::Work work = inner_->AllGather(send, recv, Options(ctx));
-  if (issue.lane < 0) return work;
-  return Finish(ctx, issue, std::move(work),
-                CommonArgs(ctx, recv.bytes(), recv.count, recv.dtype));
-}
-
-comm::Work TracingCommunicator::DoBroadcast(const comm::OpContext& ctx, comm::Buffer buffer,
-                                            int root) {
-  const Issue issue = Begin();
-  comm::Work work = inner_->Broadcast(buffer, root, Options(ctx));
-  if (issue.lane < 0) return work;
-  std::vector<Arg> args = CommonArgs(ctx, buffer.bytes(), buffer.count, buffer.dtype);
-  args.emplace_back("root", root);
-  return Finish(ctx, issue, std::move(work), std::move(args));
-}
-
-comm::Work TracingCommunicator::DoReduce(const comm::OpContext& ctx, comm::ConstBuffer send,
-                                         comm::Buffer recv, comm::ReduceOp op, int root) {
-  const Issue issue = Begin();
-  comm::Work work = inner_->Reduce(send, recv, op, root, Options(ctx));
-  if (issue.lane < 0) return work;
-  std::vector<Arg> args = CommonArgs(ctx, send.bytes(), send.count, send.dtype);
-  args.emplace_back("op", comm::ReduceOpName(op));
-  args.emplace_back("root", root);
-  return Finish(ctx, issue, std::move(work), std::move(args));
-}
-
-comm::Work TracingCommunicator::DoAllToAll(const comm::OpContext& ctx, comm::ConstBuffer send,
-                                           comm::Buffer recv) {
-  const Issue issue = Begin();
-  comm::Work work = inner_->AllToAll(send, recv, Options(ctx));
-  if (issue.lane < 0) return work;
-  return Finish(ctx, issue, std::move(work),
-                CommonArgs(ctx, recv.bytes(), recv.count, recv.dtype));
-}
-
-comm::Work TracingCommunicator::DoSend(const comm::OpContext& ctx, comm::ConstBuffer buffer,
-                                       int peer) {
-  const Issue issue = Begin();
-  comm::Work work = inner_->Send(buffer, peer, Options(ctx));
-  if (issue.lane < 0) return work;
-  std::vector<Arg> args = CommonArgs(ctx, buffer.bytes(), buffer.count, buffer.dtype);
-  args.emplace_back("peer", peer);
-  return Finish(ctx, issue, std::move(work), std::move(args));
-}
-
-comm::Work TracingCommunicator::DoRecv(const comm::OpContext& ctx, comm::Buffer buffer, int peer) {
-  const Issue issue = Begin();
-  comm::Work work = inner_->Recv(buffer, peer, Options(ctx));
-  if (issue.lane < 0) return work;
-  std::vector<Arg> args = CommonArgs(ctx, buffer.bytes(), buffer.count, buffer.dtype);
-  args.emplace_back("peer", peer);
-  return Finish(ctx, issue, std::move(work), std::move(args));
-}
-
-comm::Work TracingCommunicator::DoBarrier(const comm::OpContext& ctx) {
-  const Issue issue = Begin();
-  comm::Work work = inner_->Barrier(Options(ctx));
-  if (issue.lane < 0) return work;
-  return Finish(ctx, issue, std::move(work), CommonArgs(ctx, 0, 0, comm::DataType::kU8));
-}
-
-comm::Work TracingCommunicator::DoBatchP2P(const comm::OpContext& ctx,
-                                           std::vector<comm::P2PItem> items) {
-  std::vector<comm::P2POp> ops;
-  ops.reserve(items.size());
-  size_t bytes = 0, sends = 0;
-  for (const comm::P2PItem& item : items) {
-    ops.push_back(item.op);
-    bytes += item.op.buffer.bytes();
-    sends += item.op.is_send ? 1 : 0;
-  }
-  const Issue issue = Begin();
-  comm::Work work = inner_->BatchP2P(ops, Options(ctx));
-  if (issue.lane < 0) return work;
-  std::vector<Arg> args;
-  args.emplace_back("bytes", bytes);
-  args.emplace_back("sends", sends);
-  args.emplace_back("recvs", items.size() - sends);
-  args.emplace_back("group", absl::StrCat(ctx.rank, "/", ctx.size));
-  args.emplace_back("backend", ctx.backend);
-  return Finish(ctx, issue, std::move(work), std::move(args));
-}
-
-absl::StatusOr<std::shared_ptr<comm::Communicator>> TracingCommunicator::DoSplit(
-    const comm::OpContext& ctx, int color, int key) {
-  const Issue issue = Begin();
-  absl::StatusOr<std::shared_ptr<comm::Communicator>> child =
-      inner_->Split(color, key, Options(ctx));
-  if (issue.lane >= 0) {
-    std::vector<Arg> args = CommonArgs(ctx, 0, 0, comm::DataType::kU8);
-    args.emplace_back("color", color);
-    args.emplace_back("key", key);
-    // Split is blocking: its span ends now.
-    (void)Finish(ctx, issue, comm::Work::Done(child.status()), std::move(args));
-  }
-  if (!child.ok() || *child == nullptr) return child;
-  return std::shared_ptr<comm::Communicator>(
-      std::make_shared<TracingCommunicator>(*std::move(child), recorder_));
 }
 
 absl::StatusOr<int64_t> AlignClocks(comm::Communicator& comm, Recorder& recorder,

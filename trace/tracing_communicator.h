@@ -33,6 +33,8 @@
 // one.
 #pragma once
 
+#include <functional>
+
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -43,57 +45,26 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "comm/forwarding_communicator.h"
 #include "trace/recorder.h"
 
 namespace fairscale::trace {
 
-class TracingCommunicator : public comm::Communicator {
+class TracingCommunicator : public comm::ForwardingCommunicator {
  public:
   // `inner` and `recorder` must not be null.
   TracingCommunicator(std::shared_ptr<comm::Communicator> inner,
                       std::shared_ptr<Recorder> recorder);
 
-  const std::shared_ptr<comm::Communicator>& inner() const { return inner_; }
   const std::shared_ptr<Recorder>& recorder() const { return recorder_; }
 
-  void Abort(absl::Status reason) override { inner_->Abort(std::move(reason)); }
-  absl::Status status() const override { return inner_->status(); }
-  bool SupportsDevice(comm::Device device) const override {
-    return inner_->SupportsDevice(device);
-  }
-
  protected:
-  comm::Work DoAllReduce(const comm::OpContext& ctx, comm::ConstBuffer send, comm::Buffer recv,
-                         comm::ReduceOp op) override;
-  comm::Work DoReduceScatter(const comm::OpContext& ctx, comm::ConstBuffer send, comm::Buffer recv,
-                             comm::ReduceOp op) override;
-  comm::Work DoAllGather(const comm::OpContext& ctx, comm::ConstBuffer send,
-                         comm::Buffer recv) override;
-  comm::Work DoBroadcast(const comm::OpContext& ctx, comm::Buffer buffer, int root) override;
-  comm::Work DoReduce(const comm::OpContext& ctx, comm::ConstBuffer send, comm::Buffer recv,
-                      comm::ReduceOp op, int root) override;
-  comm::Work DoAllToAll(const comm::OpContext& ctx, comm::ConstBuffer send,
-                        comm::Buffer recv) override;
-  comm::Work DoSend(const comm::OpContext& ctx, comm::ConstBuffer buffer, int peer) override;
-  comm::Work DoRecv(const comm::OpContext& ctx, comm::Buffer buffer, int peer) override;
-  comm::Work DoBarrier(const comm::OpContext& ctx) override;
-  comm::Work DoBatchP2P(const comm::OpContext& ctx, std::vector<comm::P2PItem> items) override;
-  absl::StatusOr<std::shared_ptr<comm::Communicator>> DoSplit(const comm::OpContext& ctx, int color,
-                                                              int key) override;
+  comm::Work Forward(const comm::OpContext& ctx, const OpInfo& info,
+                     const std::function<comm::Work()>& issue) override;
+  // Split's child is traced into the same recorder.
+  std::shared_ptr<comm::Communicator> WrapChild(std::shared_ptr<comm::Communicator> child) override;
 
  private:
-  struct Issue {
-    int64_t start_ns = 0;
-    int lane = -1;
-  };
-  Issue Begin() const;
-  // Records the op when `work` completes; returns `work`.
-  comm::Work Finish(const comm::OpContext& ctx, const Issue& issue, comm::Work work,
-                    std::vector<Arg> args) const;
-  std::vector<Arg> CommonArgs(const comm::OpContext& ctx, size_t bytes, size_t count,
-                              comm::DataType dtype) const;
-
-  const std::shared_ptr<comm::Communicator> inner_;
   const std::shared_ptr<Recorder> recorder_;
 };
 

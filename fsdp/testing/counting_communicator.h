@@ -8,16 +8,18 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "comm/communicator.h"
+#include "comm/forwarding_communicator.h"
 
 namespace fairscale::fsdp::testing {
 
-class CountingCommunicator : public comm::Communicator {
+class CountingCommunicator : public comm::ForwardingCommunicator {
  public:
   struct Count {
     int64_t ops = 0;
@@ -29,34 +31,11 @@ class CountingCommunicator : public comm::Communicator {
   Count count(comm::OpType type) const;
   void Reset();
 
-  void Abort(absl::Status reason) override { inner_->Abort(std::move(reason)); }
-  absl::Status status() const override { return inner_->status(); }
-  bool SupportsDevice(comm::Device device) const override { return inner_->SupportsDevice(device); }
-
  protected:
-  comm::Work DoAllReduce(const comm::OpContext& ctx, comm::ConstBuffer send, comm::Buffer recv,
-                         comm::ReduceOp op) override;
-  comm::Work DoReduceScatter(const comm::OpContext& ctx, comm::ConstBuffer send, comm::Buffer recv,
-                             comm::ReduceOp op) override;
-  comm::Work DoAllGather(const comm::OpContext& ctx, comm::ConstBuffer send,
-                         comm::Buffer recv) override;
-  comm::Work DoBroadcast(const comm::OpContext& ctx, comm::Buffer buffer, int root) override;
-  comm::Work DoReduce(const comm::OpContext& ctx, comm::ConstBuffer send, comm::Buffer recv,
-                      comm::ReduceOp op, int root) override;
-  comm::Work DoAllToAll(const comm::OpContext& ctx, comm::ConstBuffer send,
-                        comm::Buffer recv) override;
-  comm::Work DoSend(const comm::OpContext& ctx, comm::ConstBuffer buffer, int peer) override;
-  comm::Work DoRecv(const comm::OpContext& ctx, comm::Buffer buffer, int peer) override;
-  comm::Work DoBarrier(const comm::OpContext& ctx) override;
-  comm::Work DoBatchP2P(const comm::OpContext& ctx, std::vector<comm::P2PItem> items) override;
-  absl::StatusOr<std::shared_ptr<comm::Communicator>> DoSplit(const comm::OpContext& ctx, int color,
-                                                              int key) override;
+  comm::Work Forward(const comm::OpContext& ctx, const OpInfo& info,
+                     const std::function<comm::Work()>& issue) override;
 
  private:
-  void Add(comm::OpType type, size_t bytes);
-  static comm::OpOptions Options(const comm::OpContext& ctx) { return {ctx.timeout}; }
-
-  const std::shared_ptr<comm::Communicator> inner_;
   mutable absl::Mutex mu_;
   std::map<comm::OpType, Count> counts_ ABSL_GUARDED_BY(mu_);
 };
