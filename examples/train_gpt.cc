@@ -59,6 +59,12 @@ ABSL_FLAG(std::string, strategy, "full_shard", "full_shard | shard_grad_op | no_
 ABSL_FLAG(std::string, data_parallel, "fsdp",
           "fsdp (FullyShardedDataParallel, --strategy) | sdp (oss::ShardedDataParallel + OSS "
           "Adam, ZeRO-2; needs --precision=fp32)");
+ABSL_FLAG(int64_t, pipeline_stages, 1,
+          "pipeline parallelism: cut the fp32 model into N stages, one per rank (1: off); the "
+          "rank count must be a multiple of N (world / N data-parallel replicas); needs "
+          "--precision=fp32 --strategy=no_shard; no checkpoints, resume or sample");
+ABSL_FLAG(int64_t, pipeline_chunks, 4, "--pipeline_stages > 1: micro-batches per step (<= --batch)");
+ABSL_FLAG(std::string, pipeline_schedule, "1f1b", "--pipeline_stages > 1: 1f1b | gpipe");
 ABSL_FLAG(std::string, oss_partition, "greedy", "sdp: OSS partition, greedy | flat");
 ABSL_FLAG(bool, loss_scale, false,
           "dynamic loss scaling (amp::ShardedGradScaler; the scale in the step records)");
@@ -147,8 +153,12 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.offload_dir = absl::GetFlag(FLAGS_offload_dir);
   if (c.offload_dir.empty()) c.offload_dir = out + "/offload";
   c.offload_chunk_bytes = absl::GetFlag(FLAGS_offload_chunk_bytes);
+  c.pipeline_stages = absl::GetFlag(FLAGS_pipeline_stages);
+  c.pipeline_chunks = absl::GetFlag(FLAGS_pipeline_chunks);
+  c.pipeline_schedule = absl::GetFlag(FLAGS_pipeline_schedule);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
-  if (c.checkpoint_dir.empty()) c.checkpoint_dir = out + "/checkpoints";
+  // Pipeline mode saves no checkpoints: none by default, an explicit directory is rejected.
+  if (c.checkpoint_dir.empty() && c.pipeline_stages <= 1) c.checkpoint_dir = out + "/checkpoints";
   if (c.checkpoint_dir == "none") c.checkpoint_dir.clear();
   c.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);

@@ -3,10 +3,13 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/adam.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <cmath>
 #include <filesystem>
 #include <set>
 #include <sstream>
@@ -25,6 +28,8 @@
 #include "offload/offloaded_optimizer.h"
 #include "oss/oss.h"
 #include "oss/sharded_data_parallel.h"
+#include "pipe/grid.h"
+#include "pipe/pipe.h"
 
 namespace fairscale::examples::gpt {
 namespace {
@@ -52,7 +57,18 @@ absl::StatusOr<oss::PartitionMode> ParsePartition(const std::string& p) {
       absl::StrCat("oss_partition '", p, "': expected greedy or flat"));
 }
 
+absl::StatusOr<pipe::Schedule> ParseSchedule(const std::string& s) {
+  if (s == "1f1b") return pipe::Schedule::k1F1B;
+  if (s == "gpipe") return pipe::Schedule::kGPipe;
+  return absl::InvalidArgumentError(
+      absl::StrCat("pipeline_schedule '", s, "': expected 1f1b or gpipe"));
+}
+
 }  // namespace
+
+at::Tensor ParallelModel::loss(const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "ParallelModel::loss: only the pipeline mode computes the loss itself");
+}
 
 absl::StatusOr<int64_t> ParseCheckpointActivations(const std::string& value) {
   if (value == "none") return 0;
@@ -298,12 +314,157 @@ class SdpModel final : public ParallelModel {
   std::string label_;
 };
 
+
+// Pipeline x data parallel: this rank holds one stage (a few consecutive layers of the fp32
+// Gpt) of one replica; an Adam over the stage's parameters.
+class PipeModel final : public ParallelModel {
+ public:
+  PipeModel(pipe::PipeGrid grid, std::unique_ptr<pipe::Pipe> pipe, int64_t vocab,
+            int64_t num_params, torch::optim::AdamOptions adam, std::string label)
+      : grid_(std::move(grid)),
+        pipe_(std::move(pipe)),
+        opt_(pipe_->parameters(), adam),
+        vocab_(vocab),
+        num_params_(num_params),
+        label_(std::move(label)) {}
+
+  at::Tensor forward(const at::Tensor&) override {
+    TORCH_CHECK(false, "pipeline mode: no rank holds the whole model's forward (use loss())");
+  }
+  bool computes_loss() const override { return true; }
+  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets) override {
+    const int64_t vocab = vocab_;
+    const pipe::LossFn fn = [vocab](const at::Tensor& logits, const at::Tensor& y) {
+      return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}), y.reshape({-1}));
+    };
+    const bool train = c10::GradMode::is_enabled();
+    absl::StatusOr<at::Tensor> r =
+        train ? pipe_->train_step(tokens, targets, fn) : pipe_->eval_step(tokens, targets, fn);
+    TORCH_CHECK(r.ok(), r.status().ToString());
+    if (train && grid_.replicas > 1) {
+      const absl::Status st = pipe::all_reduce_gradients(pipe_->parameters(), *grid_.data);
+      TORCH_CHECK(st.ok(), "all-reduce of stage ", grid_.stage, "'s gradients over ",
+                  grid_.replicas, " replicas: ", st.ToString());
+    }
+    return *r;
+  }
+  int data_rank(int) const override { return static_cast<int>(grid_.replica); }
+  int data_replicas(int) const override { return static_cast<int>(grid_.replicas); }
+
+  torch::optim::Optimizer& optimizer() override { return opt_; }
+  void zero_grad() override { opt_.zero_grad(); }
+  // torch::nn::utils::clip_grad_norm_'s rule over the whole model: the squared norms of the
+  // stages (the same in every replica after the all-reduce) summed over the pipe.
+  void clip_grad_norm(double max_norm) override {
+    double sq = 0;
+    for (const at::Tensor& p : pipe_->parameters()) {
+      if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+    }
+    double total_sq = 0;
+    const absl::Status st = grid_.pipe
+                                ->AllReduce(comm::MakeConstBuffer(&sq, 1),
+                                            comm::MakeBuffer(&total_sq, 1), comm::ReduceOp::kSum)
+                                .Wait();
+    TORCH_CHECK(st.ok(), "clip_grad_norm: all-reduce of the squared norm over the pipe: ",
+                st.ToString());
+    const double coef = max_norm / (std::sqrt(total_sq) + 1e-6);
+    if (coef >= 1) return;
+    torch::NoGradGuard no_grad;
+    for (const at::Tensor& p : pipe_->parameters()) {
+      if (p.grad().defined()) p.grad().mul_(coef);
+    }
+  }
+  int64_t num_params() const override { return num_params_; }
+  std::string label() const override { return label_; }
+
+  // Checkpoints are not wired in pipeline mode (ValidateParallelConfig rejects them).
+  std::string checkpoint_format() const override { return "pipe_unsupported"; }
+  void save(const std::string&) override {
+    TORCH_CHECK(false, "pipeline mode does not save checkpoints");
+  }
+  std::vector<std::string> checkpoint_files(int) const override { return {}; }
+  absl::Status check_resume(const std::string&, int, int) const override {
+    return absl::FailedPreconditionError("pipeline mode (pipeline_stages > 1) does not resume");
+  }
+  void load(const std::string&, const std::string&) override {
+    TORCH_CHECK(false, "pipeline mode does not load checkpoints");
+  }
+
+  uint64_t param_hash() override {
+    uint64_t h = kFnv1a64Basis;
+    for (const at::Tensor& p : pipe_->parameters()) h = HashTensor(p, h);
+    return h;
+  }
+  // This stage's parameters by their full-model names (each stage hashes its own).
+  uint64_t full_param_hash() override {
+    uint64_t h = kFnv1a64Basis;
+    for (const auto& item : pipe_->stage_module()->named_parameters()) {
+      h = HashNamed(item.key(), item.value(), h);
+    }
+    return h;
+  }
+
+ private:
+  pipe::PipeGrid grid_;
+  std::unique_ptr<pipe::Pipe> pipe_;
+  torch::optim::Adam opt_;
+  int64_t vocab_;
+  int64_t num_params_;
+  std::string label_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
     const TrainConfig& config, const GptConfig& model_config,
     std::shared_ptr<comm::Communicator> comm) {
   const auto adam = torch::optim::AdamOptions(config.lr).betas({0.9, 0.99});
+  if (config.pipeline_stages > 1) {
+    const int64_t stages = config.pipeline_stages;
+    if (comm->size() % stages != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "pipeline_stages ", stages, " does not divide the world size ", comm->size(),
+          " (each of world / pipeline_stages replicas runs the whole pipeline)"));
+    }
+    FS_ASSIGN_OR_RETURN(pipe::Schedule schedule, ParseSchedule(config.pipeline_schedule));
+    FS_ASSIGN_OR_RETURN(pipe::PipeGrid grid, pipe::MakePipeGrid(comm, stages));
+    // The same Gpt (so the same initial weights) as the unpipelined modes, its layers in order.
+    Gpt full(model_config);
+    int64_t num_params = 0;
+    for (const at::Tensor& p : full->parameters()) num_params += p.numel();
+    torch::nn::Sequential layers;
+    for (const auto& item : full->named_children()) {
+      const std::shared_ptr<torch::nn::Module>& m = item.value();
+      if (auto e = std::dynamic_pointer_cast<EmbeddingsImpl>(m)) {
+        layers->push_back(item.key(), e);
+      } else if (auto b = std::dynamic_pointer_cast<TransformerBlockImpl>(m)) {
+        layers->push_back(item.key(), b);
+      } else if (auto h = std::dynamic_pointer_cast<LmHeadImpl>(m)) {
+        layers->push_back(item.key(), h);
+      } else {
+        return absl::InternalError(absl::StrCat("pipeline mode: Gpt child '", item.key(),
+                                                "' is not an Embeddings, block or LmHead"));
+      }
+    }
+    const auto opts = pipe::PipeOptions()
+                          .chunks(config.pipeline_chunks)
+                          .schedule(schedule)
+                          .checkpoint(pipe::CheckpointMode::kNever);
+    absl::StatusOr<std::unique_ptr<pipe::Pipe>> p = pipe::Pipe::Create(layers, grid.pipe, opts);
+    if (!p.ok()) {
+      return absl::Status(p.status().code(),
+                          absl::StrCat("pipeline_stages ", stages, ": ", p.status().message()));
+    }
+    std::string balance;
+    for (int64_t n : (*p)->balance()) absl::StrAppend(&balance, balance.empty() ? "" : "+", n);
+    const std::string label = absl::StrCat(
+        "pipe ", stages, " stages (layers ", balance, ") x ", grid.replicas, " replica",
+        grid.replicas == 1 ? "" : "s", ", ", config.pipeline_schedule, ", ",
+        config.pipeline_chunks, " micro-batches");
+    const int64_t vocab = model_config.vocab();
+    return std::unique_ptr<ParallelModel>(std::make_unique<PipeModel>(
+        std::move(grid), std::move(*p), vocab, num_params, adam, label));
+  }
   if (config.data_parallel == "sdp") {
     FS_ASSIGN_OR_RETURN(oss::PartitionMode partition, ParsePartition(config.oss_partition));
     Gpt plain(model_config);
@@ -367,6 +528,44 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
     if (config.offload_chunk_bytes < 4) {
       return absl::InvalidArgumentError(absl::StrCat(
           "offload_chunk_bytes must be >= 4 (one f32), got ", config.offload_chunk_bytes));
+    }
+  }
+  if (config.pipeline_stages < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline_stages must be >= 1 (1: no pipeline), got ", config.pipeline_stages));
+  }
+  if (config.pipeline_stages > 1) {
+    const std::string p = absl::StrCat("pipeline_stages ", config.pipeline_stages, ": ");
+    FS_RETURN_IF_ERROR(ParseSchedule(config.pipeline_schedule).status());
+    if (config.pipeline_chunks < 1 || config.pipeline_chunks > config.batch) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "pipeline_chunks must be in [1, batch = ", config.batch, "], got ",
+          config.pipeline_chunks));
+    }
+    if (config.pipeline_stages > config.blocks + 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "more stages than layers (embed + ", config.blocks, " blocks + lm_head)"));
+    }
+    if (config.precision != "fp32") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "the pipeline trains the fp32 model: precision must be fp32, got ",
+          config.precision));
+    }
+    if (config.data_parallel != "fsdp" || config.strategy != "no_shard") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "the replicas of a stage keep it whole and all-reduce its gradients: needs "
+          "data_parallel fsdp with strategy no_shard, got data_parallel ", config.data_parallel,
+          ", strategy ", config.strategy));
+    }
+    if (config.loss_scale || config.optimizer_offload != "none" ||
+        config.checkpoint_activations != "none") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "loss_scale, optimizer_offload and checkpoint_activations are not supported with "
+          "a pipeline"));
+    }
+    if (!config.checkpoint_dir.empty() || config.resume != ResumeMode::kNever) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "checkpoints (checkpoint_dir) and resume are not supported with a pipeline yet"));
     }
   }
   if (config.data_parallel != "fsdp" && config.data_parallel != "sdp") {

@@ -3,7 +3,11 @@
 // once. "fsdp": the Gpt with its GptWrapPolicy units under a FullyShardedDataParallel root and an
 // Adam over the f32 master shards (in memory, or offload::OffloadedAdam with the state on the disk
 // tier); "sdp": the plain fp32 Gpt under oss::ShardedDataParallel with
-// an oss::OSS Adam (ZeRO-2). Each mode also owns its checkpoint file format (save / load) and
+// an oss::OSS Adam (ZeRO-2); with TrainConfig::pipeline_stages > 1, "pipe": the fp32 Gpt as a
+// torch::nn::Sequential (embed, block0.., lm_head) cut into stages by pipe::Pipe, one stage per
+// rank, world / stages replicas averaging their gradients (pipe::MakePipeGrid), an Adam per
+// stage. The pipe mode computes the loss itself (computes_loss()), since no rank holds the
+// logits of the whole model. Each mode also owns its checkpoint file format (save / load) and
 // what its parameter hashes cover. Used by the trainer only.
 #pragma once
 
@@ -34,6 +38,18 @@ class ParallelModel {
   // the local replica without collectives; FSDP's forward is collective either way, so every rank
   // must call it in lockstep).
   virtual at::Tensor forward(const at::Tensor& tokens) = 0;
+  // Pipeline mode only (computes_loss() true; forward() then throws): tokens [batch, t] and
+  // targets [batch, t] -> the mean cross-entropy over the batch (detached, 0-dim f32, the same on
+  // every stage of the pipe). With grad enabled it is a training step whose backward is done:
+  // the gradients are accumulated in this stage's parameters and averaged over the replicas (do
+  // not call backward()); under NoGradGuard an evaluation. Collective in both cases.
+  virtual bool computes_loss() const { return false; }
+  virtual at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
+  // Which rank's batch (TokenData::Batch) this rank trains on, and how many distinct batches a
+  // step trains on: the rank and the world size, or in pipeline mode the replica and the
+  // replica count (every stage of a pipe reads the same batch).
+  virtual int data_rank(int rank) const { return rank; }
+  virtual int data_replicas(int world) const { return world; }
   // The optimizer stepping this rank's parameters (FSDP shards, or the OSS wrapper). Its param
   // groups carry AdamOptions (the trainer sets the learning rate there).
   virtual torch::optim::Optimizer& optimizer() = 0;

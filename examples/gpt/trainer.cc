@@ -141,6 +141,8 @@ class Trainer {
     torch::manual_seed(config_.seed);  // the same initial weights on every rank
     FS_ASSIGN_OR_RETURN(model_, MakeParallelModel(config_, gc, comm_));
     optim_ = &model_->optimizer();
+    data_rank_ = model_->data_rank(rank_);
+    replicas_ = model_->data_replicas(world_);
     if (config_.loss_scale) scaler_ = std::make_unique<amp::ShardedGradScaler>(comm_);
 
     TrainResult result;
@@ -181,7 +183,8 @@ class Trainer {
       std::printf("train_gpt: %d rank%s, %s, %s, %lld params, vocab %lld, %lld tokens/step%s\n",
                   world_, world_ == 1 ? "" : "s", ModeLabel().c_str(), config_.precision.c_str(),
                   static_cast<long long>(num_params_), static_cast<long long>(gc.vocab()),
-                  static_cast<long long>(world_ * config_.batch * config_.seq), options.c_str());
+                  static_cast<long long>(replicas_ * config_.batch * config_.seq),
+                  options.c_str());
       std::fflush(stdout);
     }
 
@@ -207,10 +210,10 @@ class Trainer {
       {
         trace::Scope scope(recorder_.get(), "forward", trace::kCategoryCompute, {{"step", step}});
         model_->zero_grad();
-        loss = Loss(data_.Batch(config_.seed, step, rank_, Split::kTrain, config_.batch,
+        loss = Loss(data_.Batch(config_.seed, step, data_rank_, Split::kTrain, config_.batch,
                                 config_.seq));
       }
-      {
+      if (!model_->computes_loss()) {  // the pipeline ran its backward in Loss()
         trace::Scope scope(recorder_.get(), "backward", trace::kCategoryCompute, {{"step", step}});
         if (scaler_) {
           scaler_->scale(loss).backward();
@@ -257,7 +260,7 @@ class Trainer {
                                                 " (diverged; try a smaller --lr)"));
       }
       const double avg_s = timed_steps > 0 ? timed_s / timed_steps : step_s;
-      const double tokens_per_s = world_ * config_.batch * config_.seq / avg_s;
+      const double tokens_per_s = replicas_ * config_.batch * config_.seq / avg_s;
       const bool eval = step == config_.steps ||
                         (config_.eval_every > 0 && step % config_.eval_every == 0);
       if (eval) {
@@ -303,7 +306,11 @@ class Trainer {
     FS_ASSIGN_OR_RETURN(result.full_param_hashes, FullParamHashes());
     if (last < config_.steps) return result;  // stopped early, as if killed
 
-    if (config_.sample_tokens > 0) {
+    if (config_.sample_tokens > 0 && model_->computes_loss()) {
+      if (rank_ == 0 && config_.progress) {
+        std::printf("train_gpt: no sample in pipeline mode (no rank holds the whole model)\n");
+      }
+    } else if (config_.sample_tokens > 0) {
       std::vector<int64_t> ids = generate(
           [&](torch::Tensor t) { return model_->forward(t); }, prompt, config_.sample_tokens, config_.seq,
           SampleOptions().temperature(config_.temperature).top_k(config_.top_k).seed(config_.seed));
@@ -317,6 +324,7 @@ class Trainer {
       for (uint64_t h : result.full_param_hashes) full_hashes.push_back(absl::StrFormat("%016x", h));
       metrics_.Write({{"type", "final"},
                       {"step", config_.steps},
+                      {"mode", ModeLabel()},
                       {"train_loss", train_loss},
                       {"val_loss", val_loss},
                       {"wall_s", wall_s},
@@ -348,6 +356,7 @@ class Trainer {
   at::Tensor Loss(std::vector<int64_t> rows) {
     at::Tensor data = at::from_blob(rows.data(), {config_.batch, config_.seq + 1}, at::kLong).clone();
     at::Tensor input = data.narrow(1, 0, config_.seq);
+    if (model_->computes_loss()) return model_->loss(input, data.narrow(1, 1, config_.seq));
     at::Tensor logits = model_->forward(input);
     return torch::nn::functional::cross_entropy(
         logits.to(at::kFloat).reshape({-1, tokenizer_.vocab_size()}),
@@ -362,7 +371,7 @@ class Trainer {
     double sum = 0;
     for (int64_t i = 0; i < config_.eval_batches; ++i) {
       // Fixed batches (step key -1 - i): every evaluation scores the same text.
-      sum += Loss(data_.Batch(config_.seed, -1 - i, rank_, Split::kVal, config_.batch,
+      sum += Loss(data_.Batch(config_.seed, -1 - i, data_rank_, Split::kVal, config_.batch,
                               config_.seq))
                  .item<double>();
     }
@@ -591,6 +600,9 @@ class Trainer {
   std::unique_ptr<amp::ShardedGradScaler> scaler_;  // with loss_scale
   Metrics metrics_;
   int64_t num_params_ = 0;
+  // The batch this rank trains on and the number of distinct batches per step (ParallelModel).
+  int data_rank_ = 0;
+  int replicas_ = 1;
   // Set by MaybeResume: the world size that wrote the checkpoint and the full-parameter hash
   // after loading it.
   int resumed_from_world_ = 0;

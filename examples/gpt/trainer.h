@@ -78,6 +78,20 @@ struct TrainConfig {
   std::string optimizer_offload = "none";
   std::string offload_dir;
   int64_t offload_chunk_bytes = 4 << 20;
+  // Pipeline parallelism (//pipe): with pipeline_stages > 1 the fp32 Gpt (embed, block0..,
+  // lm_head) is cut into that many stages (an even split by layer count), one per rank; the
+  // world size must be a multiple of it, and world / pipeline_stages replicas of the pipeline
+  // train on their own batches (replica k reads the batch of rank k) and average their
+  // gradients over the ranks holding the same stage (pipe::all_reduce_gradients). Each batch
+  // runs as pipeline_chunks micro-batches (<= batch) in the pipeline_schedule (1f1b | gpipe).
+  // Gradient clipping uses the norm over the whole model (all-reduced over the pipe). Needs
+  // precision fp32 and strategy no_shard (the replicas keep whole stages), data_parallel fsdp;
+  // not supported with it (rejected by Validate): loss_scale, optimizer_offload,
+  // checkpoint_activations, checkpoints (checkpoint_dir) and resume. No sample is drawn at the
+  // end (no rank holds the whole model).
+  int64_t pipeline_stages = 1;
+  int64_t pipeline_chunks = 4;
+  std::string pipeline_schedule = "1f1b";
   // FSDP.
   std::string strategy = "full_shard";  // full_shard | shard_grad_op | no_shard
   // bf16 | fp32: the compute and all-gather dtype. fp16 parses but is rejected on CPU (no

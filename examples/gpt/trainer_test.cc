@@ -10,7 +10,9 @@
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -198,6 +200,64 @@ JobOutput RunJob(TrainConfig config, int world, const std::string& name) {
   const int64_t last = config.stop_after > 0 ? config.stop_after : config.steps;
   EXPECT_EQ(out.losses.size(), static_cast<size_t>(last)) << name;
   return out;
+}
+
+// --pipeline_stages: the Gpt cut into 2 stages (1f1b, 2 micro-batches) at 2 ranks (1 replica)
+// must give the per-step losses of the unpipelined fp32 run at 1 rank, and 2 stages x 2
+// replicas at 4 ranks those of the unpipelined run at 2 ranks (replica k trains rank k's batch):
+// with equal micro-batches the mean of the micro-batch means is the batch mean, the replicas'
+// averaged gradients the 2-rank average, and the clipping norm the whole model's.
+TEST(TrainRankTest, PipelineMatchesTheUnpipelinedRun) {
+  TrainConfig plain = TinyConfig("");
+  plain.strategy = "no_shard";
+  TrainConfig piped = plain;
+  piped.pipeline_stages = 2, piped.pipeline_chunks = 2;
+  const JobOutput ref1 = RunJob(plain, 1, "pipe_ref1");
+  const JobOutput pipe2 = RunJob(piped, 2, "pipe_2x1");
+  piped.pipeline_schedule = "gpipe";
+  const JobOutput ref2 = RunJob(plain, 2, "pipe_ref2");
+  const JobOutput pipe4 = RunJob(piped, 4, "pipe_2x2");
+  if (comm::testing::IsRankProcess()) return;
+  ASSERT_EQ(pipe2.losses.size(), ref1.losses.size());
+  ASSERT_EQ(pipe4.losses.size(), ref2.losses.size());
+  double max_diff = 0;
+  for (size_t i = 0; i < ref1.losses.size(); ++i) {
+    EXPECT_NEAR(pipe2.losses[i], ref1.losses[i], 1e-5) << "2 stages x 1, step " << i + 1;
+    EXPECT_NEAR(pipe4.losses[i], ref2.losses[i], 1e-5) << "2 stages x 2, step " << i + 1;
+    max_diff = std::max({max_diff, std::abs(pipe2.losses[i] - ref1.losses[i]),
+                         std::abs(pipe4.losses[i] - ref2.losses[i])});
+  }
+  std::printf("pipeline vs unpipelined: max |loss difference| %.3g over %zu steps; 2x1 loss "
+              "%.4f -> %.4f, 2x2 %.4f -> %.4f\n",
+              max_diff, ref1.losses.size(), pipe2.losses.front(), pipe2.losses.back(),
+              pipe4.losses.front(), pipe4.losses.back());
+  EXPECT_LT(pipe2.losses.back(), pipe2.losses.front() - 0.3);
+  EXPECT_LT(pipe4.losses.back(), pipe4.losses.front() - 0.3);
+  EXPECT_THAT(pipe4.final_record["mode"].get<std::string>(),
+              ::testing::HasSubstr("pipe 2 stages (layers 2+2) x 2 replicas, gpipe"));
+}
+
+TEST(TrainConfigTest, PipelineRejectsWhatItCannotDo) {
+  TrainConfig c = TinyConfig("");
+  c.pipeline_stages = 2, c.strategy = "no_shard";
+  EXPECT_OK(c.Validate());
+  auto rejects = [](TrainConfig bad, const std::string& what) {
+    EXPECT_THAT(bad.Validate(), base::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                                        ::testing::HasSubstr(what)));
+  };
+  TrainConfig bad = c;
+  bad.precision = "bf16";
+  rejects(bad, "pipeline_stages 2: the pipeline trains the fp32 model: precision must be fp32");
+  bad = c, bad.strategy = "full_shard";
+  rejects(bad, "strategy no_shard");
+  bad = c, bad.pipeline_schedule = "zb";
+  rejects(bad, "pipeline_schedule 'zb': expected 1f1b or gpipe");
+  bad = c, bad.pipeline_chunks = c.batch + 1;
+  rejects(bad, "pipeline_chunks must be in [1, batch");
+  bad = c, bad.checkpoint_dir = "/tmp/x";
+  rejects(bad, "checkpoints (checkpoint_dir) and resume are not supported");
+  bad = c, bad.pipeline_stages = 0;
+  rejects(bad, "pipeline_stages must be >= 1");
 }
 
 // --checkpoint_activations recomputes each checkpointed block's forward in backward: the same
