@@ -32,6 +32,15 @@ enum class ShardingStrategy {
 
 const char* ShardingStrategyName(ShardingStrategy strategy);  // "FULL_SHARD", ...
 
+// When backward prefetches the next unit's all-gather (FsdpOptions::backward_prefetch).
+enum class BackwardPrefetch {
+  kNone,
+  kBackwardPre,   // PyTorch's BACKWARD_PRE: before this unit's gradient is computed
+  kBackwardPost,  // PyTorch's BACKWARD_POST: after it
+};
+
+const char* BackwardPrefetchName(BackwardPrefetch mode);  // "NONE", "BACKWARD_PRE", ...
+
 // FairScale's automatic gradient pre-divide factor, about sqrt(world): starting from 1, it
 // doubles while it divides `world_size` and stays below world_size / factor. E.g. 1 -> 1,
 // 2 -> 2, 3 -> 2, 4 -> 2, 6 -> 4, 8 -> 4, 16 -> 4, 32 -> 8.
@@ -84,10 +93,36 @@ struct FsdpOptions {
   // See MixedPrecision. Default: everything in the parameters' dtype.
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
 
-  // In backward, the all-gather of the unit whose backward comes next is issued when this
-  // unit's backward starts (PyTorch's BACKWARD_PRE), so it runs while this unit computes; costs
-  // one more unit of full parameters alive. false: each unit gathers when its backward starts.
-  TORCH_ARG(bool, backward_prefetch) = true;
+  // When, in backward, the all-gather of the unit whose backward comes next (in the order
+  // recorded during the first iteration) is issued. PyTorch FSDP's BackwardPrefetch:
+  //   kBackwardPre (the default; BACKWARD_PRE): when this unit's backward starts, before its
+  //     gradient is computed, so the gather overlaps this unit's compute; peak: this unit's and
+  //     the next unit's full parameters (plus this unit's full gradient) alive at once.
+  //   kBackwardPost (BACKWARD_POST): once this unit's gradient is complete and its full
+  //     parameters are freed, before its gradient reduction is issued; overlaps the reduction
+  //     only, without the extra unit of full parameters.
+  //   kNone: each unit gathers when its own backward starts.
+  // A unit whose backward already ran in this iteration is never prefetched.
+  // backward_prefetch(bool) is kept for older code: true = kBackwardPre, false = kNone.
+ public:
+  FsdpOptions& backward_prefetch(BackwardPrefetch mode) {
+    backward_prefetch_ = mode;
+    return *this;
+  }
+  FsdpOptions& backward_prefetch(bool enabled) {
+    backward_prefetch_ = enabled ? BackwardPrefetch::kBackwardPre : BackwardPrefetch::kNone;
+    return *this;
+  }
+  BackwardPrefetch backward_prefetch() const noexcept { return backward_prefetch_; }
+
+  // The most all-gathers (one per flat parameter) that may be in flight at once on a rank:
+  // issued and not yet waited for by the unit that computes with them. PyTorch FSDP's
+  // limit_all_gathers (which, when on, allows 2). When a gather (the unit's own or a prefetch)
+  // would exceed it, the oldest in-flight gathers are waited for first (blocking the caller, as
+  // PyTorch's rate limiter does), so a prefetch still overlaps the next compute with limit 1; a
+  // unit with more flat parameters than the limit issues them once nothing else is in flight.
+  // 0 (the default): unlimited. Must be >= 0.
+  TORCH_ARG(int, all_gathers_in_flight) = 0;
 
   // How many gradient reductions may still be running when a unit starts assembling its next
   // full gradient in backward. 1 (the default): a unit's reduce-scatter overlaps the next unit's
@@ -96,6 +131,9 @@ struct FsdpOptions {
   // unit's full parameters plus one full gradient at any time: the lowest peak, for memory-bound
   // jobs (see fsdp/bench/README.md for the trade-off measured). Must be >= 0.
   TORCH_ARG(int, reductions_in_flight) = 1;
+
+ private:
+  BackwardPrefetch backward_prefetch_ = BackwardPrefetch::kBackwardPre;
 };
 
 }  // namespace fairscale::fsdp

@@ -36,6 +36,18 @@ const char* ShardingStrategyName(ShardingStrategy strategy) {
   return "?";
 }
 
+const char* BackwardPrefetchName(BackwardPrefetch mode) {
+  switch (mode) {
+    case BackwardPrefetch::kNone:
+      return "NONE";
+    case BackwardPrefetch::kBackwardPre:
+      return "BACKWARD_PRE";
+    case BackwardPrefetch::kBackwardPost:
+      return "BACKWARD_POST";
+  }
+  return "?";
+}
+
 double default_gradient_predivide_factor(int world_size) {
   int factor = 1;
   while (world_size % factor == 0 && world_size / factor > factor) factor *= 2;
@@ -105,6 +117,14 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule 
   TORCH_CHECK(options_.reductions_in_flight() >= 0,
               "FullyShardedDataParallel: reductions_in_flight must be >= 0, got ",
               options_.reductions_in_flight());
+  TORCH_CHECK(options_.all_gathers_in_flight() >= 0,
+              "FullyShardedDataParallel: all_gathers_in_flight must be >= 0 (0 = unlimited), got ",
+              options_.all_gathers_in_flight());
+  const auto bp = options_.backward_prefetch();
+  TORCH_CHECK(bp == BackwardPrefetch::kNone || bp == BackwardPrefetch::kBackwardPre ||
+                  bp == BackwardPrefetch::kBackwardPost,
+              "FullyShardedDataParallel: backward_prefetch is not a BackwardPrefetch value: ",
+              static_cast<int>(bp));
   module_ = module_any_.ptr();
   rank_ = comm_->rank();
   world_ = comm_->size();
@@ -117,9 +137,16 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule 
 
 FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() {
   alive_.reset();
+  if (state_) {
+    auto& g = state_->gathering;
+    g.erase(std::remove(g.begin(), g.end(), this), g.end());
+  }
   for (FlatParam& fp : flats_) {
     // The communicator may still write into `full`: wait before the memory goes.
-    if (fp.gather_pending) fp.gather_work.Wait().IgnoreError();
+    if (fp.gather_pending) {
+      fp.gather_work.Wait().IgnoreError();
+      if (state_) --state_->gathers_in_flight;
+    }
     for (ParamSlot& slot : fp.slots) {
       if (slot.grad_accumulator) slot.grad_accumulator->del_post_hook(slot.hook_key);
     }
@@ -393,7 +420,7 @@ void FullyShardedDataParallelImpl::pre_forward() {
   issue_gathers();
   if (st.forward_order_done && options_.forward_prefetch() && forward_index_ >= 0 &&
       forward_index_ + 1 < static_cast<int>(st.forward_order.size())) {
-    st.forward_order[forward_index_ + 1]->issue_gathers();
+    prefetch(st.forward_order[forward_index_ + 1], /*backward=*/false);
   }
   wait_gathers();
 }
@@ -438,8 +465,36 @@ void FullyShardedDataParallelImpl::forward_failed() {
 
 // ---- communication -------------------------------------------------------------------------
 
+int FullyShardedDataParallelImpl::gathers_needed() const {
+  if (!sharded()) return 0;
+  int n = 0;
+  for (const FlatParam& fp : flats_) {
+    if (!fp.gather_pending && !internal::HasStorage(fp.full)) ++n;
+  }
+  return n;
+}
+
+void FullyShardedDataParallelImpl::prefetch(FullyShardedDataParallelImpl* next, bool backward) {
+  if (next == nullptr || next == this || next->state_ != state_) return;
+  if (backward && next->pre_backward_done_) return;
+  next->issue_gathers();
+}
+
 void FullyShardedDataParallelImpl::issue_gathers() {
   c10::NoGradGuard no_grad;
+  const int needed = gathers_needed();
+  const int limit = options_.all_gathers_in_flight();
+  if (needed > 0 && state_ && limit > 0) {
+    // Rate limit: wait for the oldest in-flight gathers (their units keep the gathered
+    // parameters; their own wait is then a no-op) until this unit's fit, or none is left.
+    internal::RootState& st = *state_;
+    while (st.gathers_in_flight > 0 && st.gathers_in_flight + needed > limit &&
+           !st.gathering.empty()) {
+      FullyShardedDataParallelImpl* oldest = st.gathering.front();
+      oldest->wait_gathers();
+    }
+  }
+  bool issued = false;
   for (FlatParam& fp : flats_) {
     if (!sharded()) {
       if (fp.stale) fp.full.copy_(fp.shard.detach());
@@ -453,13 +508,21 @@ void FullyShardedDataParallelImpl::issue_gathers() {
     fp.gather_work =
         comm_->AllGather(internal::Buf(fp.gather_send, context), internal::Buf(fp.full, context));
     fp.gather_pending = true;
+    issued = true;
+    if (state_) ++state_->gathers_in_flight;
   }
+  if (issued && state_) state_->gathering.push_back(this);
 }
 
 void FullyShardedDataParallelImpl::wait_gathers() {
+  if (state_) {
+    auto& g = state_->gathering;
+    g.erase(std::remove(g.begin(), g.end(), this), g.end());
+  }
   for (FlatParam& fp : flats_) {
     if (!fp.gather_pending) continue;
     fp.gather_pending = false;
+    if (state_) --state_->gathers_in_flight;
     absl::Status status = fp.gather_work.Wait();
     fp.gather_send = at::Tensor();
     ThrowIfError(status, label() + ": all_gather of the flat parameter");
@@ -630,9 +693,9 @@ void FullyShardedDataParallelImpl::pre_backward() {
     st.backward_order.push_back(this);
   }
   issue_gathers();
-  if (st.backward_order_done && options_.backward_prefetch() && backward_index_ >= 0 &&
-      backward_index_ + 1 < static_cast<int>(st.backward_order.size())) {
-    st.backward_order[backward_index_ + 1]->issue_gathers();
+  if (st.backward_order_done && options_.backward_prefetch() == BackwardPrefetch::kBackwardPre &&
+      backward_index_ >= 0 && backward_index_ + 1 < static_cast<int>(st.backward_order.size())) {
+    prefetch(st.backward_order[backward_index_ + 1], /*backward=*/true);
   }
   wait_gathers();
 }
@@ -668,9 +731,25 @@ void FullyShardedDataParallelImpl::on_param_grad(size_t flat, size_t slot_index)
   }
   ++fp.grads_ready;
   if (fp.grads_ready == static_cast<int>(fp.slots.size()) && !fp.reduced && !state_->no_sync) {
-    issue_reduce(flat);
     // Every use of this flat parameter in backward is done: free it now rather than at the end.
     if (sharded() && fp.requires_grad && flats_.size() == 1) reshard();
+    // BACKWARD_POST: this unit's gradient is complete (all its flat parameters that need one),
+    // so the next unit's gather goes out now, ahead of this unit's reduction.
+    internal::RootState& st = *state_;
+    if (st.backward_order_done &&
+        options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && backward_index_ >= 0 &&
+        backward_index_ + 1 < static_cast<int>(st.backward_order.size())) {
+      bool unit_done = true;
+      for (size_t f = 0; f < flats_.size(); ++f) {
+        const FlatParam& other = flats_[f];
+        if (f != flat && other.requires_grad && !other.reduced &&
+            other.grads_ready < static_cast<int>(other.slots.size())) {
+          unit_done = false;
+        }
+      }
+      if (unit_done) prefetch(st.backward_order[backward_index_ + 1], /*backward=*/true);
+    }
+    issue_reduce(flat);
   }
 }
 

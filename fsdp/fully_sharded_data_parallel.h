@@ -286,6 +286,11 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
 
   void issue_gathers();
   void wait_gathers();
+  // Issues the gathers of `next` (a unit of this root that runs later) unless its backward
+  // already ran in this iteration.
+  void prefetch(FullyShardedDataParallelImpl* next, bool backward);
+  // How many of this unit's flat parameters issue_gathers would gather now.
+  int gathers_needed() const;
   void reshard();
   void issue_reduce(size_t flat);
   void flush_bucket();  // reduce-scatters the model's gradient bucket, if it holds anything

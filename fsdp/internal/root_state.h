@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <deque>
 #include <vector>
 
 #include "comm/work.h"
@@ -55,6 +56,10 @@ struct RootState {
   bool no_sync = false;
   std::vector<PendingReduce> pending;
   GradBucket bucket;
+  // All-gathers issued and not yet waited for (FsdpOptions::all_gathers_in_flight), and the
+  // units that issued them, oldest first (a unit once per issue_gathers call).
+  int gathers_in_flight = 0;
+  std::deque<FullyShardedDataParallelImpl*> gathering;
 };
 
 }  // namespace fairscale::fsdp::internal
