@@ -62,7 +62,8 @@ ABSL_FLAG(std::string, data_parallel, "fsdp",
 ABSL_FLAG(int64_t, pipeline_stages, 1,
           "pipeline parallelism: cut the fp32 model into N stages, one per rank (1: off); the "
           "rank count must be a multiple of N (world / N data-parallel replicas); needs "
-          "--precision=fp32 --strategy=no_shard; no checkpoints, resume or sample");
+          "--precision=fp32 --strategy=no_shard; checkpoints per stage, resume at the same world "
+          "size; no sample");
 ABSL_FLAG(int64_t, pipeline_chunks, 4, "--pipeline_stages > 1: micro-batches per step (<= --batch)");
 ABSL_FLAG(std::string, pipeline_schedule, "1f1b", "--pipeline_stages > 1: 1f1b | gpipe");
 ABSL_FLAG(std::string, oss_partition, "greedy", "sdp: OSS partition, greedy | flat");
@@ -157,8 +158,7 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.pipeline_chunks = absl::GetFlag(FLAGS_pipeline_chunks);
   c.pipeline_schedule = absl::GetFlag(FLAGS_pipeline_schedule);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
-  // Pipeline mode saves no checkpoints: none by default, an explicit directory is rejected.
-  if (c.checkpoint_dir.empty() && c.pipeline_stages <= 1) c.checkpoint_dir = out + "/checkpoints";
+  if (c.checkpoint_dir.empty()) c.checkpoint_dir = out + "/checkpoints";
   if (c.checkpoint_dir == "none") c.checkpoint_dir.clear();
   c.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);

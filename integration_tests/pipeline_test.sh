@@ -2,7 +2,8 @@
 # The main job in pipeline mode under fs_launch at 2 ranks: --pipeline_stages=2 cuts the fp32
 # GPT (embed, block0, block1, lm_head) into 2 stages, one per rank, with 4 micro-batches per step
 # (1F1B): it finishes, the loss falls, the banner and the final metrics record name the
-# pipeline, and both stages report the same per-step loss (the pipe broadcasts it). Bad
+# pipeline. A run stopped at step 12 and resumed from its step-10 checkpoint (each rank saved its
+# stage and its Adam state) gives bitwise the same 20 losses and final parameters. Bad
 # combinations fail before anything is launched, naming the flags.
 source "$(dirname "$0")/lib.sh" "$@"
 PIPE=(--pipeline_stages=2 --pipeline_chunks=4 --precision=fp32 --strategy=no_shard)
@@ -20,7 +21,18 @@ awk -v f="$first" -v l="$last" 'BEGIN { exit !(l < f - 0.3) }' ||
 [[ $(losses pipe | wc -l) -eq 20 ]] || fail "expected 20 training records"
 pass "pipeline 2 stages: loss $first -> $last, mode $mode"
 
-for bad in --precision=bf16 --strategy=full_shard --pipeline_schedule=zb --checkpoint_dir=/tmp/x; do
+launch split 2 -- --steps=20 "${PIPE[@]}" --checkpoint_every=5 --stop_after=12
+[[ $STATUS -eq 0 ]] || { cat "$WORK/split.log"; fail "first part exited with $STATUS"; }
+launch split 2 -- --steps=20 "${PIPE[@]}" --checkpoint_every=5 --resume=required
+[[ $STATUS -eq 0 ]] || { cat "$WORK/split.log"; fail "resumed part exited with $STATUS"; }
+grep -q "resumed at step 10" "$WORK/split.log" || { cat "$WORK/split.log"; fail "did not resume at step 10"; }
+diff <(losses pipe) <(losses split) || fail "per-step losses differ after the resume"
+a=$(final_field pipe param_fnv1a64)
+b=$(final_field split param_fnv1a64)
+[[ "$a" == "$b" ]] || fail "final parameters differ after the resume: $a vs $b"
+pass "stop at 12 + resume from 10: 20 identical losses, stage parameters $b"
+
+for bad in --precision=bf16 --strategy=full_shard --pipeline_schedule=zb --pipeline_chunks=99; do
   out=$("$TRAIN_GPT" "${TINY[@]}" --out_dir="$WORK/bad" "${PIPE[@]}" "$bad" 2>&1) &&
     fail "$bad was accepted"
   flag=${bad#--} && flag=${flag%%=*}

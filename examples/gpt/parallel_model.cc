@@ -319,9 +319,10 @@ class SdpModel final : public ParallelModel {
 // Gpt) of one replica; an Adam over the stage's parameters.
 class PipeModel final : public ParallelModel {
  public:
-  PipeModel(pipe::PipeGrid grid, std::unique_ptr<pipe::Pipe> pipe, int64_t vocab,
+  PipeModel(int rank, pipe::PipeGrid grid, std::unique_ptr<pipe::Pipe> pipe, int64_t vocab,
             int64_t num_params, torch::optim::AdamOptions adam, std::string label)
-      : grid_(std::move(grid)),
+      : rank_(rank),
+        grid_(std::move(grid)),
         pipe_(std::move(pipe)),
         opt_(pipe_->parameters(), adam),
         vocab_(vocab),
@@ -377,17 +378,59 @@ class PipeModel final : public ParallelModel {
   int64_t num_params() const override { return num_params_; }
   std::string label() const override { return label_; }
 
-  // Checkpoints are not wired in pipeline mode (ValidateParallelConfig rejects them).
-  std::string checkpoint_format() const override { return "pipe_unsupported"; }
-  void save(const std::string&) override {
-    TORCH_CHECK(false, "pipeline mode does not save checkpoints");
+  // Every rank writes its stage: rank<r>.pt with "model/<full-model name>" for each of the
+  // stage's parameters and "optimizer" (its Adam). Loadable at the same world size and the same
+  // stages only (pipeline_stages is part of the checkpoint's config).
+  std::string checkpoint_format() const override { return kFormatPipeStages; }
+  std::vector<std::string> checkpoint_files(int world) const override {
+    std::vector<std::string> files;
+    for (int r = 0; r < world; ++r) files.push_back(absl::StrCat("rank", r, ".pt"));
+    return files;
   }
-  std::vector<std::string> checkpoint_files(int) const override { return {}; }
-  absl::Status check_resume(const std::string&, int, int) const override {
-    return absl::FailedPreconditionError("pipeline mode (pipeline_stages > 1) does not resume");
+  absl::Status check_resume(const std::string& format, int saved_world,
+                            int world) const override {
+    if (format != kFormatPipeStages) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "its format is '", format, "'; pipeline mode loads only ", kFormatPipeStages));
+    }
+    if (saved_world != world) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "it was written by ", saved_world, " ranks, this job has ", world,
+          " (pipeline mode resumes at the same world size only)"));
+    }
+    return absl::OkStatus();
   }
-  void load(const std::string&, const std::string&) override {
-    TORCH_CHECK(false, "pipeline mode does not load checkpoints");
+  void save(const std::string& step_dir) override {
+    const std::string file = RankFile(step_dir, rank_);
+    torch::serialize::OutputArchive archive;
+    for (const auto& item : pipe_->stage_module()->named_parameters()) {
+      archive.write("model/" + item.key(), item.value().detach());
+    }
+    torch::serialize::OutputArchive optimizer;
+    opt_.save(optimizer);
+    archive.write("optimizer", optimizer);
+    const std::string tmp = file + ".tmp";
+    archive.save_to(tmp);
+    std::filesystem::rename(tmp, file);
+  }
+  void load(const std::string& step_dir, const std::string&) override {
+    const std::string file = RankFile(step_dir, rank_);
+    torch::serialize::InputArchive archive;
+    archive.load_from(file);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& item : pipe_->stage_module()->named_parameters()) {
+        at::Tensor saved;
+        archive.read("model/" + item.key(), saved);
+        TORCH_CHECK(saved.sizes() == item.value().sizes(), file, ": parameter ", item.key(),
+                    " has shape ", saved.sizes(), " in the checkpoint, ", item.value().sizes(),
+                    " in stage ", grid_.stage);
+        item.value().copy_(saved);
+      }
+    }
+    torch::serialize::InputArchive optimizer;
+    archive.read("optimizer", optimizer);
+    opt_.load(optimizer);
   }
 
   uint64_t param_hash() override {
@@ -405,6 +448,8 @@ class PipeModel final : public ParallelModel {
   }
 
  private:
+  static constexpr char kFormatPipeStages[] = "pipe_stages";
+  int rank_;
   pipe::PipeGrid grid_;
   std::unique_ptr<pipe::Pipe> pipe_;
   torch::optim::Adam opt_;
@@ -463,7 +508,7 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
         config.pipeline_chunks, " micro-batches");
     const int64_t vocab = model_config.vocab();
     return std::unique_ptr<ParallelModel>(std::make_unique<PipeModel>(
-        std::move(grid), std::move(*p), vocab, num_params, adam, label));
+        comm->rank(), std::move(grid), std::move(*p), vocab, num_params, adam, label));
   }
   if (config.data_parallel == "sdp") {
     FS_ASSIGN_OR_RETURN(oss::PartitionMode partition, ParsePartition(config.oss_partition));
@@ -562,10 +607,6 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
       return absl::InvalidArgumentError(absl::StrCat(
           p, "loss_scale, optimizer_offload and checkpoint_activations are not supported with "
           "a pipeline"));
-    }
-    if (!config.checkpoint_dir.empty() || config.resume != ResumeMode::kNever) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          p, "checkpoints (checkpoint_dir) and resume are not supported with a pipeline yet"));
     }
   }
   if (config.data_parallel != "fsdp" && config.data_parallel != "sdp") {

@@ -646,6 +646,8 @@ nlohmann::json TrainConfig::ToJson() const {
                       {"min_lr_ratio", min_lr_ratio},             {"grad_clip", grad_clip},
                       {"strategy", strategy},                     {"precision", precision},
                       {"data_parallel", data_parallel}};
+  // Only in pipeline mode, so that older checkpoints keep matching the unpipelined config.
+  if (pipeline_stages > 1) j["pipeline_stages"] = pipeline_stages;
   return j;
 }
 

@@ -87,8 +87,10 @@ struct TrainConfig {
   // Gradient clipping uses the norm over the whole model (all-reduced over the pipe). Needs
   // precision fp32 and strategy no_shard (the replicas keep whole stages), data_parallel fsdp;
   // not supported with it (rejected by Validate): loss_scale, optimizer_offload,
-  // checkpoint_activations, checkpoints (checkpoint_dir) and resume. No sample is drawn at the
-  // end (no rank holds the whole model).
+  // checkpoint_activations. Checkpoints: every rank saves its stage and its Adam state in its
+  // rank file (format pipe_stages); resume at the same world size and stages (pipeline_stages is
+  // in ToJson() when > 1), bitwise. No sample is drawn at the end (no rank holds the whole
+  // model).
   int64_t pipeline_stages = 1;
   int64_t pipeline_chunks = 4;
   std::string pipeline_schedule = "1f1b";
