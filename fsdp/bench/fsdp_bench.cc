@@ -35,6 +35,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -113,9 +114,41 @@ std::vector<std::string> Configs() {
   return absl::StrSplit(absl::GetFlag(FLAGS_configs), ',', absl::SkipEmpty());
 }
 
+// FULL_SHARD variants (not in the default --configs): the prefetch modes and the all-gather limit.
+//   FULL_SHARD_BWD_POST      backward_prefetch(kBackwardPost)
+//   FULL_SHARD_NO_PREFETCH   backward_prefetch(kNone).forward_prefetch(false)
+//   FULL_SHARD_AG<k>         all_gathers_in_flight(k), k in 1..9
+// Returns false for a name that is not a FULL_SHARD variant.
+bool ApplyFullShardVariant(const std::string& config, FsdpOptions* opts) {
+  if (config == "FULL_SHARD") return true;
+  // The low-memory setting: no backward prefetch, no reduction left running while the next
+  // unit assembles its gradient.
+  if (config == "FULL_SHARD_LOWMEM") {
+    opts->backward_prefetch(BackwardPrefetch::kNone).reductions_in_flight(0);
+    return true;
+  }
+  if (config == "FULL_SHARD_BWD_POST") {
+    opts->backward_prefetch(BackwardPrefetch::kBackwardPost);
+    return true;
+  }
+  if (config == "FULL_SHARD_NO_PREFETCH") {
+    opts->backward_prefetch(BackwardPrefetch::kNone).forward_prefetch(false);
+    return true;
+  }
+  if (config.size() == 14 && absl::StartsWith(config, "FULL_SHARD_AG") && config[13] >= '1' &&
+      config[13] <= '9') {
+    opts->all_gathers_in_flight(config[13] - '0');
+    return true;
+  }
+  return false;
+}
+
 ShardingStrategy StrategyOf(const std::string& config) {
-  if (config == "FULL_SHARD" || config == "FULL_SHARD_LOWMEM") return ShardingStrategy::kFullShard;
+  FsdpOptions ignored;
+  if (ApplyFullShardVariant(config, &ignored)) return ShardingStrategy::kFullShard;
   if (config == "SHARD_GRAD_OP") return ShardingStrategy::kShardGradOp;
+  if (config == "NO_SHARD") return ShardingStrategy::kNoShard;
+  Die(absl::StrCat("unknown configuration '", config, "' in --configs"));
   return ShardingStrategy::kNoShard;
 }
 
@@ -182,9 +215,7 @@ int RunRank(int rank, int n, const std::string& dir) {
       r = Train(config_name, model, tracker, s, rank, comm.get());
     } else {
       auto opts = FsdpOptions().sharding_strategy(StrategyOf(config_name));
-      // The low-memory setting: no backward prefetch, no reduction left running while the next
-      // unit assembles its gradient.
-      if (config_name == "FULL_SHARD_LOWMEM") opts.backward_prefetch(false).reductions_in_flight(0);
+      ApplyFullShardVariant(config_name, &opts);
       FullyShardedDataParallel model{nullptr};
       {
         EnableWrap scope(comm, opts, gpt::GptWrapPolicy());
@@ -305,9 +336,11 @@ int Main() {
       // then holds one full unit at a time (the bound); SHARD_GRAD_OP keeps every full
       // parameter from forward to backward; NO_SHARD and unwrapped hold everything.
       int64_t bound = 0;
-      if (row.config == "FULL_SHARD" || row.config == "FULL_SHARD_LOWMEM")
+      if (row.config == "unwrapped")
+        bound = 4 * p + a;
+      else if (StrategyOf(row.config) == ShardingStrategy::kFullShard)
         bound = 4 * p / row.n + unit_bytes + a;
-      else if (row.config == "SHARD_GRAD_OP")
+      else if (StrategyOf(row.config) == ShardingStrategy::kShardGradOp)
         bound = 4 * p / row.n + p + a;
       else
         bound = 4 * p + a;
@@ -330,7 +363,7 @@ int Main() {
                                         row.config, (row.step_s / unwrapped_s - 1) * 100));
       }
     }
-    if (n == 2) {
+    if (n == 2 && full_s > 0 && no_s > 0) {
       absl::StrAppend(&summary,
                       absl::StrFormat("FULL_SHARD / NO_SHARD at 2 ranks: %.3f (target <= 1.15)\n",
                                       full_s / no_s));
