@@ -33,13 +33,19 @@
 #include "base/subprocess.h"
 #include "base/tracking_allocator.h"
 #include "comm/bench/harness.h"
+#include "examples/gpt/model.h"
 #include "comm/registry.h"
 #include "comm/store/file_store.h"
 #include "pipe/pipe.h"
 
 ABSL_FLAG(std::string, stages, "2,4", "pipeline depths to run, comma-separated");
 ABSL_FLAG(std::string, chunks, "1,4,8,16", "micro-batch counts, comma-separated");
-ABSL_FLAG(int, blocks, 8, "residual MLP blocks");
+ABSL_FLAG(std::string, model, "mlp",
+          "mlp: residual MLP blocks on [batch, width]; gpt: the main job's TransformerBlocks "
+          "(causal attention + MLP, //examples/gpt:model) on [batch, seq, width]");
+ABSL_FLAG(int, seq, 64, "gpt: tokens per sequence");
+ABSL_FLAG(int, heads, 4, "gpt: attention heads");
+ABSL_FLAG(int, blocks, 8, "blocks");
 ABSL_FLAG(int, width, 256, "block width");
 ABSL_FLAG(int, hidden, 1024, "block hidden width");
 ABSL_FLAG(int, batch, 64, "rows per step");
@@ -68,13 +74,29 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
+bool Gpt() { return absl::GetFlag(FLAGS_model) == "gpt"; }
+
 torch::nn::Sequential MakeModel() {
   torch::manual_seed(0);  // the same weights in every process
   torch::nn::Sequential m;
   for (int b = 0; b < absl::GetFlag(FLAGS_blocks); ++b) {
-    m->push_back(Block(absl::GetFlag(FLAGS_width), absl::GetFlag(FLAGS_hidden)));
+    if (Gpt()) {
+      m->push_back(examples::gpt::TransformerBlock(absl::GetFlag(FLAGS_width),
+                                                   absl::GetFlag(FLAGS_heads)));
+    } else {
+      m->push_back(Block(absl::GetFlag(FLAGS_width), absl::GetFlag(FLAGS_hidden)));
+    }
   }
   return m;
+}
+
+// One step's input (and, shaped alike, its regression target).
+at::Tensor MakeInput() {
+  if (Gpt()) {
+    return at::randn(
+        {absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_seq), absl::GetFlag(FLAGS_width)});
+  }
+  return at::randn({absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_width)});
 }
 
 at::Tensor Loss(const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); }
@@ -121,7 +143,7 @@ std::vector<Config> Configs() {
 // does): median seconds and peak activation bytes.
 std::pair<double, int64_t> RunOneProcess(base::TrackingCpuAllocator* tracker, int chunks) {
   torch::nn::Sequential model = MakeModel();
-  const at::Tensor x = at::randn({absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_width)});
+  const at::Tensor x = MakeInput();
   const at::Tensor y = at::randn_like(x);
   std::vector<double> times;
   int64_t peak = 0;
@@ -153,7 +175,7 @@ int RunStage(int rank, int n, const std::string& dir) {
   if (!created.ok()) Die(created.status().ToString());
   std::shared_ptr<comm::Communicator> comm = *std::move(created);
   std::ofstream out(absl::StrCat(dir, "/rank", rank, ".tsv"));
-  const at::Tensor x = at::randn({absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_width)});
+  const at::Tensor x = MakeInput();
   const at::Tensor y = at::randn_like(x);
   for (const Config& c : Configs()) {
     auto pipe = Pipe::Create(MakeModel(), comm,
@@ -199,7 +221,8 @@ std::map<std::string, Row> RunPipeline(int n) {
   absl::StatusOr<std::string> ran = comm::bench::RunRanks(
       "FS_PIPE_BENCH", n,
       comm::bench::ForwardFlags(
-          {"chunks", "blocks", "width", "hidden", "batch", "warmup", "steps", "threads"}),
+          {"chunks", "model", "seq", "heads", "blocks", "width", "hidden", "batch", "warmup",
+           "steps", "threads"}),
       absl::Minutes(20));
   if (!ran.ok()) Die(absl::StrCat("at ", n, " stages: ", ran.status().ToString()));
   const std::string dir = *ran;
@@ -237,13 +260,18 @@ int Main() {
   }
   const int batch = absl::GetFlag(FLAGS_batch);
   std::string table = absl::StrFormat(
-      "%d residual MLP blocks (width %d, hidden %d), batch %d, f32, no checkpointing; %d "
+      "%d %s (width %d, hidden %d), batch %d, f32, no checkpointing; %d "
       "warm-up + %d timed steps (median); tcp on 127.0.0.1, %d intra-op thread(s) per "
       "process\n\none process: %.1f ms/step, %.0f rows/s, peak activations %.2f MiB\n\n"
       "| stages | schedule | chunks | ms/step | rows/s | vs 1 process | 1 process, same chunks "
       "ms/step | bubble | theory (p-1)/(m+p-1) | peak activation MiB per stage |\n"
       "|---|---|---|---|---|---|---|---|---|---|\n",
-      absl::GetFlag(FLAGS_blocks), absl::GetFlag(FLAGS_width), absl::GetFlag(FLAGS_hidden),
+      absl::GetFlag(FLAGS_blocks),
+      Gpt() ? absl::StrFormat("GPT TransformerBlocks of //examples/gpt (heads %d, seq %d; hidden "
+                              "= 4 x width)",
+                              absl::GetFlag(FLAGS_heads), absl::GetFlag(FLAGS_seq))
+            : std::string("residual MLP blocks"),
+      absl::GetFlag(FLAGS_width), Gpt() ? 4 * absl::GetFlag(FLAGS_width) : absl::GetFlag(FLAGS_hidden),
       batch, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_steps),
       absl::GetFlag(FLAGS_threads), one_s * 1e3, batch / one_s, MiB(one_peak));
   for (int p : ParseList("stages", absl::GetFlag(FLAGS_stages))) {
