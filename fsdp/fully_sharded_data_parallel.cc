@@ -21,6 +21,7 @@
 #include "fsdp/internal/errors.h"
 #include "fsdp/internal/param_ranges.h"
 #include "fsdp/internal/root_state.h"
+#include "fsdp/internal/unit_util.h"
 
 namespace fairscale::fsdp {
 
@@ -84,19 +85,6 @@ class PathModule : public torch::nn::Module {
     return register_module(name, std::move(m));
   }
 };
-
-// The (pre, post) divide factors of a unit's gradients; see FsdpOptions.
-std::pair<double, double> DivideFactors(const FsdpOptions& options, int world) {
-  double pre = options.gradient_predivide_factor();
-  double post = options.gradient_postdivide_factor();
-  if (pre <= 0) pre = post > 0 ? 1.0 : default_gradient_predivide_factor(world);
-  if (post <= 0) post = world / pre;
-  return {pre, post};
-}
-
-comm::Buffer Buf(const at::Tensor& t, const std::string& context) {
-  return ValueOrThrow(comm::ToBuffer(t), context);
-}
 
 }  // namespace
 }  // namespace internal
@@ -547,122 +535,6 @@ void FullyShardedDataParallelImpl::attach_grad_views(FlatParam& fp) {
     const void* want = base + slot.offset * static_cast<int64_t>(g.element_size());
     if (!pg.defined() || pg.data_ptr() != want || !pg.is_alias_of(g)) {
       slot.param.mutable_grad() = g.narrow(0, slot.offset, slot.numel).view(slot.shape);
-    }
-  }
-}
-
-void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
-  FlatParam& fp = flats_[flat];
-  fp.reduced = true;
-  const std::string context = label() + ": gradient reduction";
-  const int max_in_flight = std::max(1, options_.reductions_in_flight());
-  if (fp.grad_views) {
-    attach_grad_views(fp);
-    if (world_ == 1) return;  // the mean over one rank; the factors multiply to 1
-    c10::NoGradGuard no_grad;
-    at::Tensor g = fp.shard.grad();
-    const double pre = internal::DivideFactors(options_, world_).first;
-    if (pre != 1.0) g.div_(pre);
-    internal::PendingReduce p{{{this, flat, 0}}, comm::Work(), g, g, /*in_place_grad=*/true};
-    comm::Buffer b = internal::Buf(g, context);
-    p.work = comm_->AllReduce(b, b, comm::ReduceOp::kSum);
-    state_->pending.push_back(std::move(p));
-    drain_reduces(static_cast<size_t>(max_in_flight));
-    return;
-  }
-  at::Tensor send = fp.full_grad;
-  fp.full_grad = at::Tensor();
-  c10::NoGradGuard no_grad;
-  if (!send.defined())
-    send = at::zeros({fp.padded_numel}, fp.shard.options().dtype(fp.reduce_dtype));
-  const double pre = internal::DivideFactors(options_, world_).first;
-  if (pre != 1.0) send.div_(pre);
-  const int64_t bytes = send.numel() * static_cast<int64_t>(send.element_size());
-  const double cap = options_.bucket_cap_mb() * 1024 * 1024;
-  if (sharded() && cap > 0 && bytes <= cap) {
-    internal::GradBucket& bucket = state_->bucket;
-    if (!bucket.sends.empty() &&
-        (bucket.sends.front().scalar_type() != send.scalar_type() || bucket.bytes + bytes > cap)) {
-      flush_bucket();
-    }
-    bucket.parts.push_back({this, flat, bucket.numel});
-    bucket.sends.push_back(send);
-    bucket.bytes += bytes;
-    bucket.numel += fp.shard_numel;
-    return;
-  }
-  internal::PendingReduce p{{{this, flat, 0}}, comm::Work(), send, at::Tensor()};
-  if (world_ == 1) {  // mixed precision at world size 1: nothing to reduce
-    p.recv = send;
-    complete_reduce(p);
-    return;
-  }
-  if (sharded()) {
-    // In place: this rank's block of the send buffer, no separate receive buffer.
-    p.recv = send.narrow(0, fp.shard_offset, fp.shard_numel);
-    p.work = comm_->ReduceScatter(internal::Buf(send, context), internal::Buf(p.recv, context),
-                                  comm::ReduceOp::kSum);
-  } else {
-    p.recv = send;
-    comm::Buffer b = internal::Buf(send, context);
-    p.work = comm_->AllReduce(b, b, comm::ReduceOp::kSum);
-  }
-  state_->pending.push_back(std::move(p));
-  drain_reduces(static_cast<size_t>(max_in_flight));
-}
-
-void FullyShardedDataParallelImpl::flush_bucket() {
-  internal::GradBucket& bucket = state_->bucket;
-  if (bucket.sends.empty()) return;
-  // Reduce-scatter gives rank r the r-th contiguous chunk of the input, so the bucket is laid out
-  // rank-major: [rank 0: shard of part 0, shard of part 1, ...][rank 1: ...]...
-  std::vector<at::Tensor> rows;
-  for (size_t i = 0; i < bucket.sends.size(); ++i) {
-    rows.push_back(bucket.sends[i].view({world_, -1}));
-  }
-  c10::NoGradGuard no_grad;
-  internal::PendingReduce p{std::move(bucket.parts), comm::Work(), at::cat(rows, 1).reshape({-1}),
-                            at::Tensor()};
-  p.recv = p.send.narrow(0, rank_ * bucket.numel, bucket.numel);  // in place
-  const std::string context = label() + ": bucketed gradient reduction";
-  p.work = comm_->ReduceScatter(internal::Buf(p.send, context), internal::Buf(p.recv, context),
-                                comm::ReduceOp::kSum);
-  state_->pending.push_back(std::move(p));
-  bucket = internal::GradBucket();
-  drain_reduces(static_cast<size_t>(std::max(1, options_.reductions_in_flight())));
-}
-
-void FullyShardedDataParallelImpl::drain_reduces(size_t keep) {
-  std::vector<internal::PendingReduce>& pending = state_->pending;
-  while (pending.size() > keep) {
-    if (!pending.front().work.Wait().ok()) return;
-    complete_reduce(pending.front());
-    pending.erase(pending.begin());
-  }
-}
-
-void FullyShardedDataParallelImpl::complete_reduce(const internal::PendingReduce& p) {
-  c10::NoGradGuard no_grad;
-  for (const internal::ReducePart& part : p.parts) {
-    FullyShardedDataParallelImpl* u = part.unit;
-    FlatParam& fp = u->flats_[part.flat];
-    const double post = internal::DivideFactors(u->options_, u->world_).second;
-    if (p.in_place_grad) {  // recv is the shard's .grad itself
-      if (post != 1.0) p.recv.div_(post);
-      continue;
-    }
-    // A slice of a bucket would keep the whole bucket alive (and optimizers' zero_grad
-    // cannot detach a view in place): parts of a bucket are copied out.
-    const bool whole = p.parts.size() == 1;
-    at::Tensor recv = whole ? p.recv : p.recv.narrow(0, part.offset, fp.shard_numel);
-    if (post != 1.0) recv.div_(post);
-    at::Tensor& grad = fp.shard.mutable_grad();
-    if (grad.defined()) {
-      grad.add_(recv);
-    } else {
-      // A copy: recv views the whole send buffer (the unit's full gradient, or a bucket), which
-      // must not stay alive as the shard's gradient.
-      grad = recv.to(fp.shard.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
     }
   }
 }
