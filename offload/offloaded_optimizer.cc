@@ -36,30 +36,30 @@ absl::StatusOr<AdamHyper> GroupHyper(const torch::optim::OptimizerParamGroup& gr
   AdamHyper h;
   h.decoupled = decoupled;
   const torch::optim::OptimizerOptions& o = const_cast<torch::optim::OptimizerParamGroup&>(group).options();
+  // AdamOptions and AdamWOptions carry the same hyper-parameters (AdamW's weight decay is
+  // decoupled: h.decoupled).
+  auto copy = [&h](const auto& a) {
+    h.lr = a.lr();
+    h.beta1 = std::get<0>(a.betas());
+    h.beta2 = std::get<1>(a.betas());
+    h.eps = a.eps();
+    h.weight_decay = a.weight_decay();
+    h.amsgrad = a.amsgrad();
+  };
   if (!decoupled) {
     const auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&o);
     if (a == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           "OffloadedAdam: param group ", index, " has options that are not AdamOptions"));
     }
-    h.lr = a->lr();
-    h.beta1 = std::get<0>(a->betas());
-    h.beta2 = std::get<1>(a->betas());
-    h.eps = a->eps();
-    h.weight_decay = a->weight_decay();
-    h.amsgrad = a->amsgrad();
+    copy(*a);
   } else {
     const auto* a = dynamic_cast<const torch::optim::AdamWOptions*>(&o);
     if (a == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           "OffloadedAdam (AdamW): param group ", index, " has options that are not AdamWOptions"));
     }
-    h.lr = a->lr();
-    h.beta1 = std::get<0>(a->betas());
-    h.beta2 = std::get<1>(a->betas());
-    h.eps = a->eps();
-    h.weight_decay = a->weight_decay();
-    h.amsgrad = a->amsgrad();
+    copy(*a);
   }
   if (h.amsgrad) {
     return absl::InvalidArgumentError(

@@ -26,6 +26,11 @@ std::string StepDir(const std::string& root, int64_t step) {
 std::string RankFile(const std::string& step_dir, int rank) {
   return absl::StrCat(step_dir, "/rank", rank, ".pt");
 }
+std::vector<std::string> RankFileNames(int world_size) {
+  std::vector<std::string> files;
+  for (int r = 0; r < world_size; ++r) files.push_back(absl::StrCat("rank", r, ".pt"));
+  return files;
+}
 std::string ShardFileName(int rank) { return absl::StrFormat("rank%05d.shard", rank); }
 
 absl::Status WriteFileAtomic(const std::string& path, const std::string& content) {
@@ -90,9 +95,8 @@ absl::StatusOr<FileDigest> DigestFile(const std::string& dir, const std::string&
 
 absl::Status WriteComplete(const std::string& step_dir, int64_t step, int world_size,
                            const nlohmann::json& config) {
-  std::vector<std::string> files;
-  for (int r = 0; r < world_size; ++r) files.push_back(absl::StrCat("rank", r, ".pt"));
-  return WriteComplete(step_dir, step, world_size, kFormatRankFiles, files, config,
+  return WriteComplete(step_dir, step, world_size, kFormatRankFiles, RankFileNames(world_size),
+                       config,
                        nlohmann::json::object());
 }
 

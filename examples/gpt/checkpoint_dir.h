@@ -37,6 +37,8 @@ namespace fairscale::examples::gpt {
 
 std::string StepDir(const std::string& root, int64_t step);        // <root>/step_%08d
 std::string RankFile(const std::string& step_dir, int rank);        // <step_dir>/rank%d.pt
+// "rank0.pt" ... "rank{world_size-1}.pt": the files of a one-file-per-rank checkpoint.
+std::vector<std::string> RankFileNames(int world_size);
 // "rank%05d.shard": the name fsdp::save_sharded_checkpoint gives rank `rank`'s file.
 std::string ShardFileName(int rank);
 inline constexpr char kShardManifestName[] = "manifest.json";  // fsdp's manifest

@@ -93,6 +93,22 @@ uint64_t HashNamed(const std::string& name, const at::Tensor& t, uint64_t h) {
   return HashTensor(t, Fnv1a64(name.data(), name.size(), h));
 }
 
+// The resume check of the modes whose checkpoints load only in their own format at the world
+// size that wrote them (sdp, pipeline).
+absl::Status CheckSameWorldResume(const std::string& format, const char* want, int saved_world,
+                                  int world, const char* mode) {
+  if (format != want) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("its format is '", format, "'; ", mode, " loads only ", want));
+  }
+  if (saved_world != world) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("it was written by ", saved_world, " ranks, this job has ", world, " (",
+                     mode, " resumes at the same world size only)"));
+  }
+  return absl::OkStatus();
+}
+
 // Copies an optimizer's state through torch's archive (OffloadedAdam <-> torch::optim::Adam:
 // the same layout, bitwise). Both must step the same parameters in the same order.
 void CopyOptimizer(const torch::optim::Optimizer& from, torch::optim::Optimizer& to) {
@@ -241,22 +257,11 @@ class SdpModel final : public ParallelModel {
   // torch::optim::Adam). Collective (the consolidation).
   std::string checkpoint_format() const override { return kFormatRankFiles; }
   std::vector<std::string> checkpoint_files(int world) const override {
-    std::vector<std::string> files;
-    for (int r = 0; r < world; ++r) files.push_back(absl::StrCat("rank", r, ".pt"));
-    return files;
+    return RankFileNames(world);
   }
   absl::Status check_resume(const std::string& format, int saved_world,
                             int world) const override {
-    if (format != kFormatRankFiles) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "its format is '", format, "'; data_parallel sdp loads only ", kFormatRankFiles));
-    }
-    if (saved_world != world) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "it was written by ", saved_world, " ranks, this job has ", world,
-          " (data_parallel sdp resumes at the same world size only)"));
-    }
-    return absl::OkStatus();
+    return CheckSameWorldResume(format, kFormatRankFiles, saved_world, world, "data_parallel sdp");
   }
   void save(const std::string& step_dir) override {
     const std::string file = RankFile(step_dir, rank_);
@@ -383,22 +388,11 @@ class PipeModel final : public ParallelModel {
   // stages only (pipeline_stages is part of the checkpoint's config).
   std::string checkpoint_format() const override { return kFormatPipeStages; }
   std::vector<std::string> checkpoint_files(int world) const override {
-    std::vector<std::string> files;
-    for (int r = 0; r < world; ++r) files.push_back(absl::StrCat("rank", r, ".pt"));
-    return files;
+    return RankFileNames(world);
   }
   absl::Status check_resume(const std::string& format, int saved_world,
                             int world) const override {
-    if (format != kFormatPipeStages) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "its format is '", format, "'; pipeline mode loads only ", kFormatPipeStages));
-    }
-    if (saved_world != world) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "it was written by ", saved_world, " ranks, this job has ", world,
-          " (pipeline mode resumes at the same world size only)"));
-    }
-    return absl::OkStatus();
+    return CheckSameWorldResume(format, kFormatPipeStages, saved_world, world, "pipeline mode");
   }
   void save(const std::string& step_dir) override {
     const std::string file = RankFile(step_dir, rank_);
