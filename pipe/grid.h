@@ -9,6 +9,11 @@
 //   all_reduce_gradients((*pipe)->parameters(), *grid->data, timeout);   // then opt.step()
 //
 // With equal rows per replica, the result equals one un-pipelined step on the whole batch.
+//
+// Instead of all-reducing full gradients, the stage groups can shard each stage with FSDP
+// (FULL_SHARD / SHARD_GRAD_OP, ZeRO-3 / ZeRO-2 inside the stage): pass
+// PipeOptions().wrap_stage(fsdp_stage(grid->data, fsdp_options)) (fsdp_stage.h, target
+// //pipe:fsdp_stage) and skip all_reduce_gradients; parameters() are then this rank's shards.
 #pragma once
 
 #include <ATen/core/Tensor.h>

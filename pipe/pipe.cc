@@ -20,6 +20,31 @@
 
 namespace fairscale::pipe {
 
+StageImpl::StageImpl(torch::nn::Sequential layers, int64_t first_layer)
+    : torch::nn::Module("fairscale::pipe::Stage"),
+      layers_(std::move(layers)),
+      first_layer_(first_layer) {
+  // Registered under their own names, so that parameter names are the full model's ("3.weight").
+  for (const auto& item : layers_->named_children()) register_module(item.key(), item.value());
+}
+
+std::vector<at::Tensor> StageImpl::forward(std::vector<at::Tensor> inputs, bool list_input) {
+  torch::nn::AnyValue v = list_input ? torch::nn::AnyValue(std::move(inputs))
+                                     : torch::nn::AnyValue(std::move(inputs.at(0)));
+  for (torch::nn::AnyModule& layer : *layers_) v = layer.any_forward(std::move(v));
+  if (const at::Tensor* t = v.try_get<at::Tensor>()) {
+    output_is_list_ = false;
+    return {*t};
+  }
+  if (const std::vector<at::Tensor>* l = v.try_get<std::vector<at::Tensor>>()) {
+    output_is_list_ = true;
+    return *l;
+  }
+  TORCH_CHECK(false, "layer ", first_layer_ + static_cast<int64_t>(layers_->size()) - 1,
+              " returned a value of type ", v.type_info().name(),
+              "; stages exchange at::Tensor or std::vector<at::Tensor>");
+}
+
 const char* CheckpointModeName(CheckpointMode mode) {
   switch (mode) {
     case CheckpointMode::kAlways:
@@ -204,6 +229,11 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(torch::nn::Sequential layers,
                            : std::accumulate(pipe->balance_.begin(),
                                              pipe->balance_.begin() + pipe->stage_, int64_t{0});
   pipe->layers_ = std::move(layers);
+  pipe->stage_layers_ = Stage(pipe->layers_, pipe->first_layer_);
+  pipe->module_ = pipe->stage_layers_.ptr();
+  pipe->forward_ = [stage = pipe->stage_layers_](std::vector<at::Tensor> xs, bool list) mutable {
+    return stage->forward(std::move(xs), list);
+  };
   pipe->timeout_ =
       options.timeout() > absl::ZeroDuration() ? options.timeout() : comm->default_timeout();
   pipe->options_ = std::move(options);
@@ -218,6 +248,19 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(torch::nn::Sequential layers,
   // at once must not tear its communicators down while a peer is still creating its own.
   absl::Status ready = pipe->bwd_->Barrier(op).Wait(pipe->timeout_);
   if (!ready.ok()) return Annotate(ready, pipe->Name() + ": waiting for the other stages");
+  if (pipe->options_.wrap_stage()) {
+    try {
+      WrappedStage wrapped = pipe->options_.wrap_stage()(pipe->stage_layers_);
+      if (!wrapped.module || !wrapped.forward) {
+        return absl::InvalidArgumentError(
+            pipe->Name() + ": wrap_stage returned no module or no forward function");
+      }
+      pipe->module_ = std::move(wrapped.module);
+      pipe->forward_ = std::move(wrapped.forward);
+    } catch (const std::exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat(pipe->Name(), ": wrap_stage: ", e.what()));
+    }
+  }
   pipe->comm_ = std::move(comm);
   pipe->links_ = std::make_unique<Links>();
   if (pipe->stage_ > 0) {
@@ -233,7 +276,7 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(torch::nn::Sequential layers,
 
 int64_t Pipe::num_layers() const { return static_cast<int64_t>(layers_->size()); }
 
-std::vector<at::Tensor> Pipe::parameters() const { return layers_->parameters(); }
+std::vector<at::Tensor> Pipe::parameters() const { return module_->parameters(); }
 
 std::string Pipe::Name() const {
   return absl::StrCat("pipe stage ", stage_, "/", num_stages_, " (rank ", stage_, ")");
@@ -358,24 +401,8 @@ absl::Status Pipe::Forward(internal::StepState& st, int64_t i) {
   const absl::Time start = absl::Now();
   const bool is_list_in = in.is_list;
   // The checkpointed backward calls `run` again after this frame is gone: it owns what it uses.
-  auto is_list_out = std::make_shared<bool>(false);
-  torch::nn::Sequential layers = layers_;
-  const int64_t first = first_layer_;
-  auto run = [layers, is_list_in, first,
-              is_list_out](const std::vector<at::Tensor>& xs) mutable -> std::vector<at::Tensor> {
-    torch::nn::AnyValue v = is_list_in ? torch::nn::AnyValue(xs) : torch::nn::AnyValue(xs.at(0));
-    for (torch::nn::AnyModule& layer : *layers) v = layer.any_forward(std::move(v));
-    if (const at::Tensor* t = v.try_get<at::Tensor>()) {
-      *is_list_out = false;
-      return {*t};
-    }
-    if (const std::vector<at::Tensor>* l = v.try_get<std::vector<at::Tensor>>()) {
-      *is_list_out = true;
-      return *l;
-    }
-    TORCH_CHECK(false, "layer ", first + static_cast<int64_t>(layers->size()) - 1,
-                " returned a value of type ", v.type_info().name(),
-                "; stages exchange at::Tensor or std::vector<at::Tensor>");
+  auto run = [forward = forward_, is_list_in](const std::vector<at::Tensor>& xs) {
+    return forward(xs, is_list_in);
   };
   const CheckpointMode mode = options_.checkpoint();
   const bool checkpointed =
@@ -383,7 +410,7 @@ absl::Status Pipe::Forward(internal::StepState& st, int64_t i) {
                    (mode == CheckpointMode::kExceptLast && i + 1 < st.chunks));
   Boundary out;
   out.tensors = checkpointed ? checkpoint::checkpoint(run, in.tensors) : run(in.tensors);
-  out.is_list = *is_list_out;
+  out.is_list = stage_layers_->output_is_list();
   internal::MicroBatch& mb = st.micro[i];
   mb.inputs = std::move(in.tensors);
   if (stage_ + 1 == num_stages_) {

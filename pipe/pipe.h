@@ -39,7 +39,9 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
+#include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
 
 #include <cstdint>
 #include <functional>
@@ -69,6 +71,40 @@ enum class CheckpointMode {
 };
 const char* CheckpointModeName(CheckpointMode mode);  // "always", "except_last", "never"
 
+// This stage's layers as one module, what PipeOptions::wrap_stage receives. forward() runs the
+// layers in order on one micro-batch: the first layer gets `inputs[0]` (an at::Tensor) or, with
+// `list_input`, `inputs` (a std::vector<at::Tensor>); the last layer's at::Tensor or
+// std::vector<at::Tensor> comes back as a list, and output_is_list() says which it was. The
+// layers are registered under their names in the stage's Sequential ("3", "4", ...), so a
+// wrapper's named_parameters() uses the full model's names.
+class StageImpl : public torch::nn::Module {
+ public:
+  StageImpl(torch::nn::Sequential layers, int64_t first_layer);
+  std::vector<at::Tensor> forward(std::vector<at::Tensor> inputs, bool list_input);
+  bool output_is_list() const { return output_is_list_; }
+  const torch::nn::Sequential& layers() const { return layers_; }
+
+ private:
+  torch::nn::Sequential layers_;
+  int64_t first_layer_;
+  bool output_is_list_ = false;
+};
+TORCH_MODULE(Stage);
+
+// What a PipeOptions::wrap_stage hook returns: `module` owns the parameters the optimizer steps
+// (Pipe::parameters() is module->parameters()), and the pipe calls `forward` (same arguments and
+// result as StageImpl::forward) for every forward of a micro-batch, including the recompute of
+// a checkpointed one inside backward. E.g. FSDP inside a stage (fsdp_stage.h):
+//   fsdp::FullyShardedDataParallel w(stage, grid.data, fsdp_options);
+//   return WrappedStage{w.ptr(), [w](std::vector<at::Tensor> xs, bool list) mutable {
+//     return w->forward<std::vector<at::Tensor>>(std::move(xs), list);
+//   }};
+struct WrappedStage {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<std::vector<at::Tensor>(std::vector<at::Tensor>, bool)> forward;
+};
+using WrapStageFn = std::function<WrappedStage(Stage stage)>;
+
 struct PipeOptions {
   // Layers per stage, one entry per rank, each >= 1, summing to the number of layers. Empty:
   // as even as possible by layer count (the first stages get the extra layers).
@@ -81,6 +117,10 @@ struct PipeOptions {
   // compute between two messages: with GPipe, stage 0 waits for a whole forward phase).
   // Zero: the communicator's default timeout.
   TORCH_ARG(absl::Duration, timeout) = absl::ZeroDuration();
+  // Called once by Create / CreateForStage with this rank's stage (after the split, before any
+  // step) to wrap it, e.g. in FSDP over the ranks that hold the same stage (fsdp_stage.h).
+  // Unset: the pipe runs the layers itself and parameters() are theirs.
+  TORCH_ARG(WrapStageFn, wrap_stage) = nullptr;
 };
 
 // loss_fn(output of the last layer for one micro-batch, its rows of the target) -> a scalar.
@@ -141,7 +181,12 @@ class Pipe {
   const std::vector<int64_t>& balance() const { return balance_; }
   const PipeOptions& options() const { return options_; }
 
+  // This stage's layers (with wrap_stage: the wrapped module's layers, whose parameters may be
+  // views the wrapper manages, e.g. FSDP's freed full parameters between steps).
   torch::nn::Sequential stage_module() const { return layers_; }
+  // The wrapper's module with wrap_stage, otherwise the stage's layers (as a Stage).
+  std::shared_ptr<torch::nn::Module> module() const { return module_; }
+  // What the optimizer steps: module()->parameters() (FSDP: this rank's shards).
   std::vector<at::Tensor> parameters() const;
 
   // The forwards and backwards of the last train_step (or eval_step), in the order they ran.
@@ -181,6 +226,9 @@ class Pipe {
   int64_t first_layer_ = 0;
   std::vector<int64_t> balance_;
   torch::nn::Sequential layers_{nullptr};
+  Stage stage_layers_{nullptr};
+  std::shared_ptr<torch::nn::Module> module_;
+  std::function<std::vector<at::Tensor>(std::vector<at::Tensor>, bool)> forward_;
   std::vector<PipeEvent> trace_;
   absl::Status broken_;
   std::string doing_;  // the action running now, for error messages

@@ -1,0 +1,201 @@
+// FSDP inside pipeline stages (fsdp_stage.h) against one process training the un-pipelined
+// model on the whole batch with torch::optim::Adam: a 2 x 2 grid (4 ranks, FSDP over the 2
+// replicas of each stage) and 2 stages x 1 replica (FSDP over a group of one), FULL_SHARD and
+// SHARD_GRAD_OP, GPipe and 1F1B, chunks 1 and 3, checkpoint never / always / except_last. Each
+// rank checks every step's replica loss, its shard of the first step's gradient (against the
+// reference's full gradient, sliced by the flat parameter's layout) and, after 3 Adam steps,
+// the stage's full parameters (gathered with summon_full_params), all within 1e-5.
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros.h>
+#include <torch/optim/adam.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "base/status_matchers.h"
+#include "fsdp/fully_sharded_data_parallel.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "pipe/fsdp_stage.h"
+#include "pipe/grid.h"
+#include "pipe/pipe.h"
+#include "pipe/test_util.h"
+
+namespace fairscale::pipe {
+namespace {
+
+using base::testing::IsOk;
+
+constexpr int kSteps = 3;
+constexpr int64_t kRows = 24;
+constexpr double kLr = 0.05;
+
+struct ReferenceRun {
+  std::vector<std::vector<double>> half_losses;  // [step][replica], replicas = 1 or 2
+  std::map<std::string, at::Tensor> first_grads;
+  std::map<std::string, at::Tensor> params;  // after kSteps
+};
+
+at::Tensor Rows(const at::Tensor& t, int64_t replicas, int64_t k) {
+  const int64_t n = t.size(0) / replicas;
+  return t.narrow(0, n * k, n);
+}
+
+// The full batch in one piece: with equal micro-batches and replicas, the mean of the
+// micro-batch means is the full-batch mean.
+ReferenceRun RunAdamReference(const at::Tensor& x, const at::Tensor& y, int64_t replicas) {
+  torch::nn::Sequential model = testing::MakeMlp();
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(kLr));
+  ReferenceRun ref;
+  for (int step = 0; step < kSteps; ++step) {
+    std::vector<double> halves;
+    {
+      c10::NoGradGuard no_grad;
+      for (int64_t k = 0; k < replicas; ++k) {
+        halves.push_back(
+            testing::Mse(model->forward(Rows(x, replicas, k)), Rows(y, replicas, k)).item<double>());
+      }
+    }
+    ref.half_losses.push_back(halves);
+    opt.zero_grad();
+    testing::Mse(model->forward(x), y).backward();
+    if (step == 0) {
+      for (const auto& item : model->named_parameters()) {
+        ref.first_grads[item.key()] = item.value().grad().clone();
+      }
+    }
+    opt.step();
+  }
+  for (const auto& item : model->named_parameters()) {
+    ref.params[item.key()] = item.value().detach().clone();
+  }
+  return ref;
+}
+
+// This rank's shard of the reference gradient, in the layout of the stage's flat parameter.
+at::Tensor ShardOf(const fsdp::FlatParamInfo& info, const std::map<std::string, at::Tensor>& full) {
+  std::vector<at::Tensor> parts;
+  for (const fsdp::FlatParamInfo::Entry& e : info.params) {
+    parts.push_back(full.at(e.name).reshape({-1}));
+  }
+  at::Tensor flat = at::zeros({info.padded_numel}, at::kFloat);
+  flat.narrow(0, 0, info.numel).copy_(at::cat(parts));
+  return flat.narrow(0, info.shard_offset, info.shard_numel);
+}
+
+struct Case {
+  int world;
+  fsdp::ShardingStrategy strategy;
+  Schedule schedule;
+  int64_t chunks;
+  CheckpointMode checkpoint;
+  std::string Name() const {
+    return absl::StrCat("2 stages x ", world / 2, " replicas ",
+                        fsdp::ShardingStrategyName(strategy), " ", ScheduleName(schedule),
+                        " chunks ", chunks, " checkpoint ", CheckpointModeName(checkpoint));
+  }
+};
+
+absl::Status RunRank(const Case& c, const ReferenceRun& ref, const at::Tensor& x,
+                     const at::Tensor& y, std::shared_ptr<comm::Communicator> world) {
+  FS_ASSIGN_OR_RETURN(PipeGrid grid, MakePipeGrid(world, 2));
+  const std::string what = absl::StrCat(c.Name(), " rank ", world->rank());
+  FS_ASSIGN_OR_RETURN(
+      std::unique_ptr<Pipe> pipe,
+      Pipe::Create(testing::MakeMlp(), grid.pipe,
+                   PipeOptions()
+                       .balance({3, 4})
+                       .chunks(c.chunks)
+                       .schedule(c.schedule)
+                       .checkpoint(c.checkpoint)
+                       .wrap_stage(fsdp_stage(
+                           grid.data, fsdp::FsdpOptions().sharding_strategy(c.strategy)))));
+  auto unit = std::dynamic_pointer_cast<fsdp::FullyShardedDataParallelImpl>(pipe->module());
+  if (!unit) return absl::InternalError(what + ": module() is not the FSDP unit");
+  if (unit->is_sharded() != (grid.replicas > 1)) {
+    return absl::InternalError(absl::StrCat(what, ": is_sharded() ", unit->is_sharded()));
+  }
+  if (pipe->parameters().size() != 1) {
+    return absl::InternalError(absl::StrCat(what, ": ", pipe->parameters().size(),
+                                            " parameters, want the one flat shard"));
+  }
+  torch::optim::Adam opt(pipe->parameters(), torch::optim::AdamOptions(kLr));
+  const int64_t replicas = grid.replicas;
+  for (int step = 0; step < kSteps; ++step) {
+    opt.zero_grad();
+    FS_ASSIGN_OR_RETURN(at::Tensor loss,
+                        pipe->train_step(Rows(x, replicas, grid.replica),
+                                         Rows(y, replicas, grid.replica), testing::Mse));
+    FS_RETURN_IF_ERROR(testing::ExpectClose(
+        absl::StrCat(what, " step ", step, " loss"), loss,
+        at::scalar_tensor(ref.half_losses[step][grid.replica], at::kDouble), 1e-5));
+    if (step == 0) {
+      const std::vector<fsdp::FlatParamInfo> infos = unit->flat_param_info();
+      FS_RETURN_IF_ERROR(testing::ExpectClose(what + " first gradient shard",
+                                              pipe->parameters()[0].grad(),
+                                              ShardOf(infos.at(0), ref.first_grads), 1e-5));
+    }
+    opt.step();
+  }
+  auto full = unit->summon_full_params(/*writeback=*/false);
+  int checked = 0;
+  for (const auto& item : pipe->stage_module()->named_parameters()) {
+    FS_RETURN_IF_ERROR(testing::ExpectClose(absl::StrCat(what, " parameter ", item.key()),
+                                            item.value(), ref.params.at(item.key()), 1e-5));
+    ++checked;
+  }
+  if (checked != 4) {  // 2 Linear layers per stage
+    return absl::InternalError(absl::StrCat(what, ": checked ", checked, " parameters"));
+  }
+  return absl::OkStatus();
+}
+
+TEST(FsdpStageTest, MatchesOneProcessAdam) {
+  const at::Tensor x = testing::Inputs(kRows, 1);
+  const at::Tensor y = testing::Targets(kRows, 2);
+  const ReferenceRun ref2 = RunAdamReference(x, y, 2);
+  const ReferenceRun ref1 = RunAdamReference(x, y, 1);
+  for (int world : {4, 2}) {
+    for (fsdp::ShardingStrategy strategy :
+         {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp}) {
+      for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+        for (int64_t chunks : {1, 3}) {
+          for (CheckpointMode checkpoint :
+               {CheckpointMode::kNever, CheckpointMode::kAlways, CheckpointMode::kExceptLast}) {
+            const Case c{world, strategy, schedule, chunks, checkpoint};
+            const ReferenceRun& ref = world == 4 ? ref2 : ref1;
+            std::vector<absl::Status> statuses = testing::RunInproc(
+                world, [&](int, std::shared_ptr<comm::Communicator> comm) {
+                  return RunRank(c, ref, x, y, std::move(comm));
+                });
+            for (int r = 0; r < world; ++r) {
+              EXPECT_THAT(statuses[r], IsOk()) << c.Name() << " rank " << r;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(FsdpStageTest, WrapStageMustReturnAModuleAndAForward) {
+  std::vector<absl::Status> statuses =
+      testing::RunInproc(2, [&](int, std::shared_ptr<comm::Communicator> comm) {
+        return Pipe::Create(testing::MakeMlp(), std::move(comm),
+                            PipeOptions().wrap_stage([](Stage) { return WrappedStage{}; }))
+            .status();
+      });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(statuses[r],
+                base::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                        ::testing::HasSubstr("wrap_stage returned no module")))
+        << "rank " << r;
+  }
+}
+
+}  // namespace
+}  // namespace fairscale::pipe
