@@ -61,18 +61,23 @@ ABSL_FLAG(std::string, data_parallel, "fsdp",
           "Adam, ZeRO-2; needs --precision=fp32)");
 ABSL_FLAG(int64_t, pipeline_stages, 1,
           "pipeline parallelism: cut the fp32 model into N stages, one per rank (1: off); the "
-          "rank count must be a multiple of N (world / N data-parallel replicas); needs "
-          "--precision=fp32 --strategy=no_shard; checkpoints per stage, resume at the same world "
-          "size; no sample");
+          "rank count must be a multiple of N (world / N data-parallel replicas, which shard each "
+          "stage with FSDP under --strategy=full_shard|shard_grad_op or all-reduce its gradients "
+          "under no_shard); needs --precision=fp32; checkpoints per stage (FSDP: resumable with "
+          "another replica count; no_shard: same world size only); no sample");
 ABSL_FLAG(int64_t, pipeline_chunks, 4, "--pipeline_stages > 1: micro-batches per step (<= --batch)");
 ABSL_FLAG(std::string, pipeline_schedule, "1f1b", "--pipeline_stages > 1: 1f1b | gpipe");
+ABSL_FLAG(std::string, pipeline_balance, "even",
+          "--pipeline_stages > 1: layers per stage, even (by count) | size (parameter and "
+          "activation bytes, pipe::balance_by_size)");
 ABSL_FLAG(std::string, oss_partition, "greedy", "sdp: OSS partition, greedy | flat");
 ABSL_FLAG(bool, loss_scale, false,
           "dynamic loss scaling (amp::ShardedGradScaler; the scale in the step records)");
 ABSL_FLAG(std::string, checkpoint_activations, "none",
           "activation checkpointing of the transformer blocks: none | all | every:K (block i "
           "when i % K == 0); each checkpointed block's forward is recomputed in backward (less "
-          "activation memory, more time, bitwise the same numbers)");
+          "activation memory, more time, bitwise the same numbers). With --pipeline_stages > 1: "
+          "none | all | except_last (each stage's forward per micro-batch)");
 ABSL_FLAG(std::string, optimizer_offload, "none",
           "none | disk: keep the Adam state of each rank's FSDP shards on the disk tier "
           "(offload::OffloadedAdam, streamed per chunk; fsdp only; same numbers, same checkpoints)");
@@ -157,6 +162,7 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.pipeline_stages = absl::GetFlag(FLAGS_pipeline_stages);
   c.pipeline_chunks = absl::GetFlag(FLAGS_pipeline_chunks);
   c.pipeline_schedule = absl::GetFlag(FLAGS_pipeline_schedule);
+  c.pipeline_balance = absl::GetFlag(FLAGS_pipeline_balance);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (c.checkpoint_dir.empty()) c.checkpoint_dir = out + "/checkpoints";
   if (c.checkpoint_dir == "none") c.checkpoint_dir.clear();

@@ -4,13 +4,14 @@
 # (1F1B): it finishes, the loss falls, the banner and the final metrics record name the
 # pipeline. A run stopped at step 12 and resumed from its step-10 checkpoint (each rank saved its
 # stage and its Adam state) gives bitwise the same 20 losses and final parameters. Bad
-# combinations fail before anything is launched, naming the flags.
+# combinations fail before anything is launched, naming the flags. (FSDP inside the stages:
+# pipeline_fsdp_test.sh.)
 source "$(dirname "$0")/lib.sh" "$@"
 PIPE=(--pipeline_stages=2 --pipeline_chunks=4 --precision=fp32 --strategy=no_shard)
 
 launch pipe 2 -- --steps=20 "${PIPE[@]}"
 [[ $STATUS -eq 0 ]] || { cat "$WORK/pipe.log"; fail "pipeline run exited with $STATUS"; }
-grep -q "pipe 2 stages (layers 2+2) x 1 replica, 1f1b, 4 micro-batches" "$WORK/pipe.log" ||
+grep -q "pipe 2 stages (layers 2+2) x 1 replica (all-reduce), 1f1b, 4 micro-batches" "$WORK/pipe.log" ||
   { cat "$WORK/pipe.log"; fail "the banner does not name the pipeline"; }
 mode=$(final_field pipe mode)
 [[ "$mode" == *"pipe 2 stages"* ]] || fail "the final record's mode is $mode"
@@ -32,7 +33,8 @@ b=$(final_field split param_fnv1a64)
 [[ "$a" == "$b" ]] || fail "final parameters differ after the resume: $a vs $b"
 pass "stop at 12 + resume from 10: 20 identical losses, stage parameters $b"
 
-for bad in --precision=bf16 --strategy=full_shard --pipeline_schedule=zb --pipeline_chunks=99; do
+for bad in --precision=bf16 --data_parallel=sdp --pipeline_schedule=zb --pipeline_chunks=99 \
+    --pipeline_balance=time --checkpoint_activations=every:2; do
   out=$("$TRAIN_GPT" "${TINY[@]}" --out_dir="$WORK/bad" "${PIPE[@]}" "$bad" 2>&1) &&
     fail "$bad was accepted"
   flag=${bad#--} && flag=${flag%%=*}

@@ -8,6 +8,7 @@
 #include <torch/optim/adam.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
+#include <ATen/ops/zeros.h>
 
 #include <cmath>
 #include <filesystem>
@@ -28,6 +29,8 @@
 #include "offload/offloaded_optimizer.h"
 #include "oss/oss.h"
 #include "oss/sharded_data_parallel.h"
+#include "pipe/balance.h"
+#include "pipe/fsdp_stage.h"
 #include "pipe/grid.h"
 #include "pipe/pipe.h"
 
@@ -62,6 +65,28 @@ absl::StatusOr<pipe::Schedule> ParseSchedule(const std::string& s) {
   if (s == "gpipe") return pipe::Schedule::kGPipe;
   return absl::InvalidArgumentError(
       absl::StrCat("pipeline_schedule '", s, "': expected 1f1b or gpipe"));
+}
+
+// --checkpoint_activations in pipeline mode: the pipe checkpoints whole stages per micro-batch.
+absl::StatusOr<pipe::CheckpointMode> ParsePipeCheckpoint(const std::string& s) {
+  if (s == "none") return pipe::CheckpointMode::kNever;
+  if (s == "all") return pipe::CheckpointMode::kAlways;
+  if (s == "except_last") return pipe::CheckpointMode::kExceptLast;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "checkpoint_activations '", s,
+      "' with pipeline_stages > 1: expected none, all or except_last (the pipe checkpoints a "
+      "stage's forward per micro-batch: all of them, or all but the last; every:K is per "
+      "block)"));
+}
+
+// Sum of `value` over `comm` (collective).
+double AllReduceSum(comm::Communicator& comm, double value, const char* what) {
+  double total = 0;
+  const absl::Status st = comm.AllReduce(comm::MakeConstBuffer(&value, 1),
+                                         comm::MakeBuffer(&total, 1), comm::ReduceOp::kSum)
+                              .Wait();
+  TORCH_CHECK(st.ok(), what, ": ", st.ToString());
+  return total;
 }
 
 }  // namespace
@@ -321,7 +346,9 @@ class SdpModel final : public ParallelModel {
 
 
 // Pipeline x data parallel: this rank holds one stage (a few consecutive layers of the fp32
-// Gpt) of one replica; an Adam over the stage's parameters.
+// Gpt) of one replica; an Adam over the stage's parameters. The replicas of a stage either keep
+// it whole and all-reduce its gradients (strategy no_shard), or shard it with FSDP over them
+// (full_shard / shard_grad_op: pipe::fsdp_stage; the Adam steps this rank's shard).
 class PipeModel final : public ParallelModel {
  public:
   PipeModel(int rank, pipe::PipeGrid grid, std::unique_ptr<pipe::Pipe> pipe, int64_t vocab,
@@ -329,6 +356,7 @@ class PipeModel final : public ParallelModel {
       : rank_(rank),
         grid_(std::move(grid)),
         pipe_(std::move(pipe)),
+        fsdp_(std::dynamic_pointer_cast<fsdp::FullyShardedDataParallelImpl>(pipe_->module())),
         opt_(pipe_->parameters(), adam),
         vocab_(vocab),
         num_params_(num_params),
@@ -347,7 +375,8 @@ class PipeModel final : public ParallelModel {
     absl::StatusOr<at::Tensor> r =
         train ? pipe_->train_step(tokens, targets, fn) : pipe_->eval_step(tokens, targets, fn);
     TORCH_CHECK(r.ok(), r.status().ToString());
-    if (train && grid_.replicas > 1) {
+    // Under FSDP every micro-batch's backward already reduce-scattered its gradient.
+    if (train && grid_.replicas > 1 && !fsdp_) {
       const absl::Status st = pipe::all_reduce_gradients(pipe_->parameters(), *grid_.data);
       TORCH_CHECK(st.ok(), "all-reduce of stage ", grid_.stage, "'s gradients over ",
                   grid_.replicas, " replicas: ", st.ToString());
@@ -360,19 +389,15 @@ class PipeModel final : public ParallelModel {
   torch::optim::Optimizer& optimizer() override { return opt_; }
   void zero_grad() override { opt_.zero_grad(); }
   // torch::nn::utils::clip_grad_norm_'s rule over the whole model: the squared norms of the
-  // stages (the same in every replica after the all-reduce) summed over the pipe.
+  // stages summed over the pipe (whole stages: the same in every replica after the all-reduce;
+  // FSDP: each stage's shards summed over its replicas first).
   void clip_grad_norm(double max_norm) override {
     double sq = 0;
     for (const at::Tensor& p : pipe_->parameters()) {
       if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
     }
-    double total_sq = 0;
-    const absl::Status st = grid_.pipe
-                                ->AllReduce(comm::MakeConstBuffer(&sq, 1),
-                                            comm::MakeBuffer(&total_sq, 1), comm::ReduceOp::kSum)
-                                .Wait();
-    TORCH_CHECK(st.ok(), "clip_grad_norm: all-reduce of the squared norm over the pipe: ",
-                st.ToString());
+    if (fsdp_) sq = AllReduceSum(*grid_.data, sq, "clip_grad_norm: squared norm over the replicas");
+    const double total_sq = AllReduceSum(*grid_.pipe, sq, "clip_grad_norm: squared norm over the pipe");
     const double coef = max_norm / (std::sqrt(total_sq) + 1e-6);
     if (coef >= 1) return;
     torch::NoGradGuard no_grad;
@@ -383,18 +408,47 @@ class PipeModel final : public ParallelModel {
   int64_t num_params() const override { return num_params_; }
   std::string label() const override { return label_; }
 
-  // Every rank writes its stage: rank<r>.pt with "model/<full-model name>" for each of the
-  // stage's parameters and "optimizer" (its Adam). Loadable at the same world size and the same
-  // stages only (pipeline_stages is part of the checkpoint's config).
-  std::string checkpoint_format() const override { return kFormatPipeStages; }
+  // Whole stages: every rank writes its stage in rank<r>.pt, "model/<full-model name>" for each
+  // of the stage's parameters and "optimizer" (its Adam); loadable at the same world size and
+  // stages only (pipeline_stages is part of the checkpoint's config). FSDP: each stage's
+  // replicas write an fsdp sharded checkpoint (model + Adam) into stage<s>/, loadable with any
+  // number of replicas.
+  std::string checkpoint_format() const override {
+    return fsdp_ ? kFormatPipeFsdpSharded : kFormatPipeStages;
+  }
   std::vector<std::string> checkpoint_files(int world) const override {
-    return RankFileNames(world);
+    if (!fsdp_) return RankFileNames(world);
+    // Rank r's file first (r = replica * stages + stage), then every stage's manifest.
+    std::vector<std::string> files;
+    for (int r = 0; r < world; ++r) {
+      files.push_back(StageDir(r % grid_.stages) + "/" + ShardFileName(r / grid_.stages));
+    }
+    for (int s = 0; s < grid_.stages; ++s) files.push_back(StageDir(s) + "/" + kShardManifestName);
+    return files;
   }
   absl::Status check_resume(const std::string& format, int saved_world,
                             int world) const override {
-    return CheckSameWorldResume(format, kFormatPipeStages, saved_world, world, "pipeline mode");
+    if (!fsdp_) {
+      return CheckSameWorldResume(format, kFormatPipeStages, saved_world, world, "pipeline mode");
+    }
+    if (format != kFormatPipeFsdpSharded) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "its format is '", format, "'; a pipeline with FSDP inside its stages loads only ",
+          kFormatPipeFsdpSharded));
+    }
+    if (saved_world % grid_.stages != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "it was written by ", saved_world, " ranks, not a multiple of pipeline_stages ",
+          grid_.stages));
+    }
+    return absl::OkStatus();
   }
   void save(const std::string& step_dir) override {
+    if (fsdp_) {
+      fsdp::FullyShardedDataParallel holder(fsdp_);
+      fsdp::save_sharded_checkpoint(holder, &opt_, step_dir + "/" + StageDir(grid_.stage));
+      return;
+    }
     const std::string file = RankFile(step_dir, rank_);
     torch::serialize::OutputArchive archive;
     for (const auto& item : pipe_->stage_module()->named_parameters()) {
@@ -408,6 +462,11 @@ class PipeModel final : public ParallelModel {
     std::filesystem::rename(tmp, file);
   }
   void load(const std::string& step_dir, const std::string&) override {
+    if (fsdp_) {
+      fsdp::FullyShardedDataParallel holder(fsdp_);
+      fsdp::load_sharded_checkpoint(holder, &opt_, step_dir + "/" + StageDir(grid_.stage));
+      return;
+    }
     const std::string file = RankFile(step_dir, rank_);
     torch::serialize::InputArchive archive;
     archive.load_from(file);
@@ -432,20 +491,30 @@ class PipeModel final : public ParallelModel {
     for (const at::Tensor& p : pipe_->parameters()) h = HashTensor(p, h);
     return h;
   }
-  // This stage's parameters by their full-model names (each stage hashes its own).
+  // This stage's parameters by their full-model names (each stage hashes its own; FSDP gathers
+  // them over the replicas: collective).
   uint64_t full_param_hash() override {
-    uint64_t h = kFnv1a64Basis;
-    for (const auto& item : pipe_->stage_module()->named_parameters()) {
-      h = HashNamed(item.key(), item.value(), h);
-    }
-    return h;
+    auto hash = [this] {
+      uint64_t h = kFnv1a64Basis;
+      for (const auto& item : pipe_->stage_module()->named_parameters()) {
+        h = HashNamed(item.key(), item.value(), h);
+      }
+      return h;
+    };
+    if (!fsdp_) return hash();
+    auto full = fsdp_->summon_full_params(/*writeback=*/false);
+    return hash();
   }
 
  private:
   static constexpr char kFormatPipeStages[] = "pipe_stages";
+  static constexpr char kFormatPipeFsdpSharded[] = "pipe_fsdp_sharded";
+  static std::string StageDir(int64_t stage) { return absl::StrCat("stage", stage); }
+
   int rank_;
   pipe::PipeGrid grid_;
   std::unique_ptr<pipe::Pipe> pipe_;
+  std::shared_ptr<fsdp::FullyShardedDataParallelImpl> fsdp_;  // null: whole stages
   torch::optim::Adam opt_;
   int64_t vocab_;
   int64_t num_params_;
@@ -485,10 +554,29 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
                                                 "' is not an Embeddings, block or LmHead"));
       }
     }
-    const auto opts = pipe::PipeOptions()
-                          .chunks(config.pipeline_chunks)
-                          .schedule(schedule)
-                          .checkpoint(pipe::CheckpointMode::kNever);
+    FS_ASSIGN_OR_RETURN(pipe::CheckpointMode checkpoint,
+                        ParsePipeCheckpoint(config.checkpoint_activations));
+    FS_ASSIGN_OR_RETURN(fsdp::ShardingStrategy strategy, ParseStrategy(config.strategy));
+    auto opts = pipe::PipeOptions()
+                    .chunks(config.pipeline_chunks)
+                    .schedule(schedule)
+                    .checkpoint(checkpoint);
+    if (config.pipeline_balance == "size") {
+      // Parameter bytes x 4 (parameter, gradient, Adam's two moments) + one micro-batch's
+      // output bytes per layer, measured on a batch of the job's shape (the same on every rank).
+      const at::Tensor sample = at::zeros({config.batch, config.seq}, at::kLong);
+      absl::StatusOr<std::vector<int64_t>> balance =
+          pipe::balance_by_size(stages, layers, sample, config.pipeline_chunks, 4.0);
+      if (!balance.ok()) {
+        return absl::Status(balance.status().code(), absl::StrCat("pipeline_balance size: ",
+                                                                  balance.status().message()));
+      }
+      opts.balance(*balance);
+    }
+    if (strategy != fsdp::ShardingStrategy::kNoShard) {
+      opts.wrap_stage(
+          pipe::fsdp_stage(grid.data, fsdp::FsdpOptions().sharding_strategy(strategy)));
+    }
     absl::StatusOr<std::unique_ptr<pipe::Pipe>> p = pipe::Pipe::Create(layers, grid.pipe, opts);
     if (!p.ok()) {
       return absl::Status(p.status().code(),
@@ -498,8 +586,11 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
     for (int64_t n : (*p)->balance()) absl::StrAppend(&balance, balance.empty() ? "" : "+", n);
     const std::string label = absl::StrCat(
         "pipe ", stages, " stages (layers ", balance, ") x ", grid.replicas, " replica",
-        grid.replicas == 1 ? "" : "s", ", ", config.pipeline_schedule, ", ",
-        config.pipeline_chunks, " micro-batches");
+        grid.replicas == 1 ? "" : "s",
+        strategy == fsdp::ShardingStrategy::kNoShard
+            ? std::string(" (all-reduce)")
+            : absl::StrCat(" (FSDP ", fsdp::ShardingStrategyName(strategy), ")"),
+        ", ", config.pipeline_schedule, ", ", config.pipeline_chunks, " micro-batches");
     const int64_t vocab = model_config.vocab();
     return std::unique_ptr<ParallelModel>(std::make_unique<PipeModel>(
         comm->rank(), std::move(grid), std::move(*p), vocab, num_params, adam, label));
@@ -549,7 +640,11 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
   FS_RETURN_IF_ERROR(ParseStrategy(config.strategy).status());
   FS_RETURN_IF_ERROR(ParsePrecision(config.precision).status());
   FS_RETURN_IF_ERROR(ParsePartition(config.oss_partition).status());
-  FS_RETURN_IF_ERROR(ParseCheckpointActivations(config.checkpoint_activations).status());
+  if (config.pipeline_stages > 1) {
+    FS_RETURN_IF_ERROR(ParsePipeCheckpoint(config.checkpoint_activations).status());
+  } else {
+    FS_RETURN_IF_ERROR(ParseCheckpointActivations(config.checkpoint_activations).status());
+  }
   if (config.optimizer_offload != "none" && config.optimizer_offload != "disk") {
     return absl::InvalidArgumentError(absl::StrCat("optimizer_offload '", config.optimizer_offload,
                                                    "': expected none or disk"));
@@ -590,17 +685,19 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
           p, "the pipeline trains the fp32 model: precision must be fp32, got ",
           config.precision));
     }
-    if (config.data_parallel != "fsdp" || config.strategy != "no_shard") {
+    if (config.data_parallel != "fsdp") {
       return absl::InvalidArgumentError(absl::StrCat(
-          p, "the replicas of a stage keep it whole and all-reduce its gradients: needs "
-          "data_parallel fsdp with strategy no_shard, got data_parallel ", config.data_parallel,
-          ", strategy ", config.strategy));
+          p, "the replicas of a stage shard it with FSDP (strategy full_shard or shard_grad_op) "
+          "or all-reduce its gradients (strategy no_shard): needs data_parallel fsdp, got ",
+          config.data_parallel));
     }
-    if (config.loss_scale || config.optimizer_offload != "none" ||
-        config.checkpoint_activations != "none") {
+    if (config.pipeline_balance != "even" && config.pipeline_balance != "size") {
       return absl::InvalidArgumentError(absl::StrCat(
-          p, "loss_scale, optimizer_offload and checkpoint_activations are not supported with "
-          "a pipeline"));
+          p, "pipeline_balance '", config.pipeline_balance, "': expected even or size"));
+    }
+    if (config.loss_scale || config.optimizer_offload != "none") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(p, "loss_scale and optimizer_offload are not supported with a pipeline"));
     }
   }
   if (config.data_parallel != "fsdp" && config.data_parallel != "sdp") {

@@ -135,9 +135,12 @@ class Trainer {
                              .width(config_.width)
                              .heads(config_.heads)
                              .blocks(config_.blocks);
-    FS_ASSIGN_OR_RETURN(int64_t checkpoint_every_k,
-                        ParseCheckpointActivations(config_.checkpoint_activations));
-    gc.checkpoint_every_k(checkpoint_every_k);
+    // A pipeline checkpoints whole stages per micro-batch (parallel_model.cc), not blocks.
+    if (config_.pipeline_stages == 1) {
+      FS_ASSIGN_OR_RETURN(int64_t checkpoint_every_k,
+                          ParseCheckpointActivations(config_.checkpoint_activations));
+      gc.checkpoint_every_k(checkpoint_every_k);
+    }
     torch::manual_seed(config_.seed);  // the same initial weights on every rank
     FS_ASSIGN_OR_RETURN(model_, MakeParallelModel(config_, gc, comm_));
     optim_ = &model_->optimizer();
@@ -168,7 +171,10 @@ class Trainer {
     if (rank_ == 0 && config_.progress) {
       std::string options;
       if (config_.checkpoint_activations != "none") {
-        absl::StrAppend(&options, ", checkpointed blocks: ", config_.checkpoint_activations);
+        absl::StrAppend(&options,
+                        config_.pipeline_stages > 1 ? ", checkpointed stage forwards: "
+                                                    : ", checkpointed blocks: ",
+                        config_.checkpoint_activations);
       }
       if (config_.optimizer_offload == "disk") {
         absl::StrAppend(&options, ", Adam state on disk in ", config_.offload_dir);
@@ -648,6 +654,7 @@ nlohmann::json TrainConfig::ToJson() const {
                       {"data_parallel", data_parallel}};
   // Only in pipeline mode, so that older checkpoints keep matching the unpipelined config.
   if (pipeline_stages > 1) j["pipeline_stages"] = pipeline_stages;
+  if (pipeline_stages > 1 && pipeline_balance != "even") j["pipeline_balance"] = pipeline_balance;
   return j;
 }
 

@@ -79,21 +79,28 @@ struct TrainConfig {
   std::string offload_dir;
   int64_t offload_chunk_bytes = 4 << 20;
   // Pipeline parallelism (//pipe): with pipeline_stages > 1 the fp32 Gpt (embed, block0..,
-  // lm_head) is cut into that many stages (an even split by layer count), one per rank; the
-  // world size must be a multiple of it, and world / pipeline_stages replicas of the pipeline
-  // train on their own batches (replica k reads the batch of rank k) and average their
-  // gradients over the ranks holding the same stage (pipe::all_reduce_gradients). Each batch
-  // runs as pipeline_chunks micro-batches (<= batch) in the pipeline_schedule (1f1b | gpipe).
-  // Gradient clipping uses the norm over the whole model (all-reduced over the pipe). Needs
-  // precision fp32 and strategy no_shard (the replicas keep whole stages), data_parallel fsdp;
-  // not supported with it (rejected by Validate): loss_scale, optimizer_offload,
-  // checkpoint_activations. Checkpoints: every rank saves its stage and its Adam state in its
-  // rank file (format pipe_stages); resume at the same world size and stages (pipeline_stages is
-  // in ToJson() when > 1), bitwise. No sample is drawn at the end (no rank holds the whole
-  // model).
+  // lm_head) is cut into that many stages, one per rank: pipeline_balance "even" (by layer
+  // count) or "size" (pipe::balance_by_size: 4 x parameter bytes + one micro-batch's output
+  // bytes per layer). The world size must be a multiple of pipeline_stages, and
+  // world / pipeline_stages replicas of the pipeline train on their own batches (replica k
+  // reads the batch of rank k). The ranks holding the same stage either shard it with FSDP
+  // (strategy full_shard / shard_grad_op: pipe::fsdp_stage, one FSDP unit per stage over its
+  // replicas, gradients reduce-scattered per micro-batch) or keep it whole and average its
+  // gradients (strategy no_shard: pipe::all_reduce_gradients). Each batch runs as
+  // pipeline_chunks micro-batches (<= batch) in the pipeline_schedule (1f1b | gpipe);
+  // checkpoint_activations none | all | except_last maps onto the pipe's checkpoint modes
+  // (never / always / all but the last micro-batch; every:K is rejected). Gradient clipping uses
+  // the norm over the whole model. Needs precision fp32, data_parallel fsdp; not supported
+  // (rejected by Validate): loss_scale, optimizer_offload. Checkpoints: with FSDP, each stage's
+  // replicas write an fsdp sharded checkpoint into stage<s>/ (format pipe_fsdp_sharded),
+  // resumable with another number of replicas (same stages and balance); without, every rank
+  // saves its stage and its Adam state in its rank file (format pipe_stages), resumable at the
+  // same world size only, bitwise. pipeline_stages (and pipeline_balance when not even) are in
+  // ToJson(). No sample is drawn at the end (no rank holds the whole model).
   int64_t pipeline_stages = 1;
   int64_t pipeline_chunks = 4;
   std::string pipeline_schedule = "1f1b";
+  std::string pipeline_balance = "even";
   // FSDP.
   std::string strategy = "full_shard";  // full_shard | shard_grad_op | no_shard
   // bf16 | fp32: the compute and all-gather dtype. fp16 parses but is rejected on CPU (no

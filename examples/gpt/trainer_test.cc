@@ -234,7 +234,7 @@ TEST(TrainRankTest, PipelineMatchesTheUnpipelinedRun) {
   EXPECT_LT(pipe2.losses.back(), pipe2.losses.front() - 0.3);
   EXPECT_LT(pipe4.losses.back(), pipe4.losses.front() - 0.3);
   EXPECT_THAT(pipe4.final_record["mode"].get<std::string>(),
-              ::testing::HasSubstr("pipe 2 stages (layers 2+2) x 2 replicas, gpipe"));
+              ::testing::HasSubstr("pipe 2 stages (layers 2+2) x 2 replicas (all-reduce), gpipe"));
 }
 
 TEST(TrainConfigTest, PipelineRejectsWhatItCannotDo) {
@@ -248,14 +248,110 @@ TEST(TrainConfigTest, PipelineRejectsWhatItCannotDo) {
   TrainConfig bad = c;
   bad.precision = "bf16";
   rejects(bad, "pipeline_stages 2: the pipeline trains the fp32 model: precision must be fp32");
-  bad = c, bad.strategy = "full_shard";
-  rejects(bad, "strategy no_shard");
+  bad = c, bad.data_parallel = "sdp";
+  rejects(bad, "needs data_parallel fsdp, got sdp");
+  bad = c, bad.pipeline_balance = "time";
+  rejects(bad, "pipeline_balance 'time': expected even or size");
+  bad = c, bad.checkpoint_activations = "every:2";
+  rejects(bad, "checkpoint_activations 'every:2' with pipeline_stages > 1: expected none, all or "
+               "except_last");
+  bad = c, bad.optimizer_offload = "disk", bad.offload_dir = "/tmp/x";
+  rejects(bad, "loss_scale and optimizer_offload are not supported with a pipeline");
+  for (const char* ok : {"full_shard", "shard_grad_op"}) {
+    TrainConfig fsdp_inside = c;
+    fsdp_inside.strategy = ok, fsdp_inside.checkpoint_activations = "except_last";
+    fsdp_inside.pipeline_balance = "size";
+    EXPECT_OK(fsdp_inside.Validate()) << ok;
+  }
+  bad = TinyConfig(""), bad.checkpoint_activations = "except_last";  // no pipeline
+  rejects(bad, "checkpoint_activations 'except_last'");
   bad = c, bad.pipeline_schedule = "zb";
   rejects(bad, "pipeline_schedule 'zb': expected 1f1b or gpipe");
   bad = c, bad.pipeline_chunks = c.batch + 1;
   rejects(bad, "pipeline_chunks must be in [1, batch");
   bad = c, bad.pipeline_stages = 0;
   rejects(bad, "pipeline_stages must be >= 1");
+}
+
+// --pipeline_stages with FSDP inside the stages (strategy full_shard / shard_grad_op): 2 stages x
+// 2 replicas at 4 ranks give the per-step losses of the unpipelined fp32 run at 2 ranks within
+// 1e-5, with 1F1B + checkpoint except_last and with GPipe + checkpoint all + balance by size.
+TEST(TrainRankTest, PipelineWithFsdpInsideStagesMatchesTheUnpipelinedRun) {
+  TrainConfig plain = TinyConfig("");
+  const JobOutput ref2 = RunJob(plain, 2, "pipe_fsdp_ref2");
+  TrainConfig full = plain;
+  full.pipeline_stages = 2, full.pipeline_chunks = 2, full.checkpoint_activations = "except_last";
+  const JobOutput full4 = RunJob(full, 4, "pipe_fsdp_full_shard");
+  TrainConfig grad_op = full;
+  grad_op.strategy = "shard_grad_op", grad_op.pipeline_schedule = "gpipe";
+  grad_op.checkpoint_activations = "all", grad_op.pipeline_balance = "size";
+  const JobOutput grad_op4 = RunJob(grad_op, 4, "pipe_fsdp_shard_grad_op");
+  if (comm::testing::IsRankProcess()) return;
+  ASSERT_EQ(full4.losses.size(), ref2.losses.size());
+  ASSERT_EQ(grad_op4.losses.size(), ref2.losses.size());
+  double max_diff = 0;
+  for (size_t i = 0; i < ref2.losses.size(); ++i) {
+    EXPECT_NEAR(full4.losses[i], ref2.losses[i], 1e-5) << "full_shard, step " << i + 1;
+    EXPECT_NEAR(grad_op4.losses[i], ref2.losses[i], 1e-5) << "shard_grad_op, step " << i + 1;
+    max_diff = std::max({max_diff, std::abs(full4.losses[i] - ref2.losses[i]),
+                         std::abs(grad_op4.losses[i] - ref2.losses[i])});
+  }
+  std::printf("pipeline+fsdp vs unpipelined: max |loss difference| %.3g over %zu steps\n",
+              max_diff, ref2.losses.size());
+  EXPECT_THAT(full4.final_record["mode"].get<std::string>(),
+              ::testing::HasSubstr("x 2 replicas (FSDP FULL_SHARD), 1f1b"));
+  EXPECT_THAT(grad_op4.final_record["mode"].get<std::string>(),
+              ::testing::HasSubstr("x 2 replicas (FSDP SHARD_GRAD_OP), gpipe"));
+}
+
+// A pipeline with FSDP inside its stages saves an fsdp sharded checkpoint per stage, so a run of
+// 2 stages x 2 replicas stopped at step 4 resumes as 2 stages x 1 replica: its losses (steps 1-4
+// at 4 ranks, 5-8 at 2) match the unpipelined fsdp run stopped at 2 ranks and resumed at 1
+// within 1e-5, the full-parameter hash recorded at the save is the one found after loading, and
+// every stage's shard files and manifest exist.
+TEST(TrainRankTest, PipelineWithFsdpResumesWithAnotherReplicaCount) {
+  namespace fs = std::filesystem;
+  const char* tmp_env = std::getenv("TEST_TMPDIR");
+  const std::string tmp = absl::StrCat(tmp_env ? tmp_env : "/tmp", "/trainer_test_pipe_reshard");
+  JobOutput runs[2][2];  // [unpipelined, pipelined][first, resumed]
+  for (int piped = 0; piped < 2; ++piped) {
+    TrainConfig first = TinyConfig("");
+    first.checkpoint_every = 4, first.stop_after = 4;
+    first.checkpoint_dir = absl::StrCat(tmp, "/ck", piped);
+    if (piped == 1) first.pipeline_stages = 2, first.pipeline_chunks = 2;
+    const int world = piped == 1 ? 4 : 2;
+    const std::string name = absl::StrCat("pipe_reshard", piped);
+    if (!comm::testing::IsRankProcess()) fs::remove_all(first.checkpoint_dir);
+    runs[piped][0] = RunJob(first, world, name);
+    TrainConfig second = first;
+    second.stop_after = 0, second.resume = ResumeMode::kRequired;
+    runs[piped][1] = RunJob(second, world / 2, name);
+  }
+  if (comm::testing::IsRankProcess()) return;
+  const JobOutput& ref = runs[0][1];
+  const JobOutput& got = runs[1][1];
+  ASSERT_EQ(ref.losses.size(), 8u);
+  ASSERT_EQ(got.losses.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << "step " << i + 1;
+  const JobOutput& saved = runs[1][0];
+  ASSERT_EQ(saved.checkpoints.size(), 1u);
+  EXPECT_EQ(saved.checkpoints[0]["format"], "pipe_fsdp_sharded");
+  EXPECT_EQ(saved.checkpoints[0]["world_size"], 4);
+  for (int s = 0; s < 2; ++s) {
+    const std::string stage = absl::StrFormat("%s/ck1/step_00000004/stage%d", tmp, s);
+    for (const std::string& f : {std::string("rank00000.shard"), std::string("rank00001.shard"),
+                                 std::string("manifest.json")}) {
+      EXPECT_TRUE(fs::exists(stage + "/" + f)) << stage << "/" << f;
+    }
+  }
+  ASSERT_EQ(got.resumes.size(), 1u);
+  EXPECT_EQ(got.resumes[0]["from_world_size"], 4);
+  EXPECT_EQ(got.resumes[0]["world_size"], 2);
+  EXPECT_EQ(got.resumes[0]["full_param_fnv1a64"], saved.checkpoints[0]["full_param_fnv1a64"]);
+  ASSERT_EQ(got.checkpoints.size(), 2u);
+  EXPECT_EQ(got.checkpoints[1]["step"], 8);
+  EXPECT_EQ(got.checkpoints[1]["world_size"], 2);
+  EXPECT_LT(got.losses[7], got.losses[3]);
 }
 
 // --checkpoint_activations recomputes each checkpointed block's forward in backward: the same
