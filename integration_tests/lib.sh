@@ -38,3 +38,19 @@ final_field() {
 losses() {
   jq -r 'select(.type == "train") | "\(.step) \(.loss)"' "$WORK/$1/metrics.jsonl"
 }
+
+# expect_resumed NAME STEP FROM TO: the run says it resumed at STEP from FROM ranks (log), its
+# resume record says STEP FROM TO, and the full-parameter hash it gathered after loading is the
+# one the checkpoint of STEP recorded at its save. Sets SAVED_HASH.
+expect_resumed() {
+  local name=$1 step=$2 from=$3 to=$4 m="$WORK/$1/metrics.jsonl" resumed record
+  grep -q "resumed at step $step (saved at $from ranks)" "$WORK/$name.log" ||
+    { cat "$WORK/$name.log"; fail "the $to-rank run did not say it resumed at step $step from $from ranks"; }
+  SAVED_HASH=$(jq -r "select(.type == \"checkpoint\" and .step == $step) | .full_param_fnv1a64" "$m")
+  resumed=$(jq -r 'select(.type == "resume") | .full_param_fnv1a64' "$m")
+  record=$(jq -r 'select(.type == "resume") | "\(.step) \(.from_world_size) \(.world_size)"' "$m")
+  [[ "$record" == "$step $from $to" ]] ||
+    fail "resume record says step/from/to '$record', want '$step $from $to'"
+  [[ -n "$SAVED_HASH" && "$SAVED_HASH" == "$resumed" ]] ||
+    fail "full parameters at resume $resumed, saved at step $step $SAVED_HASH"
+}

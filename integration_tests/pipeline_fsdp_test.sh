@@ -9,7 +9,6 @@
 source "$(dirname "$0")/lib.sh" "$@"
 JOB=(--steps=12 --checkpoint_every=6 --precision=fp32 --strategy=full_shard --pipeline_stages=2
      --pipeline_chunks=4 --pipeline_balance=size --checkpoint_activations=except_last)
-M="$WORK/pf/metrics.jsonl"
 CK="$WORK/pf/checkpoints"
 
 launch pf 4 -- "${JOB[@]}" --stop_after=6
@@ -27,14 +26,8 @@ done
 
 launch pf 2 -- "${JOB[@]}" --resume=required
 [[ $STATUS -eq 0 ]] || { cat "$WORK/pf.log"; fail "2-rank resume exited with $STATUS"; }
-grep -q "resumed at step 6 (saved at 4 ranks)" "$WORK/pf.log" ||
-  { cat "$WORK/pf.log"; fail "the 2-rank run did not say it resumed at step 6 from 4 ranks"; }
-saved=$(jq -r 'select(.type == "checkpoint" and .step == 6) | .full_param_fnv1a64' "$M")
-resumed=$(jq -r 'select(.type == "resume") | .full_param_fnv1a64' "$M")
-from=$(jq -r 'select(.type == "resume") | "\(.step) \(.from_world_size) \(.world_size)"' "$M")
-[[ "$from" == "6 4 2" ]] || fail "resume record says step/from/to '$from', want '6 4 2'"
-[[ -n "$saved" && "$saved" == "$resumed" ]] ||
-  fail "full parameters at resume $resumed, saved at step 6 $saved"
+expect_resumed pf 6 4 2
+saved=$SAVED_HASH
 [[ $(losses pf | wc -l) -eq 12 ]] || fail "expected 12 training records"
 losses pf | awk '{ if ($2 != $2 + 0 || $2 == "nan" || $2 == "inf") exit 1 }' ||
   fail "a loss is not finite: $(losses pf | tr '\n' ' ')"

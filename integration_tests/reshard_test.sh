@@ -8,7 +8,6 @@
 # another world size with an error naming the format.
 source "$(dirname "$0")/lib.sh" "$@"
 JOB=(--steps=12 --checkpoint_every=6 --strategy=full_shard --precision=bf16)
-M="$WORK/reshard/metrics.jsonl"
 CK="$WORK/reshard/checkpoints"
 
 launch reshard 4 -- "${JOB[@]}" --stop_after=6
@@ -23,14 +22,8 @@ cp -r "$CK" "$WORK/old_format"   # for the last check
 
 launch reshard 2 -- "${JOB[@]}" --resume=required
 [[ $STATUS -eq 0 ]] || { cat "$WORK/reshard.log"; fail "2-rank resume exited with $STATUS"; }
-grep -q "resumed at step 6 (saved at 4 ranks)" "$WORK/reshard.log" ||
-  { cat "$WORK/reshard.log"; fail "the 2-rank run did not say it resumed at step 6 from 4 ranks"; }
-saved=$(jq -r 'select(.type == "checkpoint" and .step == 6) | .full_param_fnv1a64' "$M")
-resumed=$(jq -r 'select(.type == "resume") | .full_param_fnv1a64' "$M")
-from=$(jq -r 'select(.type == "resume") | "\(.step) \(.from_world_size) \(.world_size)"' "$M")
-[[ "$from" == "6 4 2" ]] || fail "resume record says step/from/to '$from', want '6 4 2'"
-[[ -n "$saved" && "$saved" == "$resumed" ]] ||
-  fail "full parameters at resume $resumed, saved at step 6 $saved"
+expect_resumed reshard 6 4 2
+saved=$SAVED_HASH
 [[ $(losses reshard | wc -l) -eq 12 ]] || fail "expected 12 training records"
 [[ -n $(final_field reshard val_loss) && $(final_field reshard val_loss) != null ]] ||
   fail "the resumed run has no final record"
