@@ -14,6 +14,9 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <memory>
+
+#include "comm/communicator.h"
 
 namespace fairscale::fsdp {
 
@@ -28,9 +31,25 @@ enum class ShardingStrategy {
   kShardGradOp,
   // Plain data parallel: every rank keeps the whole parameter; gradients are all-reduced.
   kNoShard,
+  // HYBRID_SHARD: kFullShard inside a shard group (a sub-group of the ranks, see
+  // FsdpOptions::hybrid_shard_group_size), replicated across the groups: parameters are
+  // all-gathered inside the shard group only; gradients are reduce-scattered inside it, then
+  // this rank's reduced shard is all-reduced with the ranks holding the same shard in the other
+  // groups (the replicate group). Comm per step: 3x the parameter bytes inside the group plus
+  // one all-reduce of the shard across groups. With a group of the whole world it is
+  // kFullShard; with groups of one rank, kNoShard.
+  kHybridShard,
+  // PyTorch's _HYBRID_SHARD_ZERO2: kShardGradOp inside the shard group, replicated across.
+  kHybridShardZero2,
 };
 
-const char* ShardingStrategyName(ShardingStrategy strategy);  // "FULL_SHARD", ...
+// "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2".
+const char* ShardingStrategyName(ShardingStrategy strategy);
+// Whether `strategy` shards inside sub-groups and replicates across them.
+inline bool IsHybrid(ShardingStrategy strategy) {
+  return strategy == ShardingStrategy::kHybridShard ||
+         strategy == ShardingStrategy::kHybridShardZero2;
+}
 
 // When backward prefetches the next unit's all-gather (FsdpOptions::backward_prefetch).
 enum class BackwardPrefetch {
@@ -93,6 +112,35 @@ struct FsdpOptions {
   // See MixedPrecision. Default: everything in the parameters' dtype.
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
 
+  // The shard groups of kHybridShard / kHybridShardZero2 (rejected with other strategies):
+  //   hybrid_shard_group_size(g) > 0: groups of g consecutive ranks ([0, g), [g, 2g), ...);
+  //     g must divide the world size. Rank r's replicate group is {r mod g + k * g}.
+  //   0 (the default): one group per host. The ranks exchange their host names (gethostname)
+  //     through the communicator at construction; every host must run the same number of
+  //     ranks. No environment variable is read.
+  //   hybrid_shard_groups(shard, replicate): the user's communicators (PyTorch's
+  //     process_group=(shard_pg, replicate_pg)), each a Split of the model's communicator:
+  //     shard->size() * replicate->size() must be the world size, and the ranks of a replicate
+  //     group must hold the same shard (same shard->rank()); checked at construction.
+  // The groups are made with Communicator::Split (collective, two per choice). Units built over
+  // the same communicator with the same group size (or by host) share them: the first unit
+  // splits, the others reuse its communicators, which then live as long as that communicator.
+  TORCH_ARG(int, hybrid_shard_group_size) = 0;
+
+ public:
+  FsdpOptions& hybrid_shard_groups(std::shared_ptr<comm::Communicator> shard,
+                                   std::shared_ptr<comm::Communicator> replicate) {
+    hybrid_shard_comm_ = std::move(shard);
+    hybrid_replicate_comm_ = std::move(replicate);
+    return *this;
+  }
+  const std::shared_ptr<comm::Communicator>& hybrid_shard_comm() const noexcept {
+    return hybrid_shard_comm_;
+  }
+  const std::shared_ptr<comm::Communicator>& hybrid_replicate_comm() const noexcept {
+    return hybrid_replicate_comm_;
+  }
+
   // When, in backward, the all-gather of the unit whose backward comes next (in the order
   // recorded during the first iteration) is issued. PyTorch FSDP's BackwardPrefetch:
   //   kBackwardPre (the default; BACKWARD_PRE): when this unit's backward starts, before its
@@ -134,6 +182,8 @@ struct FsdpOptions {
 
  private:
   BackwardPrefetch backward_prefetch_ = BackwardPrefetch::kBackwardPre;
+  std::shared_ptr<comm::Communicator> hybrid_shard_comm_;
+  std::shared_ptr<comm::Communicator> hybrid_replicate_comm_;
 };
 
 }  // namespace fairscale::fsdp

@@ -48,8 +48,10 @@ at::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double
       const at::Tensor& g = fp.shard.grad();
       if (!fp.requires_grad || !g.defined()) continue;
       grads.push_back(g);
-      // Unsharded units hold the same gradient on every rank: count it once.
-      if (!u->sharded() && !inf && rank_ != 0) continue;
+      // Every element counted once over the world: an unsharded unit's gradient (the same on
+      // every rank) on rank 0 only; a HYBRID_SHARD shard (the same in every shard group) in
+      // the first group only, so the sum is the shard group's, not replicate-size times it.
+      if (!inf && (u->sharded() ? u->replicate_rank_ != 0 : rank_ != 0)) continue;
       const double n = g.to(at::kDouble).norm(norm_type).item<double>();
       local = inf ? std::max(local, n) : local + std::pow(n, norm_type);
     }

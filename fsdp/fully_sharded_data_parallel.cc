@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "comm/torch/tensor_buffer.h"
 #include "fsdp/internal/errors.h"
+#include "fsdp/internal/hybrid_groups.h"
 #include "fsdp/internal/param_ranges.h"
 #include "fsdp/internal/root_state.h"
 #include "fsdp/internal/unit_util.h"
@@ -33,6 +34,10 @@ const char* ShardingStrategyName(ShardingStrategy strategy) {
       return "SHARD_GRAD_OP";
     case ShardingStrategy::kNoShard:
       return "NO_SHARD";
+    case ShardingStrategy::kHybridShard:
+      return "HYBRID_SHARD";
+    case ShardingStrategy::kHybridShardZero2:
+      return "_HYBRID_SHARD_ZERO2";
   }
   return "?";
 }
@@ -119,6 +124,7 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule 
   TORCH_CHECK(dynamic_cast<FullyShardedDataParallelImpl*>(module_.get()) == nullptr, label(),
               ": wrapping a FullyShardedDataParallel directly in another is not supported");
   alive_ = std::make_shared<FullyShardedDataParallelImpl*>(this);
+  init_groups();
   collect_and_shard();
   register_nested();
 }
@@ -142,6 +148,43 @@ FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() {
   if (state_ && state_->root == this) {
     for (auto& p : state_->pending) p.work.Wait().IgnoreError();
   }
+}
+
+void FullyShardedDataParallelImpl::init_groups() {
+  const ShardingStrategy strategy = options_.sharding_strategy();
+  const int group_size = options_.hybrid_shard_group_size();
+  const bool explicit_groups =
+      options_.hybrid_shard_comm() != nullptr || options_.hybrid_replicate_comm() != nullptr;
+  shard_comm_ = comm_;
+  if (!IsHybrid(strategy)) {
+    TORCH_CHECK(group_size == 0 && !explicit_groups, label(),
+                ": hybrid_shard_group_size / hybrid_shard_groups are for HYBRID_SHARD and "
+                "_HYBRID_SHARD_ZERO2, the sharding strategy is ",
+                ShardingStrategyName(strategy));
+  } else {
+    TORCH_CHECK(group_size >= 0, label(), ": hybrid_shard_group_size must be >= 0 (0 = by host), got ",
+                group_size);
+    TORCH_CHECK(group_size == 0 || !explicit_groups, label(),
+                ": give either hybrid_shard_group_size (", group_size,
+                ") or hybrid_shard_groups, not both");
+    TORCH_CHECK(group_size == 0 || world_ % group_size == 0, label(),
+                ": hybrid_shard_group_size ", group_size, " does not divide the world size ",
+                world_);
+    internal::HybridGroups groups;
+    if (explicit_groups) {
+      groups = {options_.hybrid_shard_comm(), options_.hybrid_replicate_comm()};
+      ThrowIfError(internal::CheckHybridGroups(comm_, groups), label());
+    } else {
+      groups = internal::ValueOrThrow(internal::SharedHybridGroups(comm_, group_size),
+                                      label() + ": making the HYBRID_SHARD groups");
+    }
+    shard_comm_ = groups.shard;
+    if (groups.replicate->size() > 1) replicate_comm_ = groups.replicate;
+  }
+  shard_rank_ = shard_comm_->rank();
+  shard_world_ = shard_comm_->size();
+  replicate_rank_ = replicate_comm_ ? replicate_comm_->rank() : 0;
+  replicate_world_ = replicate_comm_ ? replicate_comm_->size() : 1;
 }
 
 std::string FullyShardedDataParallelImpl::label() const {
@@ -233,9 +276,9 @@ void FullyShardedDataParallelImpl::collect_and_shard() {
       fp.numel += slot.numel;
     }
     if (sharded()) {
-      fp.shard_numel = internal::ShardNumel(fp.numel, world_);
-      fp.padded_numel = fp.shard_numel * world_;
-      fp.shard_offset = rank_ * fp.shard_numel;
+      fp.shard_numel = internal::ShardNumel(fp.numel, shard_world_);
+      fp.padded_numel = fp.shard_numel * shard_world_;
+      fp.shard_offset = shard_rank_ * fp.shard_numel;
     } else {
       fp.shard_numel = fp.padded_numel = fp.numel;
     }
@@ -429,7 +472,11 @@ void FullyShardedDataParallelImpl::post_forward(const std::vector<at::Tensor>& o
   }
   if (needs_backward) forwarded_ = true;
   const bool keep = is_root() && options_.disable_reshard_on_root();
-  if (options_.sharding_strategy() == ShardingStrategy::kFullShard && !keep) reshard();
+  const ShardingStrategy strategy = options_.sharding_strategy();
+  if ((strategy == ShardingStrategy::kFullShard || strategy == ShardingStrategy::kHybridShard) &&
+      !keep) {
+    reshard();
+  }
   if (is_root()) {
     if (!st.forward_order.empty()) st.forward_order_done = true;
     // No backward will use the full parameters of this forward: nothing stays gathered, so no
@@ -494,7 +541,7 @@ void FullyShardedDataParallelImpl::issue_gathers() {
     const std::string context = label() + ": all_gather of the flat parameter";
     fp.gather_send = fp.mixed ? fp.shard.detach().to(fp.full.scalar_type()) : fp.shard.detach();
     fp.gather_work =
-        comm_->AllGather(internal::Buf(fp.gather_send, context), internal::Buf(fp.full, context));
+        shard_comm_->AllGather(internal::Buf(fp.gather_send, context), internal::Buf(fp.full, context));
     fp.gather_pending = true;
     issued = true;
     if (state_) ++state_->gathers_in_flight;
@@ -655,7 +702,7 @@ void FullyShardedDataParallelImpl::finalize_backward() {
     flush_bucket();
     c10::NoGradGuard no_grad;
     for (internal::PendingReduce& p : st.pending) {
-      ThrowIfError(p.work.Wait(), p.parts.front().unit->label() + ": gradient reduction");
+      ThrowIfError(wait_reduce(p), p.parts.front().unit->label() + ": gradient reduction");
       complete_reduce(p);
     }
     for (FullyShardedDataParallelImpl* u : st.units) {

@@ -97,7 +97,8 @@ struct FlatParamInfo {
   std::string name;  // registered name: "flat_param" (trainable) or "flat_param_frozen"
   bool requires_grad = false;
   int64_t numel = 0;         // sum of the entries
-  int64_t padded_numel = 0;  // world_size * shard_numel (kNoShard: numel)
+  // Sharded over the shard group (the whole world, or the HYBRID_SHARD sub-group):
+  int64_t padded_numel = 0;  // shard group size * shard_numel (unsharded: numel)
   int64_t shard_numel = 0;
   int64_t shard_offset = 0;  // where this rank's shard starts in the padded flat parameter
   std::vector<Entry> params;
@@ -169,6 +170,17 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   const std::shared_ptr<comm::Communicator>& communicator() const { return comm_; }
   int rank() const { return rank_; }
   int world_size() const { return world_; }
+  // The ranks that shard this unit's flat parameters: communicator() itself, or the HYBRID_SHARD
+  // shard group. The replicate group (null unless hybrid with more than one group) joins the
+  // ranks holding the same shard; replicate_rank() is 0 and replicate_world_size() 1 without.
+  const std::shared_ptr<comm::Communicator>& shard_communicator() const { return shard_comm_; }
+  const std::shared_ptr<comm::Communicator>& replicate_communicator() const {
+    return replicate_comm_;
+  }
+  int shard_rank() const { return shard_rank_; }
+  int shard_world_size() const { return shard_world_; }
+  int replicate_rank() const { return replicate_rank_; }
+  int replicate_world_size() const { return replicate_world_; }
 
   // Gradient accumulation without communication, FairScale's no_sync(): while the returned
   // guard lives, backward passes accumulate full (unsharded) gradients on each rank and reduce
@@ -263,12 +275,15 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   }
   at::Tensor cast_tensor(const at::Tensor& t) const;
   bool is_root() const;
-  // Whether this unit keeps only a shard of its parameters. At world size 1 there is nothing to
-  // shard: every strategy then runs as kNoShard (no gathers, no frees, no communication), as
-  // PyTorch FSDP does.
+  // Whether this unit keeps only a shard of its parameters. With a shard group of one rank
+  // (world size 1, or HYBRID_SHARD groups of 1) there is nothing to shard: every strategy then
+  // runs as kNoShard (no gathers, no frees; gradients all-reduced over the world), as PyTorch
+  // FSDP does.
   bool sharded() const {
-    return world_ > 1 && options_.sharding_strategy() != ShardingStrategy::kNoShard;
+    return shard_world_ > 1 && options_.sharding_strategy() != ShardingStrategy::kNoShard;
   }
+  // The shard and replicate groups from the options (constructor; collective when hybrid).
+  void init_groups();
   void attach_grad_views(internal::FlatParam& fp);
 
   void collect_and_shard();
@@ -299,6 +314,9 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // reduction instead of at the end of backward. Stops at a failed one (finalize_backward
   // reports it).
   void drain_reduces(size_t keep);
+  // Waits for `p`'s reduction; under HYBRID_SHARD then all-reduces its result across the shard
+  // groups (and waits for that too).
+  static absl::Status wait_reduce(internal::PendingReduce& p);
   static void complete_reduce(const internal::PendingReduce& p);
 
   torch::nn::AnyModule module_any_;
@@ -307,6 +325,12 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   FsdpOptions options_;
   int rank_ = 0;
   int world_ = 1;
+  std::shared_ptr<comm::Communicator> shard_comm_;      // comm_ unless hybrid
+  std::shared_ptr<comm::Communicator> replicate_comm_;  // null unless hybrid with > 1 group
+  int shard_rank_ = 0;
+  int shard_world_ = 1;
+  int replicate_rank_ = 0;
+  int replicate_world_ = 1;
   std::string prefix_;
 
   std::vector<internal::FlatParam> flats_;

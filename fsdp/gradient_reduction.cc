@@ -1,7 +1,9 @@
 // FullyShardedDataParallelImpl's gradient reduction: a unit's flat gradients reduce-scattered
-// (sharded strategies) or all-reduced (NO_SHARD, in place on the gradient views), bucketed,
-// with at most options.reductions_in_flight() reductions pending; completion divides by the
-// post factor and accumulates into the shard's .grad. Forward/backward and the gathers are in
+// over the shard group (sharded strategies; HYBRID_SHARD then all-reduces the reduced shard
+// over the replicate group) or all-reduced over the world (NO_SHARD, in place on the gradient
+// views), bucketed, with at most options.reductions_in_flight() reductions pending; completion
+// divides by the post factor (pre * post = the world size: the mean over every rank) and
+// accumulates into the shard's .grad. Forward/backward and the gathers are in
 // fully_sharded_data_parallel.cc.
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
@@ -53,7 +55,9 @@ void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
   if (sharded() && cap > 0 && bytes <= cap) {
     internal::GradBucket& bucket = state_->bucket;
     if (!bucket.sends.empty() &&
-        (bucket.sends.front().scalar_type() != send.scalar_type() || bucket.bytes + bytes > cap)) {
+        (bucket.sends.front().scalar_type() != send.scalar_type() || bucket.bytes + bytes > cap ||
+         bucket.parts.front().unit->shard_comm_ != shard_comm_ ||
+         bucket.parts.front().unit->replicate_comm_ != replicate_comm_)) {
       flush_bucket();
     }
     bucket.parts.push_back({this, flat, bucket.numel});
@@ -71,8 +75,9 @@ void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
   if (sharded()) {
     // In place: this rank's block of the send buffer, no separate receive buffer.
     p.recv = send.narrow(0, fp.shard_offset, fp.shard_numel);
-    p.work = comm_->ReduceScatter(internal::Buf(send, context), internal::Buf(p.recv, context),
-                                  comm::ReduceOp::kSum);
+    p.work = shard_comm_->ReduceScatter(internal::Buf(send, context),
+                                        internal::Buf(p.recv, context), comm::ReduceOp::kSum);
+    p.replicate = replicate_comm_;
   } else {
     p.recv = send;
     comm::Buffer b = internal::Buf(send, context);
@@ -85,19 +90,22 @@ void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
 void FullyShardedDataParallelImpl::flush_bucket() {
   internal::GradBucket& bucket = state_->bucket;
   if (bucket.sends.empty()) return;
+  // The groups of the bucket's units (the caller may be the root, at the end of backward).
+  const FullyShardedDataParallelImpl* owner = bucket.parts.front().unit;
   // Reduce-scatter gives rank r the r-th contiguous chunk of the input, so the bucket is laid out
   // rank-major: [rank 0: shard of part 0, shard of part 1, ...][rank 1: ...]...
   std::vector<at::Tensor> rows;
   for (size_t i = 0; i < bucket.sends.size(); ++i) {
-    rows.push_back(bucket.sends[i].view({world_, -1}));
+    rows.push_back(bucket.sends[i].view({owner->shard_world_, -1}));
   }
   c10::NoGradGuard no_grad;
   internal::PendingReduce p{std::move(bucket.parts), comm::Work(), at::cat(rows, 1).reshape({-1}),
                             at::Tensor()};
-  p.recv = p.send.narrow(0, rank_ * bucket.numel, bucket.numel);  // in place
-  const std::string context = label() + ": bucketed gradient reduction";
-  p.work = comm_->ReduceScatter(internal::Buf(p.send, context), internal::Buf(p.recv, context),
-                                comm::ReduceOp::kSum);
+  p.recv = p.send.narrow(0, owner->shard_rank_ * bucket.numel, bucket.numel);  // in place
+  const std::string context = owner->label() + ": bucketed gradient reduction";
+  p.work = owner->shard_comm_->ReduceScatter(internal::Buf(p.send, context),
+                                             internal::Buf(p.recv, context), comm::ReduceOp::kSum);
+  p.replicate = owner->replicate_comm_;
   state_->pending.push_back(std::move(p));
   bucket = internal::GradBucket();
   drain_reduces(static_cast<size_t>(std::max(1, options_.reductions_in_flight())));
@@ -106,10 +114,23 @@ void FullyShardedDataParallelImpl::flush_bucket() {
 void FullyShardedDataParallelImpl::drain_reduces(size_t keep) {
   std::vector<internal::PendingReduce>& pending = state_->pending;
   while (pending.size() > keep) {
-    if (!pending.front().work.Wait().ok()) return;
+    if (!wait_reduce(pending.front()).ok()) return;
     complete_reduce(pending.front());
     pending.erase(pending.begin());
   }
+}
+
+absl::Status FullyShardedDataParallelImpl::wait_reduce(internal::PendingReduce& p) {
+  absl::Status status = p.work.Wait();
+  if (!status.ok() || p.replicate == nullptr) return status;
+  // HYBRID_SHARD: the shard group's sum, summed over the groups. Issued here, once the
+  // reduce-scatter is known done, in the same order on every rank (the order of the waits).
+  const std::shared_ptr<comm::Communicator> replicate = std::move(p.replicate);
+  p.replicate = nullptr;
+  const std::string context = p.parts.front().unit->label() + ": all_reduce across shard groups";
+  comm::Buffer b = internal::Buf(p.recv, context);
+  p.work = replicate->AllReduce(b, b, comm::ReduceOp::kSum);
+  return p.work.Wait();
 }
 
 void FullyShardedDataParallelImpl::complete_reduce(const internal::PendingReduce& p) {

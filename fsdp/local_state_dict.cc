@@ -43,7 +43,8 @@ std::string Shape(const std::vector<int64_t> &shape) {
 
 ShardingStrategy StrategyFromName(const std::string &name) {
   for (ShardingStrategy s :
-       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard}) {
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
+        ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
     if (name == ShardingStrategyName(s)) return s;
   }
   TORCH_CHECK(false, "fsdp local state dict: unknown sharding strategy '", name, "'");

@@ -191,6 +191,19 @@ FullOptimState OptimMeta(const Manifest& m) {
   return meta;
 }
 
+// The part of flat `flat` this rank writes, each element written by exactly one rank: the
+// rank's 1/world of an unsharded flat parameter; of a sharded one, the rank's shard (without
+// padding), split further among the ranks holding the same shard (HYBRID_SHARD's replicate
+// group), so that the groups share the writing.
+std::pair<int64_t, int64_t> WrittenRange(const internal::FlatRef& flat, const ModelLayout& layout) {
+  if (!flat.sharded) return internal::OwnedRange(flat.info.numel, layout.rank, layout.world);
+  const int64_t begin = std::min(flat.info.numel, flat.info.shard_offset);
+  const int64_t end = std::min(flat.info.numel, flat.info.shard_offset + flat.info.shard_numel);
+  const auto [lo, hi] = internal::OwnedRange(end - begin, flat.unit->replicate_rank(),
+                                             flat.unit->replicate_world_size());
+  return {begin + lo, begin + hi};
+}
+
 }  // namespace
 
 void save_sharded_checkpoint(FullyShardedDataParallel& model,
@@ -231,7 +244,7 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
     // flat) holds, as ranges of its original tensors.
     auto add_ranges = [&](const internal::FlatRef& flat, const at::Tensor& shard,
                           const std::string& prefix, const std::string& suffix) {
-      const auto [lo, hi] = internal::OwnedRange(flat.info.numel, layout.rank, layout.world);
+      const auto [lo, hi] = WrittenRange(flat, layout);
       internal::ForEachOverlap(
           flat.info.params, lo, hi,
           [&](size_t i, int64_t entry_begin, int64_t flat_begin, int64_t length) {

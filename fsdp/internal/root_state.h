@@ -6,8 +6,10 @@
 #include <ATen/core/Tensor.h>
 
 #include <deque>
+#include <memory>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "comm/work.h"
 
 namespace fairscale::fsdp {
@@ -32,12 +34,16 @@ struct PendingReduce {
   at::Tensor recv;  // reduce-scatter: this rank's block of `send` (in place)
   // All-reduce in place on the shard's .grad (FlatParam::grad_views): nothing to add.
   bool in_place_grad = false;
+  // HYBRID_SHARD: once the reduce-scatter inside the shard group is done, `recv` is
+  // all-reduced in place over this replicate group (null: nothing more to do).
+  std::shared_ptr<comm::Communicator> replicate;
 };
 
-// Padded full gradients waiting to be reduce-scattered together in one operation.
+// Padded full gradients waiting to be reduce-scattered together in one operation (all of units
+// with the same shard group).
 struct GradBucket {
   std::vector<ReducePart> parts;
-  std::vector<at::Tensor> sends;  // each [world * shard_numel]
+  std::vector<at::Tensor> sends;  // each [shard group size * shard_numel]
   int64_t bytes = 0;
   int64_t numel = 0;  // per rank: the sum of the parts' shard_numel
 };

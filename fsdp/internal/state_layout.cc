@@ -97,7 +97,8 @@ at::Tensor GatherFlat(const ModelLayout& layout, size_t f, const at::Tensor& sha
   TORCH_CHECK(shard.is_contiguous() && shard.numel() == flat.info.shard_numel, context,
               ": expected a contiguous shard of ", flat.info.shard_numel, " elements");
   at::Tensor full = at::empty({flat.info.padded_numel}, shard.options());
-  const auto& comm = flat.unit->communicator();
+  // Over the shard group only (HYBRID_SHARD: every group holds the whole flat parameter).
+  const auto& comm = flat.unit->shard_communicator();
   ThrowIfError(comm->AllGather(ValueOrThrow(comm::ToConstBuffer(shard), context),
                                ValueOrThrow(comm::ToBuffer(full), context))
                    .Wait(),

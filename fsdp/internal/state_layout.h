@@ -53,7 +53,8 @@ struct ModelLayout {
 ModelLayout GetModelLayout(FullyShardedDataParallel& model);
 
 // The full padded flat parameter (or optimizer state) assembled from every rank's `shard` of
-// flat `f` (an all-gather into a new buffer; collective), or `shard` itself when unsharded.
+// flat `f` (an all-gather over the unit's shard group into a new buffer; collective), or
+// `shard` itself when unsharded.
 at::Tensor GatherFlat(const ModelLayout& layout, size_t f, const at::Tensor& shard,
                       const std::string& context);
 
