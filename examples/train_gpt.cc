@@ -55,7 +55,11 @@ ABSL_FLAG(int64_t, warmup_steps, 20, "learning-rate warmup steps");
 ABSL_FLAG(double, min_lr_ratio, 0.1, "final learning rate as a fraction of --lr");
 ABSL_FLAG(double, grad_clip, 1.0, "max global gradient norm (0: off)");
 ABSL_FLAG(uint64_t, seed, 1234, "initial weights, data order and sampling");
-ABSL_FLAG(std::string, strategy, "full_shard", "full_shard | shard_grad_op | no_shard");
+ABSL_FLAG(std::string, strategy, "full_shard",
+          "full_shard | shard_grad_op | no_shard | hybrid_shard | hybrid_shard_zero2");
+ABSL_FLAG(int64_t, hybrid_shard_group_size, 0,
+          "hybrid_shard / hybrid_shard_zero2: ranks per shard group (a divisor of the rank "
+          "count; consecutive ranks), replicated across groups; 0: one group per host");
 ABSL_FLAG(std::string, data_parallel, "fsdp",
           "fsdp (FullyShardedDataParallel, --strategy) | sdp (oss::ShardedDataParallel + OSS "
           "Adam, ZeRO-2; needs --precision=fp32)");
@@ -149,6 +153,7 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.grad_clip = absl::GetFlag(FLAGS_grad_clip);
   c.seed = absl::GetFlag(FLAGS_seed);
   c.strategy = absl::GetFlag(FLAGS_strategy);
+  c.hybrid_shard_group_size = absl::GetFlag(FLAGS_hybrid_shard_group_size);
   c.precision = absl::GetFlag(FLAGS_precision);
   c.data_parallel = absl::GetFlag(FLAGS_data_parallel);
   c.oss_partition = absl::GetFlag(FLAGS_oss_partition);

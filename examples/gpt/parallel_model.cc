@@ -41,8 +41,12 @@ absl::StatusOr<fsdp::ShardingStrategy> ParseStrategy(const std::string& s) {
   if (s == "full_shard") return fsdp::ShardingStrategy::kFullShard;
   if (s == "shard_grad_op") return fsdp::ShardingStrategy::kShardGradOp;
   if (s == "no_shard") return fsdp::ShardingStrategy::kNoShard;
+  if (s == "hybrid_shard") return fsdp::ShardingStrategy::kHybridShard;
+  if (s == "hybrid_shard_zero2") return fsdp::ShardingStrategy::kHybridShardZero2;
   return absl::InvalidArgumentError(
-      absl::StrCat("strategy '", s, "': expected full_shard, shard_grad_op or no_shard"));
+      absl::StrCat("strategy '", s,
+                   "': expected full_shard, shard_grad_op, no_shard, hybrid_shard or "
+                   "hybrid_shard_zero2"));
 }
 
 absl::StatusOr<c10::optional<c10::ScalarType>> ParsePrecision(const std::string& p) {
@@ -610,7 +614,15 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
   // Compute and all-gather in `dtype`; reduce gradients in f32 (FairScale's
   // fp32_reduce_scatter): the shards the optimizer steps are f32 master copies either way.
   if (dtype) mp.param_dtype(dtype).reduce_dtype(at::kFloat);
-  const auto opts = fsdp::FsdpOptions().sharding_strategy(strategy).mixed_precision(mp);
+  auto opts = fsdp::FsdpOptions().sharding_strategy(strategy).mixed_precision(mp);
+  if (fsdp::IsHybrid(strategy)) {
+    if (config.hybrid_shard_group_size > 0 && comm->size() % config.hybrid_shard_group_size != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("hybrid_shard_group_size ", config.hybrid_shard_group_size,
+                       " does not divide the number of ranks ", comm->size()));
+    }
+    opts.hybrid_shard_group_size(static_cast<int>(config.hybrid_shard_group_size));
+  }
   fsdp::FullyShardedDataParallel model{nullptr};
   {
     fsdp::EnableWrap scope(comm, opts, GptWrapPolicy());
@@ -637,7 +649,15 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
 }
 
 absl::Status ValidateParallelConfig(const TrainConfig& config) {
-  FS_RETURN_IF_ERROR(ParseStrategy(config.strategy).status());
+  FS_ASSIGN_OR_RETURN(fsdp::ShardingStrategy strategy, ParseStrategy(config.strategy));
+  if (config.hybrid_shard_group_size < 0 ||
+      (config.hybrid_shard_group_size > 0 &&
+       (!fsdp::IsHybrid(strategy) || config.data_parallel != "fsdp"))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hybrid_shard_group_size ", config.hybrid_shard_group_size,
+        ": expected >= 0, and > 0 only with data_parallel fsdp and strategy hybrid_shard or "
+        "hybrid_shard_zero2 (strategy ", config.strategy, ")"));
+  }
   FS_RETURN_IF_ERROR(ParsePrecision(config.precision).status());
   FS_RETURN_IF_ERROR(ParsePartition(config.oss_partition).status());
   if (config.pipeline_stages > 1) {
@@ -690,6 +710,11 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
           p, "the replicas of a stage shard it with FSDP (strategy full_shard or shard_grad_op) "
           "or all-reduce its gradients (strategy no_shard): needs data_parallel fsdp, got ",
           config.data_parallel));
+    }
+    if (fsdp::IsHybrid(strategy)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "strategy ", config.strategy, " is not wired for the pipeline's replicas (use "
+          "full_shard, shard_grad_op or no_shard)"));
     }
     if (config.pipeline_balance != "even" && config.pipeline_balance != "size") {
       return absl::InvalidArgumentError(absl::StrCat(

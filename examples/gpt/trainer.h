@@ -102,7 +102,10 @@ struct TrainConfig {
   std::string pipeline_schedule = "1f1b";
   std::string pipeline_balance = "even";
   // FSDP.
-  std::string strategy = "full_shard";  // full_shard | shard_grad_op | no_shard
+  // full_shard | shard_grad_op | no_shard | hybrid_shard | hybrid_shard_zero2 (FULL_SHARD /
+  // SHARD_GRAD_OP inside groups of hybrid_shard_group_size ranks, replicated across them).
+  std::string strategy = "full_shard";
+  int64_t hybrid_shard_group_size = 0;  // hybrid strategies: ranks per shard group (0: per host)
   // bf16 | fp32: the compute and all-gather dtype. fp16 parses but is rejected on CPU (no
   // float16 LayerNorm kernel in LibTorch 1.13); it would also want a loss scaler.
   std::string precision = "bf16";

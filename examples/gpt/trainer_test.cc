@@ -354,6 +354,45 @@ TEST(TrainRankTest, PipelineWithFsdpResumesWithAnotherReplicaCount) {
   EXPECT_LT(got.losses[7], got.losses[3]);
 }
 
+// --strategy=hybrid_shard --hybrid_shard_group_size=2 at 4 ranks (2 shard groups of 2, the
+// gradient shards all-reduced across them) trains the same model as full_shard at 4 ranks: the
+// same mean gradient, summed in another order, so the losses agree to float rounding.
+TEST(TrainRankTest, HybridShardMatchesFullShard) {
+  TrainConfig full = TinyConfig("");
+  TrainConfig hybrid = full;
+  hybrid.strategy = "hybrid_shard", hybrid.hybrid_shard_group_size = 2;
+  const JobOutput ref = RunJob(full, 4, "full_shard4");
+  const JobOutput got = RunJob(hybrid, 4, "hybrid_2x2");
+  if (comm::testing::IsRankProcess()) return;
+  ASSERT_EQ(got.losses.size(), ref.losses.size());
+  double max_diff = 0;
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << "step " << i + 1;
+    max_diff = std::max(max_diff, std::abs(got.losses[i] - ref.losses[i]));
+  }
+  std::printf("hybrid_shard 2x2 vs full_shard at 4 ranks: max |loss difference| %.3g over %zu "
+              "steps\n",
+              max_diff, ref.losses.size());
+  EXPECT_LT(got.losses.back(), got.losses.front() - 0.3);
+}
+
+TEST(TrainConfigTest, HybridShardGroupSizeNeedsAHybridStrategy) {
+  TrainConfig c = TinyConfig("");
+  c.strategy = "hybrid_shard", c.hybrid_shard_group_size = 2;
+  EXPECT_OK(c.Validate());
+  c.strategy = "full_shard";
+  EXPECT_THAT(c.Validate(),
+              base::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                      ::testing::HasSubstr("hybrid_shard_group_size 2: expected")));
+  c.strategy = "hybrid_shard_zero2", c.hybrid_shard_group_size = -1;
+  EXPECT_THAT(c.Validate(), base::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                                    ::testing::HasSubstr("hybrid_shard_group_size -1")));
+  c = TinyConfig("");
+  c.strategy = "hybrid_shard", c.pipeline_stages = 2;
+  EXPECT_THAT(c.Validate(), base::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                                    ::testing::HasSubstr("not wired for the pipeline")));
+}
+
 // --checkpoint_activations recomputes each checkpointed block's forward in backward: the same
 // kernels on the same inputs (no randomness in the model's forward), so every loss is bitwise
 // the plain run's, for fsdp (blocks inside their units, fp32 and bf16) and sdp, at 1 and 2 ranks.

@@ -143,9 +143,33 @@ bool ApplyFullShardVariant(const std::string& config, FsdpOptions* opts) {
   return false;
 }
 
+// HYBRID_SHARD_G<g> / HYBRID_SHARD_ZERO2_G<g> (not in the default --configs): hybrid sharding
+// over groups of g consecutive ranks, g in 1..9; run only at world sizes g divides. Returns g, or
+// 0 for a name that is not one of them.
+int HybridGroupOf(const std::string& config) {
+  for (const char* prefix : {"HYBRID_SHARD_G", "HYBRID_SHARD_ZERO2_G"}) {
+    const std::string p = prefix;
+    if (config.size() == p.size() + 1 && absl::StartsWith(config, p) && config.back() >= '1' &&
+        config.back() <= '9') {
+      return config.back() - '0';
+    }
+  }
+  return 0;
+}
+
+// Whether `config` runs at world size `n`.
+bool RunsAt(const std::string& config, int n) {
+  const int g = HybridGroupOf(config);
+  return g == 0 || n % g == 0;
+}
+
 ShardingStrategy StrategyOf(const std::string& config) {
   FsdpOptions ignored;
   if (ApplyFullShardVariant(config, &ignored)) return ShardingStrategy::kFullShard;
+  if (HybridGroupOf(config) > 0) {
+    return absl::StartsWith(config, "HYBRID_SHARD_ZERO2") ? ShardingStrategy::kHybridShardZero2
+                                                          : ShardingStrategy::kHybridShard;
+  }
   if (config == "SHARD_GRAD_OP") return ShardingStrategy::kShardGradOp;
   if (config == "NO_SHARD") return ShardingStrategy::kNoShard;
   Die(absl::StrCat("unknown configuration '", config, "' in --configs"));
@@ -206,6 +230,7 @@ int RunRank(int rank, int n, const std::string& dir) {
 
   std::ofstream out(absl::StrCat(dir, "/rank", rank, ".tsv"));
   for (const std::string& config_name : Configs()) {
+    if (!RunsAt(config_name, comm->size())) continue;
     RankResult r;
     int64_t param_bytes = 0;
     torch::manual_seed(0);  // same initial weights on every rank
@@ -216,6 +241,7 @@ int RunRank(int rank, int n, const std::string& dir) {
     } else {
       auto opts = FsdpOptions().sharding_strategy(StrategyOf(config_name));
       ApplyFullShardVariant(config_name, &opts);
+      if (HybridGroupOf(config_name) > 0) opts.hybrid_shard_group_size(HybridGroupOf(config_name));
       FullyShardedDataParallel model{nullptr};
       {
         EnableWrap scope(comm, opts, gpt::GptWrapPolicy());
@@ -288,6 +314,7 @@ int RunWorld(int n, WorldResult* result) {
     }
   }
   for (const std::string& c : Configs()) {
+    if (!RunsAt(c, n)) continue;
     if (!by_config.count(c)) Die(absl::StrCat("no result for ", c, " at ", n, " ranks"));
     result->rows.push_back(by_config[c]);
   }
@@ -342,6 +369,10 @@ int Main() {
         bound = 4 * p / row.n + unit_bytes + a;
       else if (StrategyOf(row.config) == ShardingStrategy::kShardGradOp)
         bound = 4 * p / row.n + p + a;
+      else if (StrategyOf(row.config) == ShardingStrategy::kHybridShard)  // sharded over g
+        bound = 4 * p / HybridGroupOf(row.config) + unit_bytes + a;
+      else if (StrategyOf(row.config) == ShardingStrategy::kHybridShardZero2)
+        bound = 4 * p / HybridGroupOf(row.config) + p + a;
       else
         bound = 4 * p + a;
       const double tokens = static_cast<double>(row.n) * s.batch * s.seq;
