@@ -115,6 +115,50 @@ TEST(FailureTest, EveryRankNamesTheFailingStage) {
   }
 }
 
+// Interleaved 1F1B at 2 ranks x 2 virtual stages, balance {1, 1, 2, 1}: the Boom layer is in
+// virtual stage 2 (rank 0's chunk 1, fed by the wrap-around link from rank 1); the loss runs in
+// virtual stage 3 on rank 1. Every rank names the failing rank and virtual stage.
+TEST(FailureTest, InterleavedEveryRankNamesTheFailingStage) {
+  const std::vector<Case> cases = {
+      {"forward", Boom::kForward, false, 12, 0, "forward of micro-batch 0 on virtual stage 2"},
+      {"backward", Boom::kBackward, false, 12, 0, "boom in backward"},
+      {"loss", Boom::kNone, true, 12, 1, "bad loss"},
+  };
+  for (const Case& c : cases) {
+    for (int64_t chunks : {2, 4}) {
+      const std::string at = absl::StrCat(c.name, " chunks ", chunks);
+      const std::string stage_name = absl::StrCat("pipe stage ", c.failing_stage, "/2");
+      std::vector<absl::Status> statuses = testing::RunInproc(
+          2,
+          [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+            absl::StatusOr<std::unique_ptr<Pipe>> pipe =
+                Pipe::Create(MakeModel(c.boom), comm,
+                             PipeOptions()
+                                 .balance({1, 1, 2, 1})
+                                 .chunks(chunks)
+                                 .schedule(Schedule::kInterleaved1F1B)
+                                 .virtual_stages(2)
+                                 .timeout(absl::Seconds(20)));
+            if (!pipe.ok()) return pipe.status();
+            LossFn loss = [&](const at::Tensor& out, const at::Tensor& y) {
+              TORCH_CHECK(!c.loss_throws, "bad loss");
+              return testing::Mse(out, y);
+            };
+            absl::StatusOr<at::Tensor> first = (*pipe)->train_step(
+                testing::Inputs(c.input_rows, 1), testing::Targets(12, 2), loss);
+            if (first.ok()) return absl::InternalError("train_step succeeded");
+            return first.status();
+          },
+          absl::Seconds(20));
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_FALSE(statuses[r].ok()) << at << " rank " << r;
+        EXPECT_THAT(std::string(statuses[r].message()), HasSubstr(stage_name)) << at << " rank " << r;
+        EXPECT_THAT(std::string(statuses[r].message()), HasSubstr(c.what)) << at << " rank " << r;
+      }
+    }
+  }
+}
+
 TEST(FailureTest, BadConfigurationIsInvalidArgument) {
   struct Config {
     int world;

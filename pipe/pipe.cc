@@ -3,11 +3,13 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/narrow.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <exception>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <utility>
@@ -70,7 +72,11 @@ struct StepState {
   std::vector<Boundary> first_inputs;  // stage 0: the micro-batches of the input
   std::vector<at::Tensor> targets;     // last stage
   const LossFn* loss_fn = nullptr;
-  std::vector<MicroBatch> micro;
+  std::vector<MicroBatch> micro;       // [chunk * chunks + micro-batch]
+  // One rank with several chunks: what chunk j hands to chunk j + 1 (activations) and back
+  // (gradients) without a communicator, keyed by the receiving virtual stage and micro-batch.
+  std::map<std::pair<int64_t, int64_t>, Boundary> local_activations;
+  std::map<std::pair<int64_t, int64_t>, std::vector<at::Tensor>> local_gradients;
   double loss_sum = 0;
   c10::ScalarType loss_dtype = c10::ScalarType::Float;
   bool train = true;  // false: forwards only, no graph kept (eval_step)
@@ -80,9 +86,14 @@ struct StepState {
 
 }  // namespace internal
 
+// This rank's ends of the links to its neighbours: two-rank communicators on which it only
+// sends (activations to the next rank, gradients to the previous) or only receives.
 struct Pipe::Links {
+  std::vector<std::shared_ptr<comm::Communicator>> all;  // every link communicator, for Abort
   std::optional<internal::ActivationLink> from_prev;
   std::optional<internal::ActivationLink> to_next;
+  std::shared_ptr<comm::Communicator> grads_from_next;  // peer 1 in it
+  std::shared_ptr<comm::Communicator> grads_to_prev;    // peer 0 in it
 };
 
 namespace {
@@ -145,21 +156,32 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Create(torch::nn::Sequential model,
   if (model.is_empty() || model->size() == 0) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": the model has no layers"));
   }
-  const int64_t stages = comm->size();
+  if (options.virtual_stages() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": virtual stages must be >= 1, got ",
+                                                   options.virtual_stages()));
+  }
+  const int64_t ranks = comm->size();
+  const int64_t v = options.virtual_stages();
+  const int64_t stages = ranks * v;
   const int64_t layers = static_cast<int64_t>(model->size());
+  const std::string stages_text =
+      v == 1 ? absl::StrCat(stages, " stages (one per rank)")
+             : absl::StrCat(stages, " virtual stages (", ranks, " ranks x ", v, ")");
   if (stages > layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": ", stages, " stages (one per rank) but the model has only ",
-                     layers, " layers; every stage needs at least one"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", stages_text,
+                                                   " but the model has only ", layers,
+                                                   " layers; every stage needs at least one"));
   }
   std::vector<int64_t> balance = options.balance();
   if (balance.empty()) {
     for (int64_t s = 0; s < stages; ++s) balance.push_back(layers / stages + (s < layers % stages));
   }
   if (static_cast<int64_t>(balance.size()) != stages) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": balance {", absl::StrJoin(balance, ", "), "} has ", balance.size(),
-                     " entries but the communicator has ", stages, " ranks (one stage per rank)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": balance {", absl::StrJoin(balance, ", "), "} has ", balance.size(),
+        " entries but the communicator has ", ranks, " ranks (",
+        v == 1 ? std::string("one stage per rank") : absl::StrCat(v, " virtual stages per rank"),
+        ")"));
   }
   for (size_t s = 0; s < balance.size(); ++s) {
     if (balance[s] < 1) {
@@ -173,14 +195,20 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Create(torch::nn::Sequential model,
                                                    absl::StrJoin(balance, ", "), "} sums to ", sum,
                                                    " but the model has ", layers, " layers"));
   }
-  const int64_t first =
-      std::accumulate(balance.begin(), balance.begin() + comm->rank(), int64_t{0});
-  torch::nn::Sequential mine;
   const auto children = model->named_children();
-  for (int64_t l = first; l < first + balance[comm->rank()]; ++l) {
-    mine->push_back(children[l].key(), *(model->begin() + l));
+  std::vector<torch::nn::Sequential> chunks;
+  std::vector<int64_t> firsts;
+  for (int64_t c = comm->rank(); c < stages; c += ranks) {
+    const int64_t first = std::accumulate(balance.begin(), balance.begin() + c, int64_t{0});
+    torch::nn::Sequential mine;
+    for (int64_t l = first; l < first + balance[c]; ++l) {
+      mine->push_back(children[l].key(), *(model->begin() + l));
+    }
+    chunks.push_back(std::move(mine));
+    firsts.push_back(first);
   }
-  return Make(std::move(mine), std::move(comm), std::move(options), std::move(balance));
+  return Make(std::move(chunks), std::move(firsts), std::move(comm), std::move(options),
+              std::move(balance));
 }
 
 absl::StatusOr<std::unique_ptr<Pipe>> Pipe::CreateForStage(
@@ -194,84 +222,139 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::CreateForStage(
     return absl::InvalidArgumentError(absl::StrCat(where, ": the stage has no layers"));
   }
   const std::vector<int64_t>& balance = options.balance();
-  if (balance.empty()) return Make(std::move(stage_layers), comm, options, {});
-  if (static_cast<int64_t>(balance.size()) != comm->size() ||
-      balance[comm->rank()] != static_cast<int64_t>(stage_layers->size())) {
+  const int64_t v = options.virtual_stages();
+  if (balance.empty()) {
+    if (v != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": virtual stages = ", v, " needs a balance (layers per virtual stage)"));
+    }
+    return Make({std::move(stage_layers)}, {0}, comm, options, {});
+  }
+  const int64_t ranks = comm->size();
+  int64_t mine = 0;
+  for (int64_t c = comm->rank(); c < static_cast<int64_t>(balance.size()); c += ranks) {
+    mine += balance[c];
+  }
+  if (v < 1 || static_cast<int64_t>(balance.size()) != ranks * v ||
+      mine != static_cast<int64_t>(stage_layers->size())) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, ": balance {", absl::StrJoin(balance, ", "), "} must have one entry per rank (",
-        comm->size(), ") and entry ", comm->rank(), " must be this stage's layer count ",
-        stage_layers->size()));
+        where, ": balance {", absl::StrJoin(balance, ", "), "} must have one entry per rank x ",
+        "virtual stage (", ranks, " x ", v, ") and the entries of rank ", comm->rank(),
+        " must sum to this stage's layer count ", stage_layers->size()));
   }
-  const int64_t first =
-      std::accumulate(balance.begin(), balance.begin() + comm->rank(), int64_t{0});
-  torch::nn::Sequential renamed;
-  for (size_t l = 0; l < stage_layers->size(); ++l) {
-    renamed->push_back(std::to_string(first + l), *(stage_layers->begin() + l));
+  std::vector<torch::nn::Sequential> chunks;
+  std::vector<int64_t> firsts;
+  size_t next = 0;
+  for (int64_t c = comm->rank(); c < ranks * v; c += ranks) {
+    const int64_t first = std::accumulate(balance.begin(), balance.begin() + c, int64_t{0});
+    torch::nn::Sequential renamed;
+    for (int64_t l = 0; l < balance[c]; ++l) {
+      renamed->push_back(std::to_string(first + l), *(stage_layers->begin() + next++));
+    }
+    chunks.push_back(std::move(renamed));
+    firsts.push_back(first);
   }
-  return Make(std::move(renamed), std::move(comm), std::move(options), balance);
+  return Make(std::move(chunks), std::move(firsts), std::move(comm), std::move(options), balance);
 }
 
-absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(torch::nn::Sequential layers,
+absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(std::vector<torch::nn::Sequential> chunks,
+                                                 std::vector<int64_t> firsts,
                                                  std::shared_ptr<comm::Communicator> comm,
                                                  PipeOptions options,
                                                  std::vector<int64_t> balance) {
+  const std::string where =
+      absl::StrCat("pipe::Pipe (rank ", comm->rank(), "/", comm->size(), ")");
   if (options.chunks() < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("pipe::Pipe (rank ", comm->rank(), "/",
-                                                   comm->size(), "): chunks must be >= 1, got ",
-                                                   options.chunks()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": chunks must be >= 1, got ", options.chunks()));
+  }
+  const std::string invalid = ValidateSchedule(options.schedule(), comm->size(), options.chunks(),
+                                               options.virtual_stages());
+  if (!invalid.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", invalid));
+  if (options.wrap_stage() && options.virtual_stages() > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": wrap_stage wraps one stage per rank; with virtual_stages = ",
+        options.virtual_stages(), " a rank runs several chunks (not supported yet)"));
   }
   std::unique_ptr<Pipe> pipe(new Pipe());
   pipe->stage_ = comm->rank();
   pipe->num_stages_ = comm->size();
   pipe->balance_ = std::move(balance);
-  pipe->first_layer_ = pipe->balance_.empty()
-                           ? 0
-                           : std::accumulate(pipe->balance_.begin(),
-                                             pipe->balance_.begin() + pipe->stage_, int64_t{0});
-  pipe->layers_ = std::move(layers);
-  pipe->stage_layers_ = Stage(pipe->layers_, pipe->first_layer_);
-  pipe->module_ = pipe->stage_layers_.ptr();
-  pipe->forward_ = [stage = pipe->stage_layers_](std::vector<at::Tensor> xs, bool list) mutable {
-    return stage->forward(std::move(xs), list);
-  };
+  pipe->chunk_first_ = std::move(firsts);
+  pipe->layers_ = torch::nn::Sequential();
+  for (size_t j = 0; j < chunks.size(); ++j) {
+    const auto children = chunks[j]->named_children();
+    for (size_t l = 0; l < chunks[j]->size(); ++l) {
+      pipe->layers_->push_back(children[l].key(), *(chunks[j]->begin() + l));
+    }
+    Stage stage(chunks[j], pipe->chunk_first_[j]);
+    pipe->chunk_stages_.push_back(stage);
+    pipe->forwards_.push_back([stage](std::vector<at::Tensor> xs, bool list) mutable {
+      return stage->forward(std::move(xs), list);
+    });
+  }
+  pipe->module_ = chunks.size() == 1 ? pipe->chunk_stages_[0].ptr() : pipe->layers_.ptr();
   pipe->timeout_ =
       options.timeout() > absl::ZeroDuration() ? options.timeout() : comm->default_timeout();
   pipe->options_ = std::move(options);
+  pipe->comm_ = std::move(comm);
   comm::OpOptions op;
   op.timeout = pipe->timeout_;
-  for (auto* child : {&pipe->fwd_, &pipe->bwd_}) {
-    absl::StatusOr<std::shared_ptr<comm::Communicator>> c = comm->Split(0, comm->rank(), op);
-    if (!c.ok()) return Annotate(c.status(), pipe->Name() + ": splitting the communicator");
-    *child = *std::move(c);
-  }
-  // Every rank has both communicators before any uses them: a rank that failed its first step
-  // at once must not tear its communicators down while a peer is still creating its own.
-  absl::Status ready = pipe->bwd_->Barrier(op).Wait(pipe->timeout_);
-  if (!ready.ok()) return Annotate(ready, pipe->Name() + ": waiting for the other stages");
+  absl::Status connected = pipe->Connect(op);
+  if (!connected.ok()) return connected;
   if (pipe->options_.wrap_stage()) {
     try {
-      WrappedStage wrapped = pipe->options_.wrap_stage()(pipe->stage_layers_);
+      WrappedStage wrapped = pipe->options_.wrap_stage()(pipe->chunk_stages_[0]);
       if (!wrapped.module || !wrapped.forward) {
         return absl::InvalidArgumentError(
             pipe->Name() + ": wrap_stage returned no module or no forward function");
       }
       pipe->module_ = std::move(wrapped.module);
-      pipe->forward_ = std::move(wrapped.forward);
+      pipe->forwards_[0] = std::move(wrapped.forward);
     } catch (const std::exception& e) {
       return absl::InvalidArgumentError(absl::StrCat(pipe->Name(), ": wrap_stage: ", e.what()));
     }
   }
-  pipe->comm_ = std::move(comm);
-  pipe->links_ = std::make_unique<Links>();
-  if (pipe->stage_ > 0) {
-    pipe->links_->from_prev.emplace(pipe->fwd_.get(), pipe->stage_ - 1, pipe->timeout_,
-                                    &pipe->orphans_);
-  }
-  if (pipe->stage_ + 1 < pipe->num_stages_) {
-    pipe->links_->to_next.emplace(pipe->fwd_.get(), pipe->stage_ + 1, pipe->timeout_,
-                                  &pipe->orphans_);
-  }
   return pipe;
+}
+
+absl::Status Pipe::Connect(const comm::OpOptions& op) {
+  const int rank = static_cast<int>(stage_);
+  const int p = static_cast<int>(num_stages_);
+  absl::StatusOr<std::shared_ptr<comm::Communicator>> ctl = comm_->Split(0, rank, op);
+  if (!ctl.ok()) return Annotate(ctl.status(), Name() + ": splitting the communicator");
+  ctl_ = *std::move(ctl);
+  links_ = std::make_unique<Links>();
+  // Link l joins rank l (key 0) to rank (l + 1) % p (key 1); the wrap-around link p - 1 -> 0
+  // exists only with virtual stages. Every rank takes part in every split.
+  const int links = p == 1 ? 0 : (virtual_stages() > 1 ? p : p - 1);
+  for (int l = 0; l < links; ++l) {
+    const int to = (l + 1) % p;
+    const bool in_link = rank == l || rank == to;
+    std::shared_ptr<comm::Communicator> pair[2];  // activations l -> to, gradients to -> l
+    for (auto& c : pair) {
+      absl::StatusOr<std::shared_ptr<comm::Communicator>> split =
+          comm_->Split(in_link ? 0 : comm::kNoColor, rank == l ? 0 : 1, op);
+      if (!split.ok()) {
+        return Annotate(split.status(), absl::StrCat(Name(), ": splitting link ", l, " -> ", to));
+      }
+      c = *std::move(split);
+      if (c) links_->all.push_back(c);
+    }
+    if (rank == l) {
+      links_->to_next.emplace(pair[0].get(), 1, timeout_, &orphans_);
+      links_->grads_from_next = pair[1];
+    }
+    if (rank == to) {
+      links_->from_prev.emplace(pair[0].get(), 0, timeout_, &orphans_);
+      links_->grads_to_prev = pair[1];
+    }
+  }
+  // Every rank has all its communicators before any uses them: a rank that failed its first
+  // step at once must not tear its communicators down while a peer is still creating its own.
+  absl::Status ready = ctl_->Barrier(op).Wait(timeout_);
+  if (!ready.ok()) return Annotate(ready, Name() + ": waiting for the other stages");
+  return absl::OkStatus();
 }
 
 int64_t Pipe::num_layers() const { return static_cast<int64_t>(layers_->size()); }
@@ -286,8 +369,8 @@ absl::Status Pipe::Fail(absl::Status status) {
   broken_ = status;
   // Every peer's pending and later operations on the pipe's communicators fail with this
   // message, so no stage waits for this one until its timeout.
-  fwd_->Abort(status);
-  bwd_->Abort(status);
+  ctl_->Abort(status);
+  for (const auto& c : links_->all) c->Abort(status);
   return status;
 }
 
@@ -323,7 +406,7 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
   st.chunks = options_.chunks();
   st.loss_fn = &loss_fn;
   st.train = train;
-  st.micro.resize(st.chunks);
+  st.micro.resize(st.chunks * virtual_stages());
   absl::Status status;
   doing_ = "splitting the batch";
   try {
@@ -347,7 +430,8 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
       if (status.ok()) status = parts.status();
       if (status.ok()) st.targets = *std::move(parts);
     }
-    std::vector<Action> actions = MakeSchedule(options_.schedule(), num_stages_, stage_, st.chunks);
+    std::vector<Action> actions =
+        MakeSchedule(options_.schedule(), num_stages_, stage_, st.chunks, virtual_stages());
     if (!train) {
       actions.erase(std::remove_if(actions.begin(), actions.end(),
                                    [](const Action& a) { return a.phase == Phase::kBackward; }),
@@ -357,8 +441,10 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
       if (!status.ok()) break;
       doing_ = absl::StrCat(a.phase == Phase::kForward ? "forward" : "backward",
                             " of micro-batch ", a.micro_batch);
-      status = a.phase == Phase::kForward ? Forward(st, a.micro_batch)
-                                          : Backward(st, a.micro_batch);
+      if (virtual_stages() > 1) {
+        absl::StrAppend(&doing_, " on virtual stage ", VirtualStage(a), " (chunk ", a.chunk, ")");
+      }
+      status = a.phase == Phase::kForward ? Forward(st, a) : Backward(st, a);
     }
     if (status.ok()) {
       doing_ = "completing its sends";
@@ -376,7 +462,7 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
   shared[1] = static_cast<double>(st.loss_dtype);
   comm::OpOptions op;
   op.timeout = timeout_;
-  status = bwd_->Broadcast(comm::Buffer{shared, 2, comm::DataType::kF64, {}},
+  status = ctl_->Broadcast(comm::Buffer{shared, 2, comm::DataType::kF64, {}},
                            static_cast<int>(num_stages_ - 1), op)
                .Wait(timeout_);
   if (!status.ok()) {
@@ -387,21 +473,38 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
                                           static_cast<c10::ScalarType>(shared[1])));
 }
 
-absl::Status Pipe::Forward(internal::StepState& st, int64_t i) {
+// "stage 2" or, with virtual stages, "virtual stage 5 (rank 1)".
+std::string Pipe::Describe(int64_t virtual_stage) const {
+  const int64_t rank = virtual_stage % num_stages_;
+  if (virtual_stages() == 1) return absl::StrCat("stage ", rank);
+  return absl::StrCat("virtual stage ", virtual_stage, " (rank ", rank, ")");
+}
+
+absl::Status Pipe::Forward(internal::StepState& st, const Action& a) {
+  const int64_t i = a.micro_batch;
+  const int64_t c = VirtualStage(a);
+  const bool last = c == LastVirtualStage();
   Boundary in;
-  if (stage_ == 0) {
+  if (c == 0) {
     in = std::move(st.first_inputs[i]);
+  } else if (num_stages_ == 1) {
+    auto it = st.local_activations.find({c, i});
+    if (it == st.local_activations.end()) {
+      return absl::InternalError(absl::StrCat("no activations from chunk ", a.chunk - 1));
+    }
+    in = std::move(it->second);
+    st.local_activations.erase(it);
   } else {
-    absl::StatusOr<Boundary> received = links_->from_prev->Recv(i);
+    absl::StatusOr<Boundary> received = links_->from_prev->Recv(c * st.chunks + i);
     if (!received.ok()) {
-      return Annotate(received.status(), absl::StrCat("activations from stage ", stage_ - 1));
+      return Annotate(received.status(), absl::StrCat("activations from ", Describe(c - 1)));
     }
     in = *std::move(received);
   }
   const absl::Time start = absl::Now();
   const bool is_list_in = in.is_list;
   // The checkpointed backward calls `run` again after this frame is gone: it owns what it uses.
-  auto run = [forward = forward_, is_list_in](const std::vector<at::Tensor>& xs) {
+  auto run = [forward = forwards_[a.chunk], is_list_in](const std::vector<at::Tensor>& xs) {
     return forward(xs, is_list_in);
   };
   const CheckpointMode mode = options_.checkpoint();
@@ -410,10 +513,10 @@ absl::Status Pipe::Forward(internal::StepState& st, int64_t i) {
                    (mode == CheckpointMode::kExceptLast && i + 1 < st.chunks));
   Boundary out;
   out.tensors = checkpointed ? checkpoint::checkpoint(run, in.tensors) : run(in.tensors);
-  out.is_list = stage_layers_->output_is_list();
-  internal::MicroBatch& mb = st.micro[i];
+  out.is_list = chunk_stages_[a.chunk]->output_is_list();
+  internal::MicroBatch& mb = st.micro[a.chunk * st.chunks + i];
   mb.inputs = std::move(in.tensors);
-  if (stage_ + 1 == num_stages_) {
+  if (last) {
     if (out.is_list || out.tensors.size() != 1) {
       return absl::InvalidArgumentError(
           "the last layer must return one at::Tensor (the loss function's output argument)");
@@ -423,48 +526,76 @@ absl::Status Pipe::Forward(internal::StepState& st, int64_t i) {
                 "the loss function must return a scalar, got ", mb.loss.sizes());
     st.loss_dtype = mb.loss.scalar_type();
     st.loss_sum += mb.loss.detach().item<double>();
-    trace_.push_back({stage_, i, Phase::kForward, start, absl::Now()});
+    trace_.push_back({stage_, i, Phase::kForward, start, absl::Now(), a.chunk});
     if (!st.train) mb = internal::MicroBatch();
     return absl::OkStatus();
   }
-  trace_.push_back({stage_, i, Phase::kForward, start, absl::Now()});
+  trace_.push_back({stage_, i, Phase::kForward, start, absl::Now(), a.chunk});
   if (st.train) {
     mb.outputs = out.tensors;
   } else {
     mb = internal::MicroBatch();  // the pending send keeps what it reads
   }
-  return Annotate(links_->to_next->Send(i, out, &st.pending),
-                  absl::StrCat("sending activations to stage ", stage_ + 1));
+  if (num_stages_ == 1) {
+    // What a link would deliver: detached leaves, requiring grad where the output does.
+    Boundary next;
+    next.is_list = out.is_list;
+    for (const at::Tensor& t : out.tensors) {
+      next.tensors.push_back(t.detach().requires_grad_(t.requires_grad()));
+    }
+    st.local_activations[{c + 1, i}] = std::move(next);
+    return absl::OkStatus();
+  }
+  return Annotate(links_->to_next->Send((c + 1) * st.chunks + i, out, &st.pending),
+                  absl::StrCat("sending activations to ", Describe(c + 1)));
 }
 
-absl::Status Pipe::Backward(internal::StepState& st, int64_t i) {
-  internal::MicroBatch& mb = st.micro[i];
+absl::Status Pipe::Backward(internal::StepState& st, const Action& a) {
+  const int64_t i = a.micro_batch;
+  const int64_t c = VirtualStage(a);
+  internal::MicroBatch& mb = st.micro[a.chunk * st.chunks + i];
   absl::Time start;
-  if (stage_ + 1 == num_stages_) {
+  if (c == LastVirtualStage()) {
     start = absl::Now();
     if (mb.loss.requires_grad()) (mb.loss / static_cast<double>(st.chunks)).backward();
   } else {
     std::vector<at::Tensor> outs = RequiringGrad(mb.outputs);
-    absl::StatusOr<std::vector<at::Tensor>> grads =
-        internal::RecvGradients(bwd_.get(), static_cast<int>(stage_ + 1), Layouts(outs), timeout_,
-                                &orphans_);
+    absl::StatusOr<std::vector<at::Tensor>> grads;
+    if (num_stages_ == 1) {
+      auto it = st.local_gradients.find({c, i});
+      if (it == st.local_gradients.end()) {
+        return absl::InternalError(absl::StrCat("no gradients from chunk ", a.chunk + 1));
+      }
+      grads = std::move(it->second);
+      st.local_gradients.erase(it);
+    } else {
+      grads = internal::RecvGradients(links_->grads_from_next.get(), 1, Layouts(outs), timeout_,
+                                      &orphans_);
+    }
     if (!grads.ok()) {
-      return Annotate(grads.status(), absl::StrCat("gradients from stage ", stage_ + 1));
+      return Annotate(grads.status(), absl::StrCat("gradients from ", Describe(c + 1)));
     }
     start = absl::Now();
     if (!outs.empty()) torch::autograd::backward(outs, *grads);
   }
   absl::Status status;
-  if (stage_ > 0) {
+  if (c > 0) {
     std::vector<at::Tensor> ins = RequiringGrad(mb.inputs);
     std::vector<at::Tensor> grads;
     for (const at::Tensor& t : ins) grads.push_back(t.grad());
-    status = Annotate(internal::SendGradients(bwd_.get(), static_cast<int>(stage_ - 1),
-                                              Layouts(ins), grads, &st.pending),
-                      absl::StrCat("sending gradients to stage ", stage_ - 1));
+    if (num_stages_ == 1) {
+      for (size_t k = 0; k < ins.size(); ++k) {
+        if (!grads[k].defined()) grads[k] = at::zeros_like(ins[k]);
+      }
+      st.local_gradients[{c - 1, i}] = std::move(grads);
+    } else {
+      status = Annotate(internal::SendGradients(links_->grads_to_prev.get(), 0, Layouts(ins),
+                                                grads, &st.pending),
+                        absl::StrCat("sending gradients to ", Describe(c - 1)));
+    }
   }
   mb = internal::MicroBatch();  // frees this micro-batch's activations
-  trace_.push_back({stage_, i, Phase::kBackward, start, absl::Now()});
+  trace_.push_back({stage_, i, Phase::kBackward, start, absl::Now(), a.chunk});
   return status;
 }
 

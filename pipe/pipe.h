@@ -29,6 +29,14 @@
 // micro-batches, so with a mean-reduced loss and a batch divisible by `chunks` the gradients
 // (and the returned loss) equal those of one un-pipelined step on the whole batch.
 //
+// Interleaved 1F1B (PipeOptions::virtual_stages(v) > 1 with Schedule::kInterleaved1F1B): the
+// layers are cut into p * v virtual stages (balance has p * v entries); virtual stage c runs on
+// rank c % p as its local chunk c / p, so rank r holds chunks r, r + p, ... and activations
+// travel around the ranks v times (rank p - 1 sends back to rank 0 between rounds). Chunks
+// (micro-batches) must be a multiple of p. The bubble shrinks v times (see schedule.h); each
+// link between neighbouring ranks has its own two-rank communicators per direction, so a send
+// never waits behind a receive and the order in schedule.h cannot deadlock.
+//
 // Errors. train_step() is collective over the communicator. A stage that fails (a layer or the
 // loss throws, a bad input, a comm error) aborts the pipe's communicators with
 //   "pipe stage 1/4 (rank 1): forward of micro-batch 3: <what happened>"
@@ -106,12 +114,17 @@ struct WrappedStage {
 using WrapStageFn = std::function<WrappedStage(Stage stage)>;
 
 struct PipeOptions {
-  // Layers per stage, one entry per rank, each >= 1, summing to the number of layers. Empty:
-  // as even as possible by layer count (the first stages get the extra layers).
+  // Layers per stage, one entry per rank (per virtual stage: p * v entries, virtual stage c on
+  // rank c % p), each >= 1, summing to the number of layers. Empty: as even as possible by
+  // layer count (the first stages get the extra layers).
   TORCH_ARG(std::vector<int64_t>, balance) = {};
-  // Micro-batches per train_step; the batch must have at least this many rows.
+  // Micro-batches per train_step; the batch must have at least this many rows. With
+  // virtual_stages > 1 a multiple of the number of ranks.
   TORCH_ARG(int64_t, chunks) = 1;
   TORCH_ARG(Schedule, schedule) = Schedule::k1F1B;
+  // Model chunks per rank (v >= 1); v > 1 needs Schedule::kInterleaved1F1B. 1: one stage per
+  // rank (kInterleaved1F1B then runs exactly k1F1B).
+  TORCH_ARG(int64_t, virtual_stages) = 1;
   TORCH_ARG(CheckpointMode, checkpoint) = CheckpointMode::kExceptLast;
   // Longest wait for one message from a neighbouring stage (it must cover the other stages'
   // compute between two messages: with GPipe, stage 0 waits for a whole forward phase).
@@ -120,6 +133,7 @@ struct PipeOptions {
   // Called once by Create / CreateForStage with this rank's stage (after the split, before any
   // step) to wrap it, e.g. in FSDP over the ranks that hold the same stage (fsdp_stage.h).
   // Unset: the pipe runs the layers itself and parameters() are theirs.
+  // Only with virtual_stages == 1 (kInvalidArgument otherwise).
   TORCH_ARG(WrapStageFn, wrap_stage) = nullptr;
 };
 
@@ -133,6 +147,7 @@ struct PipeEvent {
   Phase phase = Phase::kForward;
   absl::Time start;  // compute only: waiting for a neighbour is outside [start, end)
   absl::Time end;
+  int64_t chunk = 0;  // local model chunk: virtual stage chunk * num_stages() + stage
 };
 
 class Pipe {
@@ -144,7 +159,8 @@ class Pipe {
                                                       std::shared_ptr<comm::Communicator> comm,
                                                       PipeOptions options = {});
   // For models too large to build whole on every rank: `stage_layers` are this rank's layers
-  // only. With a balance, balance[rank] must equal their count and the layers are renamed to
+  // only (with virtual stages, those of its chunks in chunk order; a balance is then required).
+  // With a balance, this rank's entries must sum to their count and the layers are renamed to
   // their global indices ("5", "6", ...); without one they keep their names.
   static absl::StatusOr<std::unique_ptr<Pipe>> CreateForStage(
       torch::nn::Sequential stage_layers, std::shared_ptr<comm::Communicator> comm,
@@ -175,16 +191,24 @@ class Pipe {
 
   int64_t stage() const { return stage_; }
   int64_t num_stages() const { return num_stages_; }
-  // Global index of this stage's first layer, and its layer count.
-  int64_t first_layer() const { return first_layer_; }
+  int64_t virtual_stages() const { return static_cast<int64_t>(chunk_stages_.size()); }
+  // Global index of this stage's first layer (of chunk 0), and its layer count (all chunks).
+  int64_t first_layer() const { return chunk_first_.at(0); }
   int64_t num_layers() const;
   const std::vector<int64_t>& balance() const { return balance_; }
   const PipeOptions& options() const { return options_; }
 
-  // This stage's layers (with wrap_stage: the wrapped module's layers, whose parameters may be
-  // views the wrapper manages, e.g. FSDP's freed full parameters between steps).
+  // All of this rank's layers (every chunk), under their names in the full model (with
+  // wrap_stage: the wrapped module's layers, whose parameters may be views the wrapper manages,
+  // e.g. FSDP's freed full parameters between steps).
   torch::nn::Sequential stage_module() const { return layers_; }
-  // The wrapper's module with wrap_stage, otherwise the stage's layers (as a Stage).
+  // Local chunk `chunk` (virtual stage chunk * num_stages() + stage()) and its first layer.
+  torch::nn::Sequential chunk_module(int64_t chunk) const {
+    return chunk_stages_.at(chunk)->layers();
+  }
+  int64_t chunk_first_layer(int64_t chunk) const { return chunk_first_.at(chunk); }
+  // The wrapper's module with wrap_stage, otherwise the stage's layers (as a Stage; with
+  // virtual stages, stage_module()).
   std::shared_ptr<torch::nn::Module> module() const { return module_; }
   // What the optimizer steps: module()->parameters() (FSDP: this rank's shards).
   std::vector<at::Tensor> parameters() const;
@@ -196,16 +220,23 @@ class Pipe {
 
  private:
   Pipe() = default;
-  static absl::StatusOr<std::unique_ptr<Pipe>> Make(torch::nn::Sequential layers,
+  // `chunks[j]` holds local chunk j's layers, its first global layer index in `firsts[j]`.
+  static absl::StatusOr<std::unique_ptr<Pipe>> Make(std::vector<torch::nn::Sequential> chunks,
+                                                    std::vector<int64_t> firsts,
                                                     std::shared_ptr<comm::Communicator> comm,
                                                     PipeOptions options,
                                                     std::vector<int64_t> balance);
+  absl::Status Connect(const comm::OpOptions& op);
   absl::StatusOr<at::Tensor> Step(const std::vector<at::Tensor>& inputs, bool is_list,
                                   const at::Tensor& target, const LossFn& loss_fn, bool train);
-  absl::Status Forward(internal::StepState& st, int64_t i);
-  absl::Status Backward(internal::StepState& st, int64_t i);
+  absl::Status Forward(internal::StepState& st, const Action& a);
+  absl::Status Backward(internal::StepState& st, const Action& a);
+  int64_t VirtualStage(const Action& a) const { return a.chunk * num_stages_ + stage_; }
+  int64_t LastVirtualStage() const { return num_stages_ * virtual_stages() - 1; }
   // "pipe stage 1/4 (rank 1)"
   std::string Name() const;
+  // A virtual stage in messages: "stage 2", or "virtual stage 5 (rank 1)".
+  std::string Describe(int64_t virtual_stage) const;
   absl::Status Fail(absl::Status status);
 
   // Declared first, destroyed last: buffers of failed operations that the communicators below
@@ -214,21 +245,23 @@ class Pipe {
   struct Links;
   std::unique_ptr<Links> links_;
   std::shared_ptr<comm::Communicator> comm_;
-  // The pipe's own communicators (split from comm_): activations flow on fwd_, gradients and
-  // the loss broadcast on bwd_, so a pending send in one direction never holds up a receive in
-  // the other (each communicator runs its operations in issue order).
-  std::shared_ptr<comm::Communicator> fwd_;
-  std::shared_ptr<comm::Communicator> bwd_;
+  // The pipe's own communicators (split from comm_): the loss broadcast on ctl_, and per link
+  // between neighbouring ranks and direction a two-rank one (in Links) on which one rank only
+  // sends and the other only receives, so a pending send never holds up a receive (each
+  // communicator runs its operations in issue order).
+  std::shared_ptr<comm::Communicator> ctl_;
   PipeOptions options_;
   absl::Duration timeout_;
   int64_t stage_ = 0;
   int64_t num_stages_ = 1;
-  int64_t first_layer_ = 0;
   std::vector<int64_t> balance_;
   torch::nn::Sequential layers_{nullptr};
-  Stage stage_layers_{nullptr};
+  // One Stage per local chunk (one without virtual stages), the module() and the forward of
+  // each chunk (wrap_stage's, or the Stage's).
+  std::vector<Stage> chunk_stages_;
+  std::vector<int64_t> chunk_first_;
   std::shared_ptr<torch::nn::Module> module_;
-  std::function<std::vector<at::Tensor>(std::vector<at::Tensor>, bool)> forward_;
+  std::vector<std::function<std::vector<at::Tensor>(std::vector<at::Tensor>, bool)>> forwards_;
   std::vector<PipeEvent> trace_;
   absl::Status broken_;
   std::string doing_;  // the action running now, for error messages

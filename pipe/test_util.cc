@@ -37,6 +37,18 @@ torch::nn::Sequential MakeMlp() {
   return m;
 }
 
+torch::nn::Sequential MakeDeepMlp() {
+  torch::nn::Sequential m(torch::nn::Linear(4, 6));
+  for (int k = 0; k < 5; ++k) {
+    m->push_back(torch::nn::Tanh());
+    m->push_back(torch::nn::Linear(6, 6));
+  }
+  m->push_back(torch::nn::Tanh());
+  m->push_back(torch::nn::Linear(6, 3));
+  InitDeterministic(*m);
+  return m;
+}
+
 at::Tensor Inputs(int64_t rows, int seed) {
   return at::sin(at::arange(rows * 4, at::kFloat).view({rows, 4}) * 0.37 + seed);
 }

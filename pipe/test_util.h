@@ -26,6 +26,10 @@ void InitDeterministic(torch::nn::Module& m);
 // Linear(4, 6), Tanh, Linear(6, 6), Tanh, Linear(6, 6), Tanh, Linear(6, 3): 7 layers.
 torch::nn::Sequential MakeMlp();
 
+// Linear(4, 6), then 5 x (Tanh, Linear(6, 6)), Tanh, Linear(6, 3): 13 layers, enough for
+// 4 ranks x 2 virtual stages or 2 x 3.
+torch::nn::Sequential MakeDeepMlp();
+
 // Rows 4 -> 3 features, deterministic in `seed`.
 at::Tensor Inputs(int64_t rows, int seed);
 at::Tensor Targets(int64_t rows, int seed);

@@ -183,7 +183,7 @@ absl::Status PendingSends::WaitAll(absl::Duration timeout) {
   return first;
 }
 
-absl::Status ActivationLink::Send(int64_t micro_batch, const Boundary& boundary,
+absl::Status ActivationLink::Send(int64_t id, const Boundary& boundary,
                                   PendingSends* pending) {
   std::vector<at::Tensor> wire;
   for (size_t i = 0; i < boundary.tensors.size(); ++i) {
@@ -200,7 +200,7 @@ absl::Status ActivationLink::Send(int64_t micro_batch, const Boundary& boundary,
   at::Tensor header = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong));
   int64_t* h = header.data_ptr<int64_t>();
   h[0] = kMagic;
-  h[1] = micro_batch;
+  h[1] = id;
   h[2] = static_cast<int64_t>(encoded.size());
   absl::Status s = SendTensor(comm_, peer_, header, pending);
   if (s.ok() && !encoded.empty()) {
@@ -216,13 +216,13 @@ absl::Status ActivationLink::Send(int64_t micro_batch, const Boundary& boundary,
   return s;
 }
 
-absl::StatusOr<Boundary> ActivationLink::Recv(int64_t micro_batch) {
+absl::StatusOr<Boundary> ActivationLink::Recv(int64_t id) {
   absl::StatusOr<at::Tensor> header =
       RecvTensor(comm_, peer_, TensorLayout{at::kLong, false, {kHeaderLen}}, timeout_, orphans_);
   if (!header.ok()) return WithContext(header.status(), "header");
   const int64_t* h = header->data_ptr<int64_t>();
-  if (h[0] != kMagic || h[1] != micro_batch || h[2] < 0) {
-    return absl::InternalError(absl::StrCat("expected the header of micro-batch ", micro_batch,
+  if (h[0] != kMagic || h[1] != id || h[2] < 0) {
+    return absl::InternalError(absl::StrCat("expected the header of message ", id,
                                             ", got {", h[0], ", ", h[1], ", ", h[2], "}"));
   }
   if (h[2] > 0) {

@@ -3,7 +3,8 @@
 // communicator's Send/Recv.
 //
 // Activations (stage s -> s + 1, one message per micro-batch):
-//   header  int64[3] {kMagic, micro_batch, meta_len}   always
+//   header  int64[3] {kMagic, id, meta_len}            always (id: which message, e.g. Pipe's
+//                                                       virtual stage * chunks + micro-batch)
 //   meta    int64[meta_len]                            only when the layout changed (meta_len > 0)
 //   payload one Send per tensor, in order
 // The layout (list or single tensor, and per tensor: dtype, requires_grad, sizes) is sent once
@@ -90,10 +91,10 @@ class ActivationLink {
       : comm_(comm), peer_(peer), timeout_(timeout), orphans_(orphans) {}
 
   // Issues header, layout (if changed) and payload sends. Tensors are sent detached.
-  absl::Status Send(int64_t micro_batch, const Boundary& boundary, PendingSends* pending);
-  // Receives the activations of `micro_batch` (kInternal if the peer sent another one). Floating
+  absl::Status Send(int64_t id, const Boundary& boundary, PendingSends* pending);
+  // Receives the activations of message `id` (kInternal if the peer sent another one). Floating
   // point tensors whose sender required grad come back as leaves that require grad.
-  absl::StatusOr<Boundary> Recv(int64_t micro_batch);
+  absl::StatusOr<Boundary> Recv(int64_t id);
 
  private:
   comm::Communicator* comm_;
