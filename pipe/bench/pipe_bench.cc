@@ -40,6 +40,10 @@
 
 ABSL_FLAG(std::string, stages, "2,4", "pipeline depths to run, comma-separated");
 ABSL_FLAG(std::string, chunks, "1,4,8,16", "micro-batch counts, comma-separated");
+ABSL_FLAG(std::string, virtual_stages, "2",
+          "interleaved 1F1B rows: virtual stages per rank, comma-separated (each run where the "
+          "chunks are a multiple of the stages and the model has blocks for every virtual "
+          "stage); empty: none");
 ABSL_FLAG(std::string, model, "mlp",
           "mlp: residual MLP blocks on [batch, width]; gpt: the main job's TransformerBlocks "
           "(causal attention + MLP, //examples/gpt:model) on [batch, seq, width]");
@@ -128,13 +132,27 @@ double Median(std::vector<double> v) {
 struct Config {
   Schedule schedule;
   int chunks;
-  std::string Name() const { return absl::StrCat(ScheduleName(schedule), "/", chunks); }
+  int virtual_stages = 1;
+  std::string Label() const {
+    return virtual_stages == 1 ? ScheduleName(schedule)
+                               : absl::StrCat(ScheduleName(schedule), " v=", virtual_stages);
+  }
+  std::string Name() const { return absl::StrCat(Label(), "/", chunks); }
 };
 
-std::vector<Config> Configs() {
+// The configurations run at `stages` stages.
+std::vector<Config> Configs(int stages) {
   std::vector<Config> out;
+  const std::string vs = absl::GetFlag(FLAGS_virtual_stages);
+  const std::vector<int> virtual_stages = vs.empty() ? std::vector<int>{}
+                                                     : ParseList("virtual_stages", vs);
   for (int m : ParseList("chunks", absl::GetFlag(FLAGS_chunks))) {
     for (Schedule s : {Schedule::kGPipe, Schedule::k1F1B}) out.push_back({s, m});
+    for (int v : virtual_stages) {
+      if (v > 1 && m % stages == 0 && stages * v <= absl::GetFlag(FLAGS_blocks)) {
+        out.push_back({Schedule::kInterleaved1F1B, m, v});
+      }
+    }
   }
   return out;
 }
@@ -177,10 +195,13 @@ int RunStage(int rank, int n, const std::string& dir) {
   std::ofstream out(absl::StrCat(dir, "/rank", rank, ".tsv"));
   const at::Tensor x = MakeInput();
   const at::Tensor y = at::randn_like(x);
-  for (const Config& c : Configs()) {
+  for (const Config& c : Configs(n)) {
     auto pipe = Pipe::Create(MakeModel(), comm,
-                             PipeOptions().chunks(c.chunks).schedule(c.schedule).checkpoint(
-                                 CheckpointMode::kNever));
+                             PipeOptions()
+                                 .chunks(c.chunks)
+                                 .schedule(c.schedule)
+                                 .virtual_stages(c.virtual_stages)
+                                 .checkpoint(CheckpointMode::kNever));
     if (!pipe.ok()) Die(pipe.status().ToString());
     std::vector<double> times, bubbles;
     int64_t peak = 0;
@@ -221,7 +242,7 @@ std::map<std::string, Row> RunPipeline(int n) {
   absl::StatusOr<std::string> ran = comm::bench::RunRanks(
       "FS_PIPE_BENCH", n,
       comm::bench::ForwardFlags(
-          {"chunks", "model", "seq", "heads", "blocks", "width", "hidden", "batch", "warmup",
+          {"chunks", "virtual_stages", "model", "seq", "heads", "blocks", "width", "hidden", "batch", "warmup",
            "steps", "threads"}),
       absl::Minutes(20));
   if (!ran.ok()) Die(absl::StrCat("at ", n, " stages: ", ran.status().ToString()));
@@ -264,7 +285,7 @@ int Main() {
       "warm-up + %d timed steps (median); tcp on 127.0.0.1, %d intra-op thread(s) per "
       "process\n\none process: %.1f ms/step, %.0f rows/s, peak activations %.2f MiB\n\n"
       "| stages | schedule | chunks | ms/step | rows/s | vs 1 process | 1 process, same chunks "
-      "ms/step | bubble | theory (p-1)/(m+p-1) | peak activation MiB per stage |\n"
+      "ms/step | bubble | theory (p-1)/(vm+p-1) | peak activation MiB per stage |\n"
       "|---|---|---|---|---|---|---|---|---|---|\n",
       absl::GetFlag(FLAGS_blocks),
       Gpt() ? absl::StrFormat("GPT TransformerBlocks of //examples/gpt (heads %d, seq %d; hidden "
@@ -277,7 +298,7 @@ int Main() {
   for (int p : ParseList("stages", absl::GetFlag(FLAGS_stages))) {
     std::fprintf(stderr, "%d stages...\n", p);
     std::map<std::string, Row> rows = RunPipeline(p);
-    for (const Config& c : Configs()) {
+    for (const Config& c : Configs(p)) {
       auto it = rows.find(c.Name());
       if (it == rows.end() || static_cast<int>(it->second.peaks.size()) != p) {
         Die(absl::StrCat("no result for ", c.Name(), " at ", p, " stages"));
@@ -288,10 +309,10 @@ int Main() {
                                                   absl::StrFormat("%.2f", MiB(b)));
       absl::StrAppend(
           &table, absl::StrFormat("| %d | %s | %d | %.1f | %.0f | %.2fx | %.1f | %.2f | %.2f | %s |\n",
-                                  p, ScheduleName(c.schedule), c.chunks, row.step_s * 1e3,
+                                  p, c.Label(), c.chunks, row.step_s * 1e3,
                                   batch / row.step_s, one_s / row.step_s,
                                   one_chunked_s[c.chunks] * 1e3, row.bubble,
-                                  (p - 1.0) / (c.chunks + p - 1.0), peaks));
+                                  (p - 1.0) / (c.virtual_stages * c.chunks + p - 1.0), peaks));
     }
   }
   std::fputs(table.c_str(), stdout);
