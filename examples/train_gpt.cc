@@ -70,7 +70,11 @@ ABSL_FLAG(int64_t, pipeline_stages, 1,
           "under no_shard); needs --precision=fp32; checkpoints per stage (FSDP: resumable with "
           "another replica count; no_shard: same world size only); no sample");
 ABSL_FLAG(int64_t, pipeline_chunks, 4, "--pipeline_stages > 1: micro-batches per step (<= --batch)");
-ABSL_FLAG(std::string, pipeline_schedule, "1f1b", "--pipeline_stages > 1: 1f1b | gpipe");
+ABSL_FLAG(std::string, pipeline_schedule, "1f1b",
+          "--pipeline_stages > 1: 1f1b | gpipe | interleaved (with --pipeline_virtual_stages)");
+ABSL_FLAG(int64_t, pipeline_virtual_stages, 1,
+          "--pipeline_schedule=interleaved: model chunks per rank (stages x V virtual stages, "
+          "rank r holds r, r + N, ...); --pipeline_chunks must be a multiple of --pipeline_stages");
 ABSL_FLAG(std::string, pipeline_balance, "even",
           "--pipeline_stages > 1: layers per stage, even (by count) | size (parameter and "
           "activation bytes, pipe::balance_by_size)");
@@ -168,6 +172,7 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.pipeline_chunks = absl::GetFlag(FLAGS_pipeline_chunks);
   c.pipeline_schedule = absl::GetFlag(FLAGS_pipeline_schedule);
   c.pipeline_balance = absl::GetFlag(FLAGS_pipeline_balance);
+  c.pipeline_virtual_stages = absl::GetFlag(FLAGS_pipeline_virtual_stages);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (c.checkpoint_dir.empty()) c.checkpoint_dir = out + "/checkpoints";
   if (c.checkpoint_dir == "none") c.checkpoint_dir.clear();

@@ -67,8 +67,9 @@ absl::StatusOr<oss::PartitionMode> ParsePartition(const std::string& p) {
 absl::StatusOr<pipe::Schedule> ParseSchedule(const std::string& s) {
   if (s == "1f1b") return pipe::Schedule::k1F1B;
   if (s == "gpipe") return pipe::Schedule::kGPipe;
+  if (s == "interleaved") return pipe::Schedule::kInterleaved1F1B;
   return absl::InvalidArgumentError(
-      absl::StrCat("pipeline_schedule '", s, "': expected 1f1b or gpipe"));
+      absl::StrCat("pipeline_schedule '", s, "': expected 1f1b, gpipe or interleaved"));
 }
 
 // --checkpoint_activations in pipeline mode: the pipe checkpoints whole stages per micro-batch.
@@ -564,13 +565,15 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
     auto opts = pipe::PipeOptions()
                     .chunks(config.pipeline_chunks)
                     .schedule(schedule)
+                    .virtual_stages(config.pipeline_virtual_stages)
                     .checkpoint(checkpoint);
     if (config.pipeline_balance == "size") {
       // Parameter bytes x 4 (parameter, gradient, Adam's two moments) + one micro-batch's
       // output bytes per layer, measured on a batch of the job's shape (the same on every rank).
       const at::Tensor sample = at::zeros({config.batch, config.seq}, at::kLong);
       absl::StatusOr<std::vector<int64_t>> balance =
-          pipe::balance_by_size(stages, layers, sample, config.pipeline_chunks, 4.0);
+          pipe::balance_by_size(stages * config.pipeline_virtual_stages, layers, sample,
+                                config.pipeline_chunks, 4.0);
       if (!balance.ok()) {
         return absl::Status(balance.status().code(), absl::StrCat("pipeline_balance size: ",
                                                                   balance.status().message()));
@@ -589,7 +592,11 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
     std::string balance;
     for (int64_t n : (*p)->balance()) absl::StrAppend(&balance, balance.empty() ? "" : "+", n);
     const std::string label = absl::StrCat(
-        "pipe ", stages, " stages (layers ", balance, ") x ", grid.replicas, " replica",
+        "pipe ", stages, " stages",
+        config.pipeline_virtual_stages > 1
+            ? absl::StrCat(" x ", config.pipeline_virtual_stages, " virtual")
+            : std::string(),
+        " (layers ", balance, ") x ", grid.replicas, " replica",
         grid.replicas == 1 ? "" : "s",
         strategy == fsdp::ShardingStrategy::kNoShard
             ? std::string(" (all-reduce)")
@@ -688,6 +695,11 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
     return absl::InvalidArgumentError(absl::StrCat(
         "pipeline_stages must be >= 1 (1: no pipeline), got ", config.pipeline_stages));
   }
+  if (config.pipeline_stages == 1 && config.pipeline_virtual_stages != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline_virtual_stages ", config.pipeline_virtual_stages,
+        " needs pipeline_stages > 1 (it cuts each rank's part of the pipeline into chunks)"));
+  }
   if (config.pipeline_stages > 1) {
     const std::string p = absl::StrCat("pipeline_stages ", config.pipeline_stages, ": ");
     FS_RETURN_IF_ERROR(ParseSchedule(config.pipeline_schedule).status());
@@ -696,9 +708,23 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
           p, "pipeline_chunks must be in [1, batch = ", config.batch, "], got ",
           config.pipeline_chunks));
     }
-    if (config.pipeline_stages > config.blocks + 2) {
+    if (config.pipeline_virtual_stages < 1) {
       return absl::InvalidArgumentError(absl::StrCat(
-          p, "more stages than layers (embed + ", config.blocks, " blocks + lm_head)"));
+          p, "pipeline_virtual_stages must be >= 1, got ", config.pipeline_virtual_stages));
+    }
+    const std::string schedule_error =
+        pipe::ValidateSchedule(*ParseSchedule(config.pipeline_schedule), config.pipeline_stages,
+                               config.pipeline_chunks, config.pipeline_virtual_stages);
+    if (!schedule_error.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "pipeline_schedule ", config.pipeline_schedule, ", pipeline_virtual_stages ",
+          config.pipeline_virtual_stages, ", pipeline_chunks ", config.pipeline_chunks, ": ",
+          schedule_error));
+    }
+    if (config.pipeline_stages * config.pipeline_virtual_stages > config.blocks + 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "more stages", config.pipeline_virtual_stages > 1 ? " x virtual stages" : "",
+          " than layers (embed + ", config.blocks, " blocks + lm_head)"));
     }
     if (config.precision != "fp32") {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -715,6 +741,12 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
       return absl::InvalidArgumentError(absl::StrCat(
           p, "strategy ", config.strategy, " is not wired for the pipeline's replicas (use "
           "full_shard, shard_grad_op or no_shard)"));
+    }
+    if (config.pipeline_virtual_stages > 1 && strategy != fsdp::ShardingStrategy::kNoShard) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "pipeline_virtual_stages ", config.pipeline_virtual_stages,
+          " needs strategy no_shard (FSDP inside a stage wraps one stage per rank, not its "
+          "chunks), got strategy ", config.strategy));
     }
     if (config.pipeline_balance != "even" && config.pipeline_balance != "size") {
       return absl::InvalidArgumentError(absl::StrCat(

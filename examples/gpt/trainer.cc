@@ -655,6 +655,7 @@ nlohmann::json TrainConfig::ToJson() const {
   // Only in pipeline mode, so that older checkpoints keep matching the unpipelined config.
   if (pipeline_stages > 1) j["pipeline_stages"] = pipeline_stages;
   if (pipeline_stages > 1 && pipeline_balance != "even") j["pipeline_balance"] = pipeline_balance;
+  if (pipeline_virtual_stages > 1) j["pipeline_virtual_stages"] = pipeline_virtual_stages;
   return j;
 }
 

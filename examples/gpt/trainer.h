@@ -87,7 +87,10 @@ struct TrainConfig {
   // (strategy full_shard / shard_grad_op: pipe::fsdp_stage, one FSDP unit per stage over its
   // replicas, gradients reduce-scattered per micro-batch) or keep it whole and average its
   // gradients (strategy no_shard: pipe::all_reduce_gradients). Each batch runs as
-  // pipeline_chunks micro-batches (<= batch) in the pipeline_schedule (1f1b | gpipe);
+  // pipeline_chunks micro-batches (<= batch) in the pipeline_schedule (1f1b | gpipe |
+  // interleaved). pipeline_virtual_stages V > 1 (interleaved only; pipeline_chunks a multiple of
+  // pipeline_stages; strategy no_shard) cuts the model into stages x V virtual stages, rank r
+  // holding r, r + N, ... (pipe::PipeOptions::virtual_stages; in ToJson() when > 1);
   // checkpoint_activations none | all | except_last maps onto the pipe's checkpoint modes
   // (never / always / all but the last micro-batch; every:K is rejected). Gradient clipping uses
   // the norm over the whole model. Needs precision fp32, data_parallel fsdp; not supported
@@ -101,6 +104,7 @@ struct TrainConfig {
   int64_t pipeline_chunks = 4;
   std::string pipeline_schedule = "1f1b";
   std::string pipeline_balance = "even";
+  int64_t pipeline_virtual_stages = 1;
   // FSDP.
   // full_shard | shard_grad_op | no_shard | hybrid_shard | hybrid_shard_zero2 (FULL_SHARD /
   // SHARD_GRAD_OP inside groups of hybrid_shard_group_size ranks, replicated across them).
