@@ -3,7 +3,7 @@
 // parameter within 1e-5, f32) for 2, 3, 4 ranks x 2 virtual stages and 2 ranks x 3 (and one rank
 // with 2 and 3 chunks, handed over without a communicator) x chunks m = p, 2p x the three
 // checkpoint modes; explicit balances per virtual stage; CreateForStage; eval_step; bad
-// configurations rejected naming the values.
+// configurations (also wrap_stage with virtual stages) rejected naming the values.
 #include <ATen/ops/scalar_tensor.h>
 
 #include <algorithm>
@@ -188,6 +188,12 @@ TEST(InterleaveTest, BadConfigurationIsInvalidArgument) {
        "has 2 entries but the communicator has 2 ranks (2 virtual stages per rank)"},
       {4, PipeOptions(interleaved).chunks(4).virtual_stages(4),
        "16 virtual stages (4 ranks x 4) but the model has only 13 layers"},
+      {2, PipeOptions(interleaved).chunks(4).wrap_stage([](Stage stage) {
+         return WrappedStage{stage.ptr(), [stage](std::vector<at::Tensor> xs, bool list) mutable {
+                               return stage->forward(std::move(xs), list);
+                             }};
+       }),
+       "wrap_stage wraps one stage per rank; with virtual_stages = 2"},
   };
   for (const Config& config : configs) {
     std::vector<absl::Status> statuses = testing::RunInproc(

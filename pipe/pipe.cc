@@ -293,7 +293,11 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(std::vector<torch::nn::Sequenti
       return stage->forward(std::move(xs), list);
     });
   }
-  pipe->module_ = chunks.size() == 1 ? pipe->chunk_stages_[0].ptr() : pipe->layers_.ptr();
+  if (chunks.size() == 1) {
+    pipe->module_ = pipe->chunk_stages_[0].ptr();
+  } else {
+    pipe->module_ = pipe->layers_.ptr();
+  }
   pipe->timeout_ =
       options.timeout() > absl::ZeroDuration() ? options.timeout() : comm->default_timeout();
   pipe->options_ = std::move(options);
