@@ -64,10 +64,10 @@ ABSL_FLAG(std::string, data_parallel, "fsdp",
           "fsdp (FullyShardedDataParallel, --strategy) | sdp (oss::ShardedDataParallel + OSS "
           "Adam, ZeRO-2; needs --precision=fp32)");
 ABSL_FLAG(int64_t, pipeline_stages, 1,
-          "pipeline parallelism: cut the fp32 model into N stages, one per rank (1: off); the "
+          "pipeline parallelism: cut the model into N stages, one per rank (1: off); the "
           "rank count must be a multiple of N (world / N data-parallel replicas, which shard each "
           "stage with FSDP under --strategy=full_shard|shard_grad_op or all-reduce its gradients "
-          "under no_shard); needs --precision=fp32; checkpoints per stage (FSDP: resumable with "
+          "under no_shard); --precision=fp32, or bf16 with FSDP; checkpoints per stage (FSDP: resumable with "
           "another replica count; no_shard: same world size only); no sample");
 ABSL_FLAG(int64_t, pipeline_chunks, 4, "--pipeline_stages > 1: micro-batches per step (<= --batch)");
 ABSL_FLAG(std::string, pipeline_schedule, "1f1b",

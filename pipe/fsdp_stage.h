@@ -17,6 +17,11 @@
 // the same gradients as all_reduce_gradients). A checkpointed micro-batch's recompute inside
 // backward gathers like a forward. Collective over `data` (construction, every micro-batch):
 // every replica must run the same schedule, which the pipe guarantees.
+//
+// Mixed precision (FsdpOptions::mixed_precision, e.g. param_dtype bf16, reduce_dtype f32): the
+// stage computes in param_dtype over f32 master shards (what the optimizer steps), so the
+// activations it sends to the next stage and the gradients it sends back are in param_dtype
+// (half the bytes of f32); floating-point inputs of the stage are cast to param_dtype.
 #pragma once
 
 #include <memory>

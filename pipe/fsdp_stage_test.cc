@@ -182,6 +182,88 @@ TEST(FsdpStageTest, MatchesOneProcessAdam) {
   }
 }
 
+// bf16 compute over f32 master shards (reduce in f32): the activations between the stages are
+// bf16, the shards the optimizer steps f32, and after 3 Adam steps every full parameter is within
+// fsdp's mixed-precision tolerance (edge_case_test's kMixedRtol: 6e-2 relative) of the f32
+// one-process run, as is every replica loss. Both strategies, both schedules, chunks 3,
+// checkpoint except_last.
+// The last stage's bf16 output scored in f32 against the f32 target.
+at::Tensor MseInF32(const at::Tensor& output, const at::Tensor& target) {
+  return testing::Mse(output.to(at::kFloat), target);
+}
+
+TEST(FsdpStageTest, Bf16ComputeWithF32MastersTracksTheReference) {
+  constexpr double kMixedRtol = 6e-2;
+  const at::Tensor x = testing::Inputs(kRows, 1);
+  const at::Tensor y = testing::Targets(kRows, 2);
+  const ReferenceRun ref = RunAdamReference(x, y, 2);
+  for (fsdp::ShardingStrategy strategy :
+       {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp}) {
+    for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+      const std::string name = absl::StrCat("bf16 ", fsdp::ShardingStrategyName(strategy), " ",
+                                            ScheduleName(schedule));
+      std::vector<absl::Status> statuses = testing::RunInproc(
+          4, [&](int rank, std::shared_ptr<comm::Communicator> world) -> absl::Status {
+            FS_ASSIGN_OR_RETURN(PipeGrid grid, MakePipeGrid(world, 2));
+            const std::string what = absl::StrCat(name, " rank ", rank);
+            const WrapStageFn fsdp = fsdp_stage(
+                grid.data, fsdp::FsdpOptions().sharding_strategy(strategy).mixed_precision(
+                               fsdp::MixedPrecision()
+                                   .param_dtype(at::kBFloat16)
+                                   .reduce_dtype(at::kFloat)));
+            std::vector<c10::ScalarType> sent;  // the dtypes of this stage's outputs
+            auto recording = [&](Stage stage) {
+              WrappedStage w = fsdp(stage);
+              w.forward = [inner = w.forward, &sent](std::vector<at::Tensor> xs, bool list) {
+                std::vector<at::Tensor> out = inner(std::move(xs), list);
+                for (const at::Tensor& t : out) sent.push_back(t.scalar_type());
+                return out;
+              };
+              return w;
+            };
+            FS_ASSIGN_OR_RETURN(std::unique_ptr<Pipe> pipe,
+                                Pipe::Create(testing::MakeMlp(), grid.pipe,
+                                             PipeOptions()
+                                                 .balance({3, 4})
+                                                 .chunks(3)
+                                                 .schedule(schedule)
+                                                 .wrap_stage(recording)));
+            if (pipe->parameters().at(0).scalar_type() != at::kFloat) {
+              return absl::InternalError(what + ": the master shard is not f32");
+            }
+            torch::optim::Adam opt(pipe->parameters(), torch::optim::AdamOptions(kLr));
+            for (int step = 0; step < kSteps; ++step) {
+              opt.zero_grad();
+              FS_ASSIGN_OR_RETURN(at::Tensor loss,
+                                  pipe->train_step(Rows(x, 2, grid.replica),
+                                                   Rows(y, 2, grid.replica), MseInF32));
+              FS_RETURN_IF_ERROR(testing::ExpectClose(
+                  absl::StrCat(what, " step ", step, " loss"), loss,
+                  at::scalar_tensor(ref.half_losses[step][grid.replica], at::kDouble),
+                  kMixedRtol));
+              opt.step();
+            }
+            for (c10::ScalarType t : sent) {
+              if (t != at::kBFloat16) {
+                return absl::InternalError(absl::StrCat(what, ": a stage output is ", t));
+              }
+            }
+            if (sent.empty()) return absl::InternalError(what + ": no forward recorded");
+            auto unit =
+                std::dynamic_pointer_cast<fsdp::FullyShardedDataParallelImpl>(pipe->module());
+            auto full = unit->summon_full_params(/*writeback=*/false);
+            for (const auto& item : pipe->stage_module()->named_parameters()) {
+              FS_RETURN_IF_ERROR(testing::ExpectClose(
+                  absl::StrCat(what, " parameter ", item.key()), item.value().to(at::kFloat),
+                  ref.params.at(item.key()), kMixedRtol));
+            }
+            return absl::OkStatus();
+          });
+      for (int r = 0; r < 4; ++r) EXPECT_THAT(statuses[r], IsOk()) << name << " rank " << r;
+    }
+  }
+}
+
 TEST(FsdpStageTest, WrapStageMustReturnAModuleAndAForward) {
   std::vector<absl::Status> statuses =
       testing::RunInproc(2, [&](int, std::shared_ptr<comm::Communicator> comm) {

@@ -374,7 +374,9 @@ class PipeModel final : public ParallelModel {
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets) override {
     const int64_t vocab = vocab_;
     const pipe::LossFn fn = [vocab](const at::Tensor& logits, const at::Tensor& y) {
-      return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}), y.reshape({-1}));
+      // bf16 logits (mixed precision) are scored in f32, as in the unpipelined modes.
+      return torch::nn::functional::cross_entropy(logits.to(at::kFloat).reshape({-1, vocab}),
+                                                  y.reshape({-1}));
     };
     const bool train = c10::GradMode::is_enabled();
     absl::StatusOr<at::Tensor> r =
@@ -581,8 +583,13 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
       opts.balance(*balance);
     }
     if (strategy != fsdp::ShardingStrategy::kNoShard) {
-      opts.wrap_stage(
-          pipe::fsdp_stage(grid.data, fsdp::FsdpOptions().sharding_strategy(strategy)));
+      // bf16: each stage computes (and sends its boundary activations) in bf16 over f32 master
+      // shards, gradients reduced in f32, like the unpipelined fsdp mode.
+      FS_ASSIGN_OR_RETURN(c10::optional<c10::ScalarType> dtype, ParsePrecision(config.precision));
+      fsdp::MixedPrecision mp;
+      if (dtype) mp.param_dtype(dtype).reduce_dtype(at::kFloat);
+      opts.wrap_stage(pipe::fsdp_stage(
+          grid.data, fsdp::FsdpOptions().sharding_strategy(strategy).mixed_precision(mp)));
     }
     absl::StatusOr<std::unique_ptr<pipe::Pipe>> p = pipe::Pipe::Create(layers, grid.pipe, opts);
     if (!p.ok()) {
@@ -726,10 +733,12 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
           p, "more stages", config.pipeline_virtual_stages > 1 ? " x virtual stages" : "",
           " than layers (embed + ", config.blocks, " blocks + lm_head)"));
     }
-    if (config.precision != "fp32") {
+    if (config.precision != "fp32" &&
+        (config.precision != "bf16" || config.strategy == "no_shard")) {
       return absl::InvalidArgumentError(absl::StrCat(
-          p, "the pipeline trains the fp32 model: precision must be fp32, got ",
-          config.precision));
+          p, "precision must be fp32, or bf16 with FSDP inside the stages (strategy full_shard "
+          "or shard_grad_op: f32 master shards, bf16 compute and boundary activations); got "
+          "precision ", config.precision, ", strategy ", config.strategy));
     }
     if (config.data_parallel != "fsdp") {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -3,10 +3,11 @@
 // once. "fsdp": the Gpt with its GptWrapPolicy units under a FullyShardedDataParallel root and an
 // Adam over the f32 master shards (in memory, or offload::OffloadedAdam with the state on the disk
 // tier); "sdp": the plain fp32 Gpt under oss::ShardedDataParallel with
-// an oss::OSS Adam (ZeRO-2); with TrainConfig::pipeline_stages > 1, "pipe": the fp32 Gpt as a
+// an oss::OSS Adam (ZeRO-2); with TrainConfig::pipeline_stages > 1, "pipe": the Gpt as a
 // torch::nn::Sequential (embed, block0.., lm_head) cut into stages by pipe::Pipe, one stage per
-// rank, world / stages replicas averaging their gradients (pipe::MakePipeGrid), an Adam per
-// stage. The pipe mode computes the loss itself (computes_loss()), since no rank holds the
+// rank, world / stages replicas (pipe::MakePipeGrid) sharding each stage with FSDP
+// (pipe::fsdp_stage; fp32 or bf16 over f32 masters) or averaging its gradients (no_shard, fp32),
+// an Adam per stage. The pipe mode computes the loss itself (computes_loss()), since no rank holds the
 // logits of the whole model. Each mode also owns its checkpoint file format (save / load) and
 // what its parameter hashes cover. Used by the trainer only.
 #pragma once

@@ -78,7 +78,7 @@ struct TrainConfig {
   std::string optimizer_offload = "none";
   std::string offload_dir;
   int64_t offload_chunk_bytes = 4 << 20;
-  // Pipeline parallelism (//pipe): with pipeline_stages > 1 the fp32 Gpt (embed, block0..,
+  // Pipeline parallelism (//pipe): with pipeline_stages > 1 the Gpt (embed, block0..,
   // lm_head) is cut into that many stages, one per rank: pipeline_balance "even" (by layer
   // count) or "size" (pipe::balance_by_size: 4 x parameter bytes + one micro-batch's output
   // bytes per layer). The world size must be a multiple of pipeline_stages, and
@@ -93,8 +93,10 @@ struct TrainConfig {
   // holding r, r + N, ... (pipe::PipeOptions::virtual_stages; in ToJson() when > 1);
   // checkpoint_activations none | all | except_last maps onto the pipe's checkpoint modes
   // (never / always / all but the last micro-batch; every:K is rejected). Gradient clipping uses
-  // the norm over the whole model. Needs precision fp32, data_parallel fsdp; not supported
-  // (rejected by Validate): loss_scale, optimizer_offload. Checkpoints: with FSDP, each stage's
+  // the norm over the whole model. Needs data_parallel fsdp and precision fp32, or bf16 with FSDP
+  // inside the stages (bf16 compute, boundary activations and their gradients over f32 master
+  // shards, gradients reduced in f32); not supported (rejected by Validate): loss_scale,
+  // optimizer_offload. Checkpoints: with FSDP, each stage's
   // replicas write an fsdp sharded checkpoint into stage<s>/ (format pipe_fsdp_sharded),
   // resumable with another number of replicas (same stages and balance); without, every rank
   // saves its stage and its Adam state in its rank file (format pipe_stages), resumable at the

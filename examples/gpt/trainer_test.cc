@@ -275,7 +275,7 @@ TEST(TrainConfigTest, PipelineRejectsWhatItCannotDo) {
   };
   TrainConfig bad = c;
   bad.precision = "bf16";
-  rejects(bad, "pipeline_stages 2: the pipeline trains the fp32 model: precision must be fp32");
+  rejects(bad, "pipeline_stages 2: precision must be fp32, or bf16 with FSDP inside the stages");
   bad = c, bad.data_parallel = "sdp";
   rejects(bad, "needs data_parallel fsdp, got sdp");
   bad = c, bad.pipeline_balance = "time";
@@ -288,7 +288,7 @@ TEST(TrainConfigTest, PipelineRejectsWhatItCannotDo) {
   for (const char* ok : {"full_shard", "shard_grad_op"}) {
     TrainConfig fsdp_inside = c;
     fsdp_inside.strategy = ok, fsdp_inside.checkpoint_activations = "except_last";
-    fsdp_inside.pipeline_balance = "size";
+    fsdp_inside.pipeline_balance = "size", fsdp_inside.precision = "bf16";
     EXPECT_OK(fsdp_inside.Validate()) << ok;
   }
   bad = TinyConfig(""), bad.checkpoint_activations = "except_last";  // no pipeline
@@ -342,6 +342,31 @@ TEST(TrainRankTest, PipelineWithFsdpInsideStagesMatchesTheUnpipelinedRun) {
               ::testing::HasSubstr("x 2 replicas (FSDP FULL_SHARD), 1f1b"));
   EXPECT_THAT(grad_op4.final_record["mode"].get<std::string>(),
               ::testing::HasSubstr("x 2 replicas (FSDP SHARD_GRAD_OP), gpipe"));
+}
+
+// bf16 in pipeline mode (FSDP inside the stages, bf16 compute and boundary activations over f32
+// master shards, gradients reduced in f32): 2 stages x 2 replicas track the unpipelined fsdp bf16
+// run at 2 ranks within fsdp's mixed-precision tolerance (6e-2 relative, fsdp/edge_case_test's
+// kMixedRtol) at every step, and the loss falls as much.
+TEST(TrainRankTest, PipelineBf16TracksTheUnpipelinedBf16Run) {
+  TrainConfig plain = TinyConfig("");
+  plain.precision = "bf16";
+  const JobOutput ref2 = RunJob(plain, 2, "pipe_bf16_ref2");
+  TrainConfig piped = plain;
+  piped.pipeline_stages = 2, piped.pipeline_chunks = 2;
+  const JobOutput pipe4 = RunJob(piped, 4, "pipe_bf16_2x2");
+  if (comm::testing::IsRankProcess()) return;
+  ASSERT_EQ(pipe4.losses.size(), ref2.losses.size());
+  double max_rel = 0;
+  for (size_t i = 0; i < ref2.losses.size(); ++i) {
+    EXPECT_NEAR(pipe4.losses[i], ref2.losses[i], 6e-2 * std::abs(ref2.losses[i])) << "step " << i + 1;
+    max_rel = std::max(max_rel, std::abs(pipe4.losses[i] - ref2.losses[i]) / ref2.losses[i]);
+  }
+  std::printf("pipeline bf16 vs unpipelined bf16: max relative loss difference %.3g; 2x2 loss "
+              "%.4f -> %.4f\n", max_rel, pipe4.losses.front(), pipe4.losses.back());
+  EXPECT_LT(pipe4.losses.back(), pipe4.losses.front() - 0.3);
+  EXPECT_THAT(pipe4.final_record["mode"].get<std::string>(),
+              ::testing::HasSubstr("x 2 replicas (FSDP FULL_SHARD)"));
 }
 
 // A pipeline with FSDP inside its stages saves an fsdp sharded checkpoint per stage, so a run of
