@@ -35,38 +35,6 @@ std::vector<int64_t> BalanceFor(int ranks, int64_t v) {
   return {};
 }
 
-// One run: `steps` train steps (24 then 48 rows: the second changes the activation layout and
-// accumulates into the first's gradients), each rank checked against `ref`.
-std::vector<absl::Status> RunParity(int ranks, const PipeOptions& options,
-                                    const std::vector<at::Tensor>& inputs,
-                                    const std::vector<at::Tensor>& targets,
-                                    const testing::Reference& ref, const std::string& what) {
-  return testing::RunInproc(
-      ranks, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-        absl::StatusOr<std::unique_ptr<Pipe>> pipe =
-            Pipe::Create(testing::MakeDeepMlp(), comm, options);
-        if (!pipe.ok()) return pipe.status();
-        if ((*pipe)->virtual_stages() != options.virtual_stages()) {
-          return absl::InternalError("virtual_stages()");
-        }
-        for (size_t step = 0; step < inputs.size(); ++step) {
-          const at::Tensor x = rank == 0 ? inputs[step] : at::Tensor();
-          const at::Tensor y = rank == ranks - 1 ? targets[step] : at::Tensor();
-          absl::StatusOr<at::Tensor> loss = (*pipe)->train_step(x, y, testing::Mse);
-          if (!loss.ok()) return loss.status();
-          const double expected = ref.losses[step];
-          if (std::abs(loss->item<double>() - expected) >
-              1e-5 * std::max(1.0, std::abs(expected))) {
-            return absl::InternalError(absl::StrCat(what, " rank ", rank, " step ", step,
-                                                    ": loss ", loss->item<double>(), " != ",
-                                                    expected));
-          }
-        }
-        return testing::CheckStageGrads(**pipe, ref.grads, 1e-5,
-                                        absl::StrCat(what, " rank ", rank));
-      });
-}
-
 class InterleaveParityTest
     : public ::testing::TestWithParam<std::tuple<std::pair<int, int64_t>, CheckpointMode>> {};
 
@@ -86,7 +54,7 @@ TEST_P(InterleaveParityTest, LossAndGradientsMatchOneProcess) {
                                     .schedule(Schedule::kInterleaved1F1B)
                                     .virtual_stages(v)
                                     .checkpoint(mode);
-    std::vector<absl::Status> statuses = RunParity(ranks, options, inputs, targets, ref, what);
+    std::vector<absl::Status> statuses = testing::RunParity(ranks, testing::MakeDeepMlp, options, inputs, targets, ref, what);
     for (int r = 0; r < ranks; ++r) EXPECT_THAT(statuses[r], IsOk()) << what << " rank " << r;
   }
 }
@@ -109,9 +77,10 @@ TEST(InterleaveTest, OneVirtualStageIsOneFOneB) {
   const std::vector<at::Tensor> targets = {testing::Targets(12, 6)};
   const testing::Reference ref =
       testing::RunReference(testing::MakeDeepMlp, inputs, targets, 3, testing::Mse);
-  std::vector<absl::Status> statuses = RunParity(
-      3, PipeOptions().chunks(3).schedule(Schedule::kInterleaved1F1B), inputs, targets, ref,
-      "v = 1");
+  std::vector<absl::Status> statuses =
+      testing::RunParity(3, testing::MakeDeepMlp,
+                         PipeOptions().chunks(3).schedule(Schedule::kInterleaved1F1B), inputs,
+                         targets, ref, "v = 1");
   for (int r = 0; r < 3; ++r) EXPECT_THAT(statuses[r], IsOk()) << "rank " << r;
 }
 

@@ -50,28 +50,8 @@ TEST_P(ParityTest, LossAndGradientsMatchOneProcess) {
     const PipeOptions options =
         PipeOptions().balance(BalanceFor(stages)).chunks(chunks).schedule(schedule).checkpoint(
             mode);
-    std::vector<absl::Status> statuses = testing::RunInproc(
-        stages, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-          absl::StatusOr<std::unique_ptr<Pipe>> pipe =
-              Pipe::Create(testing::MakeMlp(), comm, options);
-          if (!pipe.ok()) return pipe.status();
-          for (size_t step = 0; step < inputs.size(); ++step) {
-            // Only stage 0 reads the input and only the last stage the target.
-            const at::Tensor x = rank == 0 ? inputs[step] : at::Tensor();
-            const at::Tensor y = rank == stages - 1 ? targets[step] : at::Tensor();
-            absl::StatusOr<at::Tensor> loss = (*pipe)->train_step(x, y, testing::Mse);
-            if (!loss.ok()) return loss.status();
-            const double expected = ref.losses[step];
-            if (std::abs(loss->item<double>() - expected) >
-                1e-5 * std::max(1.0, std::abs(expected))) {
-              return absl::InternalError(absl::StrCat(what, " rank ", rank, " step ", step,
-                                                      ": loss ", loss->item<double>(),
-                                                      " != ", expected));
-            }
-          }
-          return testing::CheckStageGrads(**pipe, ref.grads, 1e-5,
-                                          absl::StrCat(what, " rank ", rank));
-        });
+    std::vector<absl::Status> statuses =
+        testing::RunParity(stages, testing::MakeMlp, options, inputs, targets, ref, what);
     for (int r = 0; r < stages; ++r) EXPECT_THAT(statuses[r], IsOk()) << what << " rank " << r;
   }
 }

@@ -207,27 +207,36 @@ TEST(ScheduleTest, OneFOneBOrderOfFourStages) {
   EXPECT_EQ(DescribeActions(MakeSchedule(Schedule::kGPipe, 2, 1, 3)), "F0 F1 F2 B0 B1 B2");
 }
 
+// One train_step of `make()` over `ranks` inproc ranks with `options`: each rank's trace as
+// actions (a test failure if a rank failed or an event is malformed).
+std::vector<std::vector<Action>> RunTraces(int ranks, torch::nn::Sequential (*make)(),
+                                           const PipeOptions& options) {
+  std::vector<std::vector<Action>> traces(ranks);
+  std::vector<absl::Status> statuses = testing::RunInproc(
+      ranks, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+        absl::StatusOr<std::unique_ptr<Pipe>> pipe = Pipe::Create(make(), comm, options);
+        if (!pipe.ok()) return pipe.status();
+        absl::StatusOr<at::Tensor> loss = (*pipe)->train_step(
+            testing::Inputs(16, 1), testing::Targets(16, 2), testing::Mse);
+        if (!loss.ok()) return loss.status();
+        for (const PipeEvent& e : (*pipe)->trace()) {
+          if (e.stage != rank || e.end < e.start) return absl::InternalError("bad event");
+          traces[rank].push_back({e.phase, e.micro_batch, e.chunk});
+        }
+        return absl::OkStatus();
+      });
+  for (int r = 0; r < ranks; ++r) EXPECT_THAT(statuses[r], IsOk()) << "rank " << r;
+  return traces;
+}
+
 // What the stages of a running 4-stage pipe did, from their traces.
 TEST(ScheduleTest, TraceFollowsTheSchedule) {
   constexpr int kStages = 4;
   constexpr int64_t kChunks = 8;
   for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
-    std::vector<std::vector<Action>> traces(kStages);
-    std::vector<absl::Status> statuses = testing::RunInproc(
-        kStages, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-          absl::StatusOr<std::unique_ptr<Pipe>> pipe = Pipe::Create(
-              testing::MakeMlp(), comm, PipeOptions().chunks(kChunks).schedule(schedule));
-          if (!pipe.ok()) return pipe.status();
-          absl::StatusOr<at::Tensor> loss = (*pipe)->train_step(
-              testing::Inputs(16, 1), testing::Targets(16, 2), testing::Mse);
-          if (!loss.ok()) return loss.status();
-          for (const PipeEvent& e : (*pipe)->trace()) {
-            if (e.stage != rank || e.end < e.start) return absl::InternalError("bad event");
-            traces[rank].push_back({e.phase, e.micro_batch});
-          }
-          return absl::OkStatus();
-        });
-    for (int r = 0; r < kStages; ++r) ASSERT_THAT(statuses[r], IsOk()) << "rank " << r;
+    const std::vector<std::vector<Action>> traces =
+        RunTraces(kStages, testing::MakeMlp, PipeOptions().chunks(kChunks).schedule(schedule));
+    if (HasFailure()) return;
     for (int s = 0; s < kStages; ++s) {
       const std::string at =
           absl::StrCat(ScheduleName(schedule), " stage ", s, ": ", DescribeActions(traces[s]));
@@ -250,24 +259,10 @@ TEST(ScheduleTest, TraceFollowsTheSchedule) {
 TEST(ScheduleTest, InterleavedTraceFollowsTheSchedule) {
   for (const auto& [ranks, v, m] : std::vector<std::tuple<int, int64_t, int64_t>>{
            {2, 2, 4}, {2, 3, 2}, {4, 2, 8}, {3, 2, 3}}) {
-    std::vector<std::vector<Action>> traces(ranks);
-    std::vector<absl::Status> statuses = testing::RunInproc(
-        ranks, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-          absl::StatusOr<std::unique_ptr<Pipe>> pipe =
-              Pipe::Create(testing::MakeDeepMlp(), comm,
-                           PipeOptions().chunks(m).virtual_stages(v).schedule(
-                               Schedule::kInterleaved1F1B));
-          if (!pipe.ok()) return pipe.status();
-          absl::StatusOr<at::Tensor> loss = (*pipe)->train_step(
-              testing::Inputs(16, 1), testing::Targets(16, 2), testing::Mse);
-          if (!loss.ok()) return loss.status();
-          for (const PipeEvent& e : (*pipe)->trace()) {
-            if (e.stage != rank || e.end < e.start) return absl::InternalError("bad event");
-            traces[rank].push_back({e.phase, e.micro_batch, e.chunk});
-          }
-          return absl::OkStatus();
-        });
-    for (int r = 0; r < ranks; ++r) ASSERT_THAT(statuses[r], IsOk()) << "rank " << r;
+    const std::vector<std::vector<Action>> traces = RunTraces(
+        ranks, testing::MakeDeepMlp,
+        PipeOptions().chunks(m).virtual_stages(v).schedule(Schedule::kInterleaved1F1B));
+    if (HasFailure()) return;
     for (int r = 0; r < ranks; ++r) {
       const std::string at = absl::StrCat(ranks, " ranks x ", v, " m ", m, " rank ", r, ": ",
                                           DescribeActions(traces[r]));

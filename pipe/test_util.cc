@@ -120,6 +120,37 @@ absl::Status CheckStageGrads(const Pipe& pipe, const std::map<std::string, at::T
   return absl::OkStatus();
 }
 
+std::vector<absl::Status> RunParity(int ranks,
+                                    const std::function<torch::nn::Sequential()>& make_model,
+                                    const PipeOptions& options,
+                                    const std::vector<at::Tensor>& inputs,
+                                    const std::vector<at::Tensor>& targets, const Reference& ref,
+                                    const std::string& what) {
+  return RunInproc(
+      ranks, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+        absl::StatusOr<std::unique_ptr<Pipe>> pipe = Pipe::Create(make_model(), comm, options);
+        if (!pipe.ok()) return pipe.status();
+        if ((*pipe)->virtual_stages() != options.virtual_stages()) {
+          return absl::InternalError(absl::StrCat(what, ": virtual_stages()"));
+        }
+        for (size_t step = 0; step < inputs.size(); ++step) {
+          // Only stage 0 reads the input and only the last stage the target.
+          const at::Tensor x = rank == 0 ? inputs[step] : at::Tensor();
+          const at::Tensor y = rank == ranks - 1 ? targets[step] : at::Tensor();
+          absl::StatusOr<at::Tensor> loss = (*pipe)->train_step(x, y, Mse);
+          if (!loss.ok()) return loss.status();
+          const double expected = ref.losses[step];
+          if (std::abs(loss->item<double>() - expected) >
+              1e-5 * std::max(1.0, std::abs(expected))) {
+            return absl::InternalError(absl::StrCat(what, " rank ", rank, " step ", step,
+                                                    ": loss ", loss->item<double>(), " != ",
+                                                    expected));
+          }
+        }
+        return CheckStageGrads(**pipe, ref.grads, 1e-5, absl::StrCat(what, " rank ", rank));
+      });
+}
+
 std::vector<absl::Status> RunInproc(
     int world,
     const std::function<absl::Status(int rank, std::shared_ptr<comm::Communicator>)>& body,

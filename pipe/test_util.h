@@ -47,6 +47,17 @@ Reference RunReference(const std::function<torch::nn::Sequential()>& make_model,
                        const std::vector<at::Tensor>& targets, int64_t chunks,
                        const LossFn& loss_fn);
 
+// Runs `ranks` inproc ranks, each creating a Pipe over make_model() with `options` (checking
+// virtual_stages()) and training on inputs[s] / targets[s] in turn (the input on rank 0, the
+// target on the last rank): every step's loss within 1e-5 of ref.losses[s], then every stage
+// gradient within 1e-5 of ref.grads. One Status per rank, naming `what` on a mismatch.
+std::vector<absl::Status> RunParity(int ranks,
+                                    const std::function<torch::nn::Sequential()>& make_model,
+                                    const PipeOptions& options,
+                                    const std::vector<at::Tensor>& inputs,
+                                    const std::vector<at::Tensor>& targets, const Reference& ref,
+                                    const std::string& what);
+
 // Checks that every parameter of the pipe's stage has the reference gradient (same name).
 absl::Status CheckStageGrads(const Pipe& pipe, const std::map<std::string, at::Tensor>& grads,
                              double rtol, const std::string& what);

@@ -202,6 +202,18 @@ JobOutput RunJob(TrainConfig config, int world, const std::string& name) {
   return out;
 }
 
+// Every step's loss of `got` within 1e-5 of `ref`'s (as many steps); returns the largest
+// difference.
+double ExpectSameLosses(const JobOutput& got, const JobOutput& ref, const std::string& what) {
+  EXPECT_EQ(got.losses.size(), ref.losses.size()) << what;
+  double max_diff = 0;
+  for (size_t i = 0; i < std::min(got.losses.size(), ref.losses.size()); ++i) {
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << what << ", step " << i + 1;
+    max_diff = std::max(max_diff, std::abs(got.losses[i] - ref.losses[i]));
+  }
+  return max_diff;
+}
+
 // --pipeline_stages: the Gpt cut into 2 stages (1f1b, 2 micro-batches) at 2 ranks (1 replica)
 // must give the per-step losses of the unpipelined fp32 run at 1 rank, and 2 stages x 2
 // replicas at 4 ranks those of the unpipelined run at 2 ranks (replica k trains rank k's batch):
@@ -250,12 +262,8 @@ TEST(TrainRankTest, InterleavedPipelineMatchesTheUnpipelinedRun) {
   const JobOutput ref = RunJob(plain, 1, "interleaved_ref");
   const JobOutput inter = RunJob(piped, 2, "interleaved_2x2v");
   if (comm::testing::IsRankProcess()) return;
-  ASSERT_EQ(inter.losses.size(), ref.losses.size());
-  double max_diff = 0;
-  for (size_t i = 0; i < ref.losses.size(); ++i) {
-    EXPECT_NEAR(inter.losses[i], ref.losses[i], 1e-5) << "step " << i + 1;
-    max_diff = std::max(max_diff, std::abs(inter.losses[i] - ref.losses[i]));
-  }
+  ASSERT_FALSE(inter.losses.empty());
+  const double max_diff = ExpectSameLosses(inter, ref, "interleaved 2 x 2 virtual");
   std::printf("interleaved pipeline vs unpipelined: max |loss difference| %.3g over %zu steps; "
               "loss %.4f -> %.4f\n",
               max_diff, ref.losses.size(), inter.losses.front(), inter.losses.back());
@@ -429,12 +437,8 @@ TEST(TrainRankTest, HybridShardMatchesFullShard) {
   const JobOutput ref = RunJob(full, 4, "full_shard4");
   const JobOutput got = RunJob(hybrid, 4, "hybrid_2x2");
   if (comm::testing::IsRankProcess()) return;
-  ASSERT_EQ(got.losses.size(), ref.losses.size());
-  double max_diff = 0;
-  for (size_t i = 0; i < ref.losses.size(); ++i) {
-    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << "step " << i + 1;
-    max_diff = std::max(max_diff, std::abs(got.losses[i] - ref.losses[i]));
-  }
+  ASSERT_FALSE(got.losses.empty());
+  const double max_diff = ExpectSameLosses(got, ref, "hybrid_shard 2x2");
   std::printf("hybrid_shard 2x2 vs full_shard at 4 ranks: max |loss difference| %.3g over %zu "
               "steps\n",
               max_diff, ref.losses.size());
