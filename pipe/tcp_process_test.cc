@@ -1,15 +1,16 @@
 // pipe::Pipe over the real network stack: the stages are separate processes
 // (comm::testing::RunProcesses) talking over the "tcp" backend on 127.0.0.1. The inproc tests
 // cover the schedules; this one catches what only a real transport and separate address spaces
-// show (send buffers kept alive until delivery, the two split communicators, the loss broadcast).
-// 3 stages, both schedules, 3 micro-batches, two steps, against the single-process reference;
-// and a stage process that dies mid-step.
+// show (send buffers kept alive until delivery, the per-link communicators, the loss broadcast).
+// 3 stages, GPipe, 1F1B and interleaved 1F1B (2 virtual stages per rank), 3 micro-batches, two
+// steps, against the single-process reference; and a stage process that dies mid-step.
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -34,7 +35,11 @@ TEST(TcpProcessTest, ThreeStagesMatchOneProcess) {
   const std::vector<at::Tensor> targets = {testing::Targets(12, 3), testing::Targets(9, 4)};
   const testing::Reference ref =
       testing::RunReference(testing::MakeMlp, inputs, targets, 3, testing::Mse);
-  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+  // Interleaved: 3 ranks x 2 virtual stages of MakeMlp's 7 layers, the wrap-around link 2 -> 0
+  // and every link's own communicators over tcp.
+  for (const auto& [schedule, v] : {std::make_pair(Schedule::kGPipe, int64_t{1}),
+                                    std::make_pair(Schedule::k1F1B, int64_t{1}),
+                                    std::make_pair(Schedule::kInterleaved1F1B, int64_t{2})}) {
     std::vector<absl::Status> statuses = comm::testing::RunProcesses(
         kStages,
         [&](int rank) -> absl::Status {
@@ -43,7 +48,8 @@ TEST(TcpProcessTest, ThreeStagesMatchOneProcess) {
               comm::CreateCommunicator("tcp", comm::testing::RankConfig(absl::Seconds(20))));
           FS_ASSIGN_OR_RETURN(
               std::unique_ptr<Pipe> pipe,
-              Pipe::Create(testing::MakeMlp(), comm, PipeOptions().chunks(3).schedule(schedule)));
+              Pipe::Create(testing::MakeMlp(), comm,
+                           PipeOptions().chunks(3).schedule(schedule).virtual_stages(v)));
           for (size_t step = 0; step < inputs.size(); ++step) {
             FS_ASSIGN_OR_RETURN(at::Tensor loss,
                                 pipe->train_step(inputs[step], targets[step], testing::Mse));
@@ -79,9 +85,11 @@ class DieImpl : public torch::nn::Module {
 TORCH_MODULE(Die);
 
 // Stage 1 of 3 dies in the middle of the forwards: both other stages fail (no hang) with an
-// error that names stage 1 (the link they were waiting on).
+// error that names stage 1 (the link they were waiting on). Interleaved (2 virtual stages per
+// rank, balance {1, 3, 1, 1, 1, 1}): the Die layer is in virtual stage 1 on rank 1.
 TEST(TcpProcessTest, DeadStageFailsTheOthers) {
-  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B, Schedule::kInterleaved1F1B}) {
+    const bool interleaved = schedule == Schedule::kInterleaved1F1B;
     std::vector<absl::Status> statuses = comm::testing::RunProcesses(
         3,
         [&](int rank) -> absl::Status {
@@ -96,8 +104,13 @@ TEST(TcpProcessTest, DeadStageFailsTheOthers) {
           }
           FS_ASSIGN_OR_RETURN(std::unique_ptr<Pipe> pipe,
                               Pipe::Create(model, comm,
-                                           PipeOptions().balance({3, 3, 2}).chunks(3).schedule(
-                                               schedule)));
+                                           PipeOptions()
+                                               .balance(interleaved
+                                                            ? std::vector<int64_t>{1, 3, 1, 1, 1, 1}
+                                                            : std::vector<int64_t>{3, 3, 2})
+                                               .chunks(3)
+                                               .schedule(schedule)
+                                               .virtual_stages(interleaved ? 2 : 1)));
           FS_ASSIGN_OR_RETURN(at::Tensor loss, pipe->train_step(testing::Inputs(12, 1),
                                                                 testing::Targets(12, 2),
                                                                 testing::Mse));
