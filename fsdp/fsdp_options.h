@@ -112,6 +112,20 @@ struct FsdpOptions {
   // See MixedPrecision. Default: everything in the parameters' dtype.
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
 
+  // FairScale's flatten_parameters. true (the default): a unit's parameters are flattened into
+  // one flat parameter per requires_grad kind, which is what the wrapper registers and the
+  // optimizer steps ("flat_param"). false: the per-parameter layout of PyTorch's FSDP2
+  // (fully_shard): the wrapper registers the wrapped module's own parameter tensors under their
+  // own names, and between steps each holds this rank's rows of its dim 0 (ceil(rows / world)
+  // rows per rank, fewer or none on the last ranks; a 0-dim parameter counts as one row and
+  // is shaped [1] or [0]), with .grad of the same shape after backward. So an optimizer built
+  // from model->named_parameters() can put parameters in different param groups (e.g. no weight
+  // decay on biases) and frozen parameters (requires_grad false) may sit next to trainable
+  // ones. Each unit still all-gathers (and reduce-scatters) its parameters with one collective
+  // per requires_grad kind, through a staging buffer (one extra copy each way). Every unit of a
+  // model must use the same value. See fsdp/README.md.
+  TORCH_ARG(bool, flatten_parameters) = true;
+
   // The shard groups of kHybridShard / kHybridShardZero2 (rejected with other strategies):
   //   hybrid_shard_group_size(g) > 0: groups of g consecutive ranks ([0, g), [g, 2g), ...);
   //     g must divide the world size. Rank r's replicate group is {r mod g + k * g}.

@@ -11,6 +11,7 @@
 
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/internal/errors.h"
+#include "fsdp/internal/flat_param.h"
 #include "fsdp/internal/root_state.h"
 
 namespace fairscale::fsdp {
@@ -45,15 +46,16 @@ at::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double
   std::vector<at::Tensor> grads;
   for (FullyShardedDataParallelImpl* u : st.units) {
     for (FlatParam& fp : u->flats_) {
-      const at::Tensor& g = fp.shard.grad();
-      if (!fp.requires_grad || !g.defined()) continue;
-      grads.push_back(g);
-      // Every element counted once over the world: an unsharded unit's gradient (the same on
-      // every rank) on rank 0 only; a HYBRID_SHARD shard (the same in every shard group) in
-      // the first group only, so the sum is the shard group's, not replicate-size times it.
-      if (!inf && (u->sharded() ? u->replicate_rank_ != 0 : rank_ != 0)) continue;
-      const double n = g.to(at::kDouble).norm(norm_type).item<double>();
-      local = inf ? std::max(local, n) : local + std::pow(n, norm_type);
+      if (!fp.requires_grad) continue;
+      for (const at::Tensor& g : internal::ShardGrads(fp)) {
+        grads.push_back(g);
+        // Every element counted once over the world: an unsharded unit's gradient (the same on
+        // every rank) on rank 0 only; a HYBRID_SHARD shard (the same in every shard group) in
+        // the first group only, so the sum is the shard group's, not replicate-size times it.
+        if (!inf && (u->sharded() ? u->replicate_rank_ != 0 : rank_ != 0)) continue;
+        const double n = g.to(at::kDouble).norm(norm_type).item<double>();
+        local = inf ? std::max(local, n) : local + std::pow(n, norm_type);
+      }
     }
   }
   double total = local;
@@ -92,6 +94,7 @@ FullyShardedDataParallelImpl::FullParamsGuard FullyShardedDataParallelImpl::summ
   std::vector<at::Tensor> snapshots;
   for (FullyShardedDataParallelImpl* u : units) {
     u->wait_gathers();
+    u->set_param_views(true);
     u->summoned_ = true;
     for (FlatParam& fp : u->flats_) {
       if (!u->sharded() && !fp.mixed && !writeback) {
@@ -108,7 +111,11 @@ FullyShardedDataParallelImpl::FullParamsGuard::~FullParamsGuard() {
   for (FullyShardedDataParallelImpl* u : units_) {
     for (FlatParam& fp : u->flats_) {
       if (u->sharded()) {
-        if (writeback_) fp.shard.detach().copy_(fp.full.narrow(0, fp.shard_offset, fp.shard_numel));
+        if (writeback_ && fp.per_param) {
+          internal::WritebackDim0(fp);
+        } else if (writeback_) {
+          fp.shard.detach().copy_(fp.full.narrow(0, fp.shard_offset, fp.shard_numel));
+        }
       } else if (fp.mixed) {
         fp.stale = true;  // read-only: drop changes to the low-precision copy
       } else if (!writeback_) {

@@ -126,7 +126,11 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule 
   alive_ = std::make_shared<FullyShardedDataParallelImpl*>(this);
   init_groups();
   collect_and_shard();
-  register_nested();
+  if (options_.flatten_parameters()) {
+    register_nested();
+  } else {
+    register_original();
+  }
 }
 
 FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() {
@@ -275,36 +279,42 @@ void FullyShardedDataParallelImpl::collect_and_shard() {
       slot.offset = fp.numel;
       fp.numel += slot.numel;
     }
-    if (sharded()) {
-      fp.shard_numel = internal::ShardNumel(fp.numel, shard_world_);
-      fp.padded_numel = fp.shard_numel * shard_world_;
-      fp.shard_offset = shard_rank_ * fp.shard_numel;
-    } else {
-      fp.shard_numel = fp.padded_numel = fp.numel;
-    }
-    // The master values in the parameters' own dtype; `full` is the same tensor unless mixed
-    // precision computes in another dtype.
-    at::Tensor master = at::zeros({fp.padded_numel}, first.options().requires_grad(false));
-    for (ParamSlot& slot : slots) {
-      master.narrow(0, slot.offset, slot.numel).copy_(slot.param.detach().reshape({-1}));
-    }
     const auto& mp = options_.mixed_precision();
     fp.mixed = mp.param_dtype().has_value() && *mp.param_dtype() != first.scalar_type();
-    fp.full = fp.mixed ? master.to(*mp.param_dtype()) : master;
-    fp.reduce_dtype = mp.reduce_dtype().value_or(fp.full.scalar_type());
-    fp.shard = sharded() ? master.narrow(0, fp.shard_offset, fp.shard_numel).clone() : master;
-    {
-      const auto [pre, post] = internal::DivideFactors(options_, world_);
-      fp.grad_views = fp.requires_grad && !sharded() && !fp.mixed &&
-                      fp.reduce_dtype == master.scalar_type() &&
-                      std::abs(pre * post - world_) <= 1e-9 * world_;
+    fp.reduce_dtype = mp.reduce_dtype().value_or(fp.mixed ? *mp.param_dtype() : first.scalar_type());
+    if (!options_.flatten_parameters()) {
+      init_dim0(fp, slots);  // the shard, `full`, and the parameters pointed at `full`
+    } else {
+      if (sharded()) {
+        fp.shard_numel = internal::ShardNumel(fp.numel, shard_world_);
+        fp.padded_numel = fp.shard_numel * shard_world_;
+        fp.shard_offset = shard_rank_ * fp.shard_numel;
+      } else {
+        fp.shard_numel = fp.padded_numel = fp.numel;
+      }
+      // The master values in the parameters' own dtype; `full` is the same tensor unless mixed
+      // precision computes in another dtype.
+      at::Tensor master = at::zeros({fp.padded_numel}, first.options().requires_grad(false));
+      for (ParamSlot& slot : slots) {
+        master.narrow(0, slot.offset, slot.numel).copy_(slot.param.detach().reshape({-1}));
+      }
+      fp.full = fp.mixed ? master.to(*mp.param_dtype()) : master;
+      fp.shard = sharded() ? master.narrow(0, fp.shard_offset, fp.shard_numel).clone() : master;
+      {
+        const auto [pre, post] = internal::DivideFactors(options_, world_);
+        fp.grad_views = fp.requires_grad && !sharded() && !fp.mixed &&
+                        fp.reduce_dtype == master.scalar_type() &&
+                        std::abs(pre * post - world_) <= 1e-9 * world_;
+      }
+      for (ParamSlot& slot : slots) {
+        // Same TensorImpl, new storage: the module keeps using its tensor, which now views `full`.
+        slot.param.set_data(fp.full.narrow(0, slot.offset, slot.numel).view(slot.shape));
+        if (slot.param.grad().defined()) slot.param.mutable_grad() = at::Tensor();
+      }
     }
     const size_t flat_index = flats_.size() - 1;
     for (size_t s = 0; s < slots.size(); ++s) {
       ParamSlot& slot = slots[s];
-      // Same TensorImpl, new storage: the module keeps using its tensor, which now views `full`.
-      slot.param.set_data(fp.full.narrow(0, slot.offset, slot.numel).view(slot.shape));
-      if (slot.param.grad().defined()) slot.param.mutable_grad() = at::Tensor();
       if (fp.requires_grad) {
         slot.grad_accumulator = torch::autograd::impl::grad_accumulator(slot.param);
         slot.hook_key = slot.grad_accumulator->add_post_hook(
@@ -313,10 +323,13 @@ void FullyShardedDataParallelImpl::collect_and_shard() {
       owned_params_.emplace_back(slot.param.unsafeGetTensorImpl(), slot.name);
     }
     fp.slots = std::move(slots);
-    register_parameter(fp.requires_grad ? "flat_param" : "flat_param_frozen", fp.shard,
-                       fp.requires_grad);
+    if (!fp.per_param) {
+      register_parameter(fp.requires_grad ? "flat_param" : "flat_param_frozen", fp.shard,
+                         fp.requires_grad);
+    }
     if (sharded()) internal::FreeStorage(fp.full);
   }
+  set_param_views(false);  // per-parameter layout: the parameters show their rows
 
   std::vector<at::Tensor> distinct_buffers;
   for (const auto& [name, b] : buffers) {
@@ -393,6 +406,7 @@ std::vector<FlatParamInfo> FullyShardedDataParallelImpl::flat_param_info() const
     info.padded_numel = fp.padded_numel;
     info.shard_numel = fp.shard_numel;
     info.shard_offset = fp.shard_offset;
+    info.per_parameter = fp.per_param;
     for (const ParamSlot& slot : fp.slots) {
       FlatParamInfo::Entry e;
       e.name = prefix_ + slot.name;
@@ -400,6 +414,8 @@ std::vector<FlatParamInfo> FullyShardedDataParallelImpl::flat_param_info() const
       e.shape = slot.shape;
       e.offset = slot.offset;
       e.numel = slot.numel;
+      e.shard_offset = fp.per_param ? slot.shard_offset : 0;
+      e.rank_numel = fp.per_param ? slot.rank_numel : 0;
       info.params.push_back(std::move(e));
     }
     out.push_back(std::move(info));
@@ -429,6 +445,12 @@ void FullyShardedDataParallelImpl::init_root() {
       [&](FullyShardedDataParallelImpl* unit, const std::string& prefix) {
         TORCH_CHECK(!unit->state_ || !unit->state_->backward_active, unit->label(),
                     ": becomes part of a new root while its backward is running");
+        TORCH_CHECK(unit->options_.flatten_parameters() == options_.flatten_parameters(),
+                    unit->label(), ": flatten_parameters(",
+                    unit->options_.flatten_parameters() ? "true" : "false",
+                    ") but its root has flatten_parameters(",
+                    options_.flatten_parameters() ? "true" : "false",
+                    "); every unit of a model must use the same layout");
         unit->state_ = state;
         unit->prefix_ = prefix;
         unit->forward_index_ = unit->backward_index_ = -1;
@@ -454,6 +476,7 @@ void FullyShardedDataParallelImpl::pre_forward() {
     prefetch(st.forward_order[forward_index_ + 1], /*backward=*/false);
   }
   wait_gathers();
+  set_param_views(true);
 }
 
 void FullyShardedDataParallelImpl::post_forward(const std::vector<at::Tensor>& outputs) {
@@ -540,8 +563,11 @@ void FullyShardedDataParallelImpl::issue_gathers() {
     internal::AllocateStorage(fp.full);
     const std::string context = label() + ": all_gather of the flat parameter";
     fp.gather_send = fp.mixed ? fp.shard.detach().to(fp.full.scalar_type()) : fp.shard.detach();
-    fp.gather_work =
-        shard_comm_->AllGather(internal::Buf(fp.gather_send, context), internal::Buf(fp.full, context));
+    // Per-parameter layout: gathered rank-major into a staging buffer, copied out on wait.
+    if (fp.per_param) fp.gather_buf = at::empty({fp.padded_numel}, fp.full.options());
+    fp.gather_work = shard_comm_->AllGather(
+        internal::Buf(fp.gather_send, context),
+        internal::Buf(fp.per_param ? fp.gather_buf : fp.full, context));
     fp.gather_pending = true;
     issued = true;
     if (state_) ++state_->gathers_in_flight;
@@ -561,10 +587,12 @@ void FullyShardedDataParallelImpl::wait_gathers() {
     absl::Status status = fp.gather_work.Wait();
     fp.gather_send = at::Tensor();
     ThrowIfError(status, label() + ": all_gather of the flat parameter");
+    if (fp.per_param) internal::CopyOutGathered(fp, dim0_world());
   }
 }
 
 void FullyShardedDataParallelImpl::reshard() {
+  set_param_views(false);
   if (!sharded()) return;
   wait_gathers();
   for (FlatParam& fp : flats_) {
@@ -617,6 +645,7 @@ void FullyShardedDataParallelImpl::pre_backward() {
     prefetch(st.backward_order[backward_index_ + 1], /*backward=*/true);
   }
   wait_gathers();
+  set_param_views(true);
 }
 
 void FullyShardedDataParallelImpl::on_param_grad(size_t flat, size_t slot_index) {
@@ -645,7 +674,11 @@ void FullyShardedDataParallelImpl::on_param_grad(size_t flat, size_t slot_index)
       drain_reduces(static_cast<size_t>(options_.reductions_in_flight()));
       fp.full_grad = at::zeros({fp.padded_numel}, fp.shard.options().dtype(fp.reduce_dtype));
     }
-    fp.full_grad.narrow(0, slot.offset, slot.numel).add_(grad.reshape({-1}));
+    if (fp.per_param) {
+      internal::AddDim0Grad(fp, slot, grad, dim0_world());
+    } else {
+      fp.full_grad.narrow(0, slot.offset, slot.numel).add_(grad.reshape({-1}));
+    }
     grad = at::Tensor();
   }
   ++fp.grads_ready;

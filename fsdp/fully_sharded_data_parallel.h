@@ -93,9 +93,17 @@ struct FlatParamInfo {
     std::vector<int64_t> shape;
     int64_t offset = 0;  // in the unsharded flat parameter
     int64_t numel = 0;
+    // per_parameter: this parameter's rows in every rank's shard start at shard_offset there,
+    // rank_numel elements (ceil(rows / world) rows) per rank: rank q holds its flattened
+    // elements [q * rank_numel, min(numel, (q + 1) * rank_numel)).
+    int64_t shard_offset = 0;
+    int64_t rank_numel = 0;
   };
   std::string name;  // registered name: "flat_param" (trainable) or "flat_param_frozen"
   bool requires_grad = false;
+  // FsdpOptions::flatten_parameters(false): each rank's shard is the concatenation of its rows
+  // of every parameter (see Entry::shard_offset), not a contiguous range of the flat parameter.
+  bool per_parameter = false;
   int64_t numel = 0;         // sum of the entries
   // Sharded over the shard group (the whole world, or the HYBRID_SHARD sub-group):
   int64_t padded_numel = 0;  // shard group size * shard_numel (unsharded: numel)
@@ -237,6 +245,14 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // This unit and every unit nested in it, parents before children.
   std::vector<FullyShardedDataParallelImpl*> fsdp_units();
   std::vector<FlatParamInfo> flat_param_info() const;
+  // This rank's shard of each flat parameter (flat_param_info() order) and the original
+  // parameter tensor of each of its entries (what an optimizer steps when
+  // flatten_parameters(false); their values are this rank's rows between steps).
+  struct FlatShard {
+    at::Tensor shard;
+    std::vector<at::Tensor> params;
+  };
+  std::vector<FlatShard> flat_shards() const;
   // Every unit of the model this root drives, parents before children, with their prefix()es
   // set (initializes the root on first use, as forward would). Root only; no communication.
   std::vector<FullyShardedDataParallelImpl*> root_units();
@@ -287,6 +303,16 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   void attach_grad_views(internal::FlatParam& fp);
 
   void collect_and_shard();
+  // Per-parameter layout (per_param.cc): lays out `slots` in `fp` dim-0 sharded, points the
+  // parameters at their rows; registers the wrapped module's parameters, buffers and children
+  // on this wrapper under their own names; switches the parameters between their rows in the
+  // shard and their full values in `full` (keeping the shard-shaped .grad aside meanwhile).
+  void init_dim0(internal::FlatParam& fp, std::vector<internal::ParamSlot>& slots);
+  void register_original();
+  void set_param_views(bool full);
+  // Per-parameter layout: the shard layout's world size and this rank's index in it.
+  int dim0_world() const { return sharded() ? shard_world_ : 1; }
+  int dim0_rank() const { return sharded() ? shard_rank_ : 0; }
   void broadcast_buffers(const std::vector<at::Tensor>& buffers);
   void register_nested();
   void init_root();

@@ -148,6 +148,10 @@ void FullyShardedDataParallelImpl::complete_reduce(const internal::PendingReduce
     const bool whole = p.parts.size() == 1;
     at::Tensor recv = whole ? p.recv : p.recv.narrow(0, part.offset, fp.shard_numel);
     if (post != 1.0) recv.div_(post);
+    if (fp.per_param) {
+      internal::AccumulateDim0Grads(fp, recv);
+      continue;
+    }
     at::Tensor& grad = fp.shard.mutable_grad();
     if (grad.defined()) {
       grad.add_(recv);

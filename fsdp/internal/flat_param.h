@@ -33,6 +33,14 @@ struct ParamSlot {
   std::vector<int64_t> shape;
   int64_t offset = 0;  // in `full`
   int64_t numel = 0;
+  // Per-parameter layout (FlatParam::per_param): every rank holds rows_per_rank =
+  // ceil(rows / world) rows of row_numel elements of this parameter (zero padding at the end
+  // of the last ranks' rows) at [shard_offset, shard_offset + rows_per_rank * row_numel) of its
+  // `shard`; `param` shows this rank's unpadded rows, shaped `local_shape`, between uses.
+  int64_t shard_offset = 0;
+  int64_t rank_numel = 0;  // rows_per_rank * row_numel
+  std::vector<int64_t> local_shape;
+  at::Tensor shard_grad;  // param's shard-shaped .grad, kept aside while param views `full`
   // The parameter's AccumulateGrad node, kept alive so the post-backward hook stays attached.
   std::shared_ptr<torch::autograd::Node> grad_accumulator;
   uintptr_t hook_key = 0;
@@ -40,6 +48,15 @@ struct ParamSlot {
 
 struct FlatParam {
   std::vector<ParamSlot> slots;
+  // FsdpOptions::flatten_parameters(false): the per-parameter (dim-0) layout. `shard` is the
+  // concatenation of this rank's rows of every parameter (see ParamSlot::shard_offset), and each
+  // parameter tensor is re-pointed between its rows in `shard` (between steps: what the
+  // optimizer steps) and its slice of `full` (the unpadded parameters back to back, in the
+  // compute dtype, while the unit computes; see per_param.cc). The all-gather lands in
+  // `gather_buf` (rank-major, padded_numel elements) and is copied out into `full`.
+  bool per_param = false;
+  bool full_views = false;  // per_param: the parameters currently view `full`
+  at::Tensor gather_buf;
   bool requires_grad = false;
   int64_t numel = 0;         // sum of the slots' numels
   int64_t padded_numel = 0;  // world * shard_numel (kNoShard: numel)
@@ -80,5 +97,17 @@ bool HasStorage(const at::Tensor& t);
 void FreeStorage(const at::Tensor& t);
 // Re-allocates the storage (uninitialized) at the size `t` needs.
 void AllocateStorage(const at::Tensor& t);
+
+// The per-parameter layout's data movement (per_param.cc), over a shard world of `world` ranks:
+// copies the all-gathered `gather_buf` (rank-major) into `full` (parameters back to back) and
+// releases it; adds one parameter's full gradient into the rank-major `full_grad` (allocated);
+// adds this rank's reduced block `recv` into the parameters' shard-shaped gradients; copies
+// this rank's rows of `full` back into `shard`.
+void CopyOutGathered(FlatParam& fp, int world);
+void AddDim0Grad(FlatParam& fp, const ParamSlot& slot, const at::Tensor& grad, int world);
+void AccumulateDim0Grads(FlatParam& fp, const at::Tensor& recv);
+void WritebackDim0(FlatParam& fp);
+// The gradients the optimizer sees: the shard's .grad, or (per_param) each parameter's.
+std::vector<at::Tensor> ShardGrads(const FlatParam& fp);
 
 }  // namespace fairscale::fsdp::internal

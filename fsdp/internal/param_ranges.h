@@ -36,4 +36,22 @@ void ForEachOverlap(const Entries& entries, int64_t begin, int64_t end, Fn fn) {
   }
 }
 
+// The per-parameter (dim-0) layout (FsdpOptions::flatten_parameters(false)): a parameter of
+// `rows` rows of `row_numel` elements keeps ShardNumel(rows, world) rows per rank, so rank q
+// holds its flattened elements [q * rank_numel, min(numel, (q + 1) * rank_numel)).
+inline int64_t Dim0RankNumel(int64_t rows, int64_t row_numel, int world) {
+  return ShardNumel(rows, world) * row_numel;
+}
+
+// Calls fn(rank, entry_begin, length) for the part of a dim-0-sharded parameter of `numel`
+// elements that each of `world` ranks holds (ranks holding only padding are skipped).
+template <typename Fn>
+void ForEachDim0Piece(int64_t numel, int64_t rank_numel, int world, Fn fn) {
+  for (int q = 0; q < world; ++q) {
+    const int64_t begin = std::min(numel, q * rank_numel);
+    const int64_t end = std::min(numel, begin + rank_numel);
+    if (begin < end) fn(q, begin, end - begin);
+  }
+}
+
 }  // namespace fairscale::fsdp::internal

@@ -1,0 +1,466 @@
+// The per-parameter layout (FsdpOptions::flatten_parameters(false)) against
+// single-process references computed in the same test: the wrapper lists the
+// wrapped module's own parameter tensors under their own names, each holding
+// this rank's rows of dim 0 (ceil(rows / world) per rank, derived here by hand)
+// with a gradient of the same shape; AdamW with two param groups (weight decay
+// on matrices only), frozen parameters next to trainable ones in a unit,
+// parameters of 0, 1, odd and fewer-than-world rows, a 0-dim parameter, tied
+// parameters, nested units, every strategy at world sizes 1-4, bf16 mixed
+// precision and clip_grad_norm_.
+#include <ATen/ops/tanh.h>
+#include <torch/optim/adamw.h>
+
+#include <cmath>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "base/status_matchers.h"
+#include "fsdp/fully_sharded_data_parallel.h"
+#include "fsdp/state_dict.h"
+#include "fsdp/test_util.h"
+#include "gtest/gtest.h"
+
+namespace fairscale::fsdp {
+namespace {
+
+using base::testing::IsOk;
+using testing::ExpectClose;
+
+constexpr int kSteps = 4;
+
+bool Sharded(ShardingStrategy s, int world) { return world > 1 && s != ShardingStrategy::kNoShard; }
+
+// This rank's rows of the full tensor `t` in the per-parameter layout, derived
+// from the documented contract: ceil(rows / world) rows per rank, fewer or none
+// on the last ranks; a 0-dim tensor is one row, shaped [1] or [0].
+at::Tensor Rows(const at::Tensor& t, int rank, int world, bool sharded) {
+  if (!sharded) return t;
+  at::Tensor x = t.dim() == 0 ? t.reshape({1}) : t;
+  const int64_t rows = x.size(0);
+  const int64_t per = (rows + world - 1) / world;
+  const int64_t begin = std::min(rows, rank * per);
+  return x.narrow(0, begin, std::min(rows, begin + per) - begin);
+}
+
+// AdamW over the distinct trainable parameters of `named`: group 0 (weight
+// decay 0.1) the matrices, group 1 (no weight decay) the rest (biases, vectors,
+// scalars), by name and shape of the unwrapped module, as users group them.
+std::unique_ptr<torch::optim::AdamW> GroupedAdamW(
+    const torch::OrderedDict<std::string, at::Tensor>& named,
+    const std::set<std::string>& matrices) {
+  std::vector<at::Tensor> decay;
+  std::vector<at::Tensor> no_decay;
+  std::vector<at::Tensor> seen;
+  for (const auto& item : named) {
+    const at::Tensor& p = item.value();
+    bool dup = false;
+    for (const at::Tensor& q : seen) dup = dup || q.is_same(p);
+    if (dup || !p.requires_grad()) continue;
+    seen.push_back(p);
+    (matrices.count(item.key()) ? decay : no_decay).push_back(p);
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                 torch::optim::AdamWOptions(0.02).weight_decay(0.1)));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                    torch::optim::AdamWOptions(0.02).weight_decay(0.0)));
+  return std::make_unique<torch::optim::AdamW>(groups,
+                                               torch::optim::AdamWOptions(0.02).weight_decay(0.1));
+}
+
+std::set<std::string> Matrices(const torch::nn::Module& m) {
+  std::set<std::string> out;
+  for (const auto& item : m.named_parameters()) {
+    if (item.value().dim() >= 2) out.insert(item.key());
+  }
+  return out;
+}
+
+struct Step {
+  at::Tensor loss;
+  std::map<std::string, at::Tensor> grads;   // undefined: no gradient
+  std::map<std::string, at::Tensor> params;  // after the step
+};
+
+// A model family for the harness: make(nested_comm, options) builds it (plain
+// when null), loss(model, step, rank, world) runs forward on this rank's rows
+// and returns the loss (whose backward over all ranks equals the global
+// batch's).
+template <typename Make, typename Loss>
+std::vector<Step> Reference(Make make, Loss loss_fn, double max_norm = 0) {
+  auto net = make(nullptr, FsdpOptions());
+  auto opt = GroupedAdamW(net->named_parameters(), Matrices(*net));
+  std::vector<Step> out;
+  for (int step = 0; step < kSteps; ++step) {
+    opt->zero_grad();
+    Step s;
+    s.loss = loss_fn(net, step, 0, 1);
+    s.loss.backward();
+    if (max_norm > 0) {
+      std::vector<at::Tensor> params;
+      for (const at::Tensor& p : testing::DistinctParameters(*net)) {
+        if (p.requires_grad()) params.push_back(p);
+      }
+      // torch.nn.utils.clip_grad_norm_, written out.
+      double sq = 0;
+      for (const at::Tensor& p : params) sq += p.grad().pow(2).sum().item<double>();
+      const double coef = max_norm / (std::sqrt(sq) + 1e-6);
+      c10::NoGradGuard no_grad;
+      if (coef < 1) {
+        for (const at::Tensor& p : params) p.grad().mul_(coef);
+      }
+    }
+    for (const auto& item : net->named_parameters()) {
+      s.grads[item.key()] =
+          item.value().grad().defined() ? item.value().grad().clone() : at::Tensor();
+    }
+    opt->step();
+    for (const auto& item : net->named_parameters()) {
+      s.params[item.key()] = item.value().detach().clone();
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+template <typename Make, typename Loss>
+absl::Status RunRank(Make make, Loss loss_fn, const std::vector<Step>& ref, FsdpOptions options,
+                     bool nested, int rank, int world, std::shared_ptr<comm::Communicator> comm,
+                     double rtol = 1e-5, double max_norm = 0) {
+  options.flatten_parameters(false);
+  auto plain = make(nullptr, FsdpOptions());
+  FullyShardedDataParallel model(make(nested ? comm : nullptr, options), comm, options);
+  const bool sharded = Sharded(options.sharding_strategy(), world);
+  const std::string where = absl::StrCat("rank ", rank, "/", world);
+  // The wrapper lists the unwrapped module's names, in its order, each the
+  // module's own tensor.
+  const auto named = model->named_parameters();
+  const auto plain_named = plain->named_parameters();
+  if (named.keys() != plain_named.keys()) {
+    return absl::InternalError(where +
+                               ": named_parameters() names differ from the unwrapped "
+                               "module's");
+  }
+  auto opt = GroupedAdamW(named, Matrices(*plain));
+  std::vector<const c10::TensorImpl*> stepped;
+  for (const auto& g : opt->param_groups()) {
+    for (const at::Tensor& p : g.params()) stepped.push_back(p.unsafeGetTensorImpl());
+  }
+  for (int step = 0; step < static_cast<int>(ref.size()); ++step) {
+    const std::string at_step = absl::StrCat("step ", step, " ", where);
+    opt->zero_grad();
+    at::Tensor loss = loss_fn(model, step, rank, world);
+    loss.backward();
+    if (max_norm > 0) {
+      at::Tensor norm = model->clip_grad_norm_(max_norm);
+      (void)norm;
+    }
+    for (const auto& item : model->named_parameters()) {
+      const at::Tensor& p = item.value();
+      const at::Tensor& want = ref[step].grads.at(item.key());
+      if (!want.defined()) {
+        if (p.grad().defined()) {
+          return absl::InternalError(
+              absl::StrCat(at_step, ": '", item.key(), "' is frozen but has a gradient"));
+        }
+        continue;
+      }
+      FS_RETURN_IF_ERROR(ExpectClose(absl::StrCat(at_step, " grad '", item.key(), "'"), p.grad(),
+                                     Rows(want, rank, world, sharded), rtol));
+    }
+    opt->step();
+    for (const auto& item : model->named_parameters()) {
+      FS_RETURN_IF_ERROR(
+          ExpectClose(absl::StrCat(at_step, " param '", item.key(), "'"), item.value(),
+                      Rows(ref[step].params.at(item.key()), rank, world, sharded), rtol));
+    }
+  }
+  // The tensors the optimizer stepped are still the ones the module computes
+  // with.
+  const auto after = model->named_parameters();
+  for (size_t i = 0; i < after.size(); ++i) {
+    if (!after[i].value().is_same(named[i].value())) {
+      return absl::InternalError(where + ": parameter '" + after[i].key() + "' changed identity");
+    }
+  }
+  size_t k = 0;
+  for (const auto& g : opt->param_groups()) {
+    for (const at::Tensor& p : g.params()) {
+      if (p.unsafeGetTensorImpl() != stepped[k++]) {
+        return absl::InternalError(where + ": the optimizer's parameters changed");
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+template <typename Make, typename Loss>
+void ExpectParity(Make make, Loss loss_fn, FsdpOptions options, bool nested, double rtol = 1e-5,
+                  double max_norm = 0) {
+  const std::vector<Step> ref = Reference(make, loss_fn, max_norm);
+  for (int world = 1; world <= 4; ++world) {
+    auto statuses = testing::RunRanks(world, [&](int rank, int w, auto comm) {
+      return RunRank(make, loss_fn, ref, options, nested, rank, w, comm, rtol, max_norm);
+    });
+    for (int r = 0; r < world; ++r) {
+      EXPECT_THAT(statuses[r], IsOk()) << "world " << world << " rank " << r;
+    }
+  }
+}
+
+// ---- models
+// --------------------------------------------------------------------------------
+
+auto MakeNet(testing::NetConfig config = {}) {
+  return [config](std::shared_ptr<comm::Communicator> nested, FsdpOptions o) {
+    return testing::Net(nested, o, config);
+  };
+}
+
+template <typename M>
+at::Tensor NetLoss(M& model, int step, int rank, int world) {
+  testing::Batch b = testing::GlobalBatch(step);
+  at::Tensor out = testing::Call<at::Tensor>(model, testing::RankRows(b.x, rank, world));
+  return testing::Mse(out, testing::RankRows(b.y, rank, world));
+}
+struct NetLossFn {
+  template <typename M>
+  at::Tensor operator()(M& model, int step, int rank, int world) const {
+    return NetLoss(model, step, rank, world);
+  }
+};
+
+// Parameters of 0, 1, 2, 3 and 5 rows, a 0-dim scale, and a [1, 4] matrix (one
+// row, fewer than most world sizes): out = (x @ w3^T * s + b1) summed with the
+// other parameters' terms.
+class EdgeImpl : public torch::nn::Module {
+ public:
+  EdgeImpl() {
+    w3 = register_parameter("w3", at::zeros({3, 4}));
+    empty = register_parameter("empty", at::zeros({0, 4}));
+    s = register_parameter("s", at::zeros({}));
+    b1 = register_parameter("b1", at::zeros({1}));
+    v2 = register_parameter("v2", at::zeros({2}));
+    w5 = register_parameter("w5", at::zeros({5, 3}));
+    row = register_parameter("row", at::zeros({1, 4}));
+    testing::InitDeterministic(*this, "edge.");
+  }
+  at::Tensor forward(at::Tensor x) {
+    at::Tensor h = at::tanh(x.matmul(w3.t()) * s + b1);  // [n, 3]
+    at::Tensor y = h.matmul(w5.t());                     // [n, 5]
+    return y.sum(1, true) * v2.sum() + (x * row).sum(1, true) + empty.sum();
+  }
+  at::Tensor w3, empty, s, b1, v2, w5, row;
+};
+TORCH_MODULE(Edge);
+
+struct EdgeLossFn {
+  template <typename M>
+  at::Tensor operator()(M& model, int step, int rank, int world) const {
+    at::Tensor x = testing::RankRows(testing::GlobalBatch(step).x.narrow(1, 0, 4), rank, world);
+    at::Tensor out = testing::Call<at::Tensor>(model, x);
+    return (out - 0.3).pow(2).mean();
+  }
+};
+
+// Tied: "head.weight" is the same tensor as "emb" (registered twice, two
+// names).
+class HeadImpl : public torch::nn::Module {
+ public:
+  explicit HeadImpl(at::Tensor w) { weight = register_parameter("weight", std::move(w)); }
+  at::Tensor weight;
+};
+
+class TiedImpl : public torch::nn::Module {
+ public:
+  TiedImpl() {
+    emb = register_parameter("emb", at::zeros({6, 5}));
+    bias = register_parameter("bias", at::zeros({6}));
+    testing::InitDeterministic(*this, "tied.");
+    head = register_module("head", std::make_shared<HeadImpl>(emb));
+  }
+  at::Tensor forward(at::Tensor x) {
+    at::Tensor h = at::tanh(x.matmul(emb.t()) + bias);  // [n, 6]
+    return h.matmul(head->weight).sum(1, true) * 0.5;   // [n, 1]
+  }
+  at::Tensor emb, bias;
+  std::shared_ptr<HeadImpl> head;
+};
+TORCH_MODULE(Tied);
+
+struct TiedLossFn {
+  template <typename M>
+  at::Tensor operator()(M& model, int step, int rank, int world) const {
+    at::Tensor x = testing::RankRows(testing::GlobalBatch(step).x, rank, world);
+    return (testing::Call<at::Tensor>(model, x) - 0.2).pow(2).mean();
+  }
+};
+
+template <typename T>
+auto MakePlain() {
+  return [](std::shared_ptr<comm::Communicator>, FsdpOptions) { return T(); };
+}
+
+// ---- tests
+// ---------------------------------------------------------------------------------
+
+using ParityParam = std::tuple<ShardingStrategy, bool>;
+class PerParamParityTest : public ::testing::TestWithParam<ParityParam> {};
+
+TEST_P(PerParamParityTest, GroupedAdamWMatchesReference) {
+  const auto [strategy, nested] = GetParam();
+  ExpectParity(MakeNet(), NetLossFn(), FsdpOptions().sharding_strategy(strategy), nested);
+}
+
+TEST_P(PerParamParityTest, FrozenParametersInsideUnits) {
+  const auto [strategy, nested] = GetParam();
+  testing::NetConfig config;
+  config.frozen = {"fc_in.bias", "block0.fc1.weight", "block1.fc2.bias", "fc_out.weight"};
+  ExpectParity(MakeNet(config), NetLossFn(), FsdpOptions().sharding_strategy(strategy), nested);
+}
+
+TEST_P(PerParamParityTest, ClipGradNorm) {
+  const auto [strategy, nested] = GetParam();
+  ExpectParity(MakeNet(), NetLossFn(), FsdpOptions().sharding_strategy(strategy), nested,
+               /*rtol=*/1e-5, /*max_norm=*/0.05);
+}
+
+TEST_P(PerParamParityTest, EdgeSizes) {
+  const auto [strategy, bucket] = GetParam();
+  // `nested` stands for gradient bucketing here: Edge has no submodule to wrap.
+  ExpectParity(MakePlain<Edge>(), EdgeLossFn(),
+               FsdpOptions().sharding_strategy(strategy).bucket_cap_mb(bucket ? 1.0 : 0.0),
+               /*nested=*/false);
+}
+
+TEST_P(PerParamParityTest, TiedParameters) {
+  const auto [strategy, prefetch] = GetParam();
+  ExpectParity(MakePlain<Tied>(), TiedLossFn(),
+               FsdpOptions().sharding_strategy(strategy).backward_prefetch(prefetch),
+               /*nested=*/false);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, PerParamParityTest,
+                         ::testing::Combine(::testing::Values(ShardingStrategy::kFullShard,
+                                                              ShardingStrategy::kShardGradOp,
+                                                              ShardingStrategy::kNoShard),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<ParityParam>& info) {
+                           return absl::StrCat(ShardingStrategyName(std::get<0>(info.param)),
+                                               std::get<1>(info.param) ? "_On" : "_Off");
+                         });
+
+// bf16 compute with f32 shards: the per-parameter model takes the same steps as
+// the flat one (the same gathers, reductions and AdamW updates element by
+// element; the flat layout's bf16 training is checked against references in the
+// other tests), losses in bf16, shards in f32.
+class PerParamMixedTest : public ::testing::TestWithParam<ShardingStrategy> {};
+
+TEST_P(PerParamMixedTest, MatchesFlatLayout) {
+  const ShardingStrategy strategy = GetParam();
+  for (int world = 1; world <= 4; ++world) {
+    auto statuses = testing::RunRanks(world, [&](int rank, int w, auto comm) -> absl::Status {
+      const auto opts = FsdpOptions().sharding_strategy(strategy).mixed_precision(
+          MixedPrecision().param_dtype(at::kBFloat16));
+      const auto per_opts = FsdpOptions(opts).flatten_parameters(false);
+      FullyShardedDataParallel flat(testing::Net(comm, opts), comm, opts);
+      FullyShardedDataParallel per(testing::Net(comm, per_opts), comm, per_opts);
+      auto flat_opt = std::make_unique<torch::optim::AdamW>(
+          flat->parameters(), torch::optim::AdamWOptions(0.02).weight_decay(0.1));
+      auto per_opt = std::make_unique<torch::optim::AdamW>(
+          per->parameters(), torch::optim::AdamWOptions(0.02).weight_decay(0.1));
+      const bool sharded = Sharded(strategy, w);
+      for (int step = 0; step < kSteps; ++step) {
+        const std::string at_step = absl::StrCat("step ", step, " rank ", rank, "/", w);
+        flat_opt->zero_grad();
+        per_opt->zero_grad();
+        testing::Batch b = testing::GlobalBatch(step);
+        const at::Tensor x = testing::RankRows(b.x, rank, w);
+        const at::Tensor y = testing::RankRows(b.y, rank, w);
+        const at::Tensor out = per(x);
+        if (out.scalar_type() != at::kBFloat16) {
+          return absl::InternalError(at_step + ": the output is not computed in bf16");
+        }
+        at::Tensor lf = testing::Mse(flat(x), y);
+        at::Tensor lp = testing::Mse(out, y);
+        FS_RETURN_IF_ERROR(ExpectClose(at_step + " loss", lp, lf, 0));
+        lf.backward();
+        lp.backward();
+        flat_opt->step();
+        per_opt->step();
+      }
+      const StateDict sd = full_state_dict(flat);
+      for (const auto& item : per->named_parameters()) {
+        if (item.value().scalar_type() != at::kFloat) {
+          return absl::InternalError("per-parameter shard '" + item.key() + "' is not f32");
+        }
+        FS_RETURN_IF_ERROR(ExpectClose(absl::StrCat("rank ", rank, "/", w, " '", item.key(), "'"),
+                                       item.value(), Rows(sd[item.key()], rank, w, sharded), 1e-6));
+      }
+      return absl::OkStatus();
+    });
+    for (int r = 0; r < world; ++r) {
+      EXPECT_THAT(statuses[r], IsOk()) << "world " << world << " rank " << r;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, PerParamMixedTest,
+                         ::testing::Values(ShardingStrategy::kFullShard,
+                                           ShardingStrategy::kShardGradOp,
+                                           ShardingStrategy::kNoShard),
+                         [](const ::testing::TestParamInfo<ShardingStrategy>& info) {
+                           return std::string(ShardingStrategyName(info.param));
+                         });
+
+TEST(PerParamTest, SummonFullParamsShowsAndWritesBackFullValues) {
+  auto statuses = testing::RunRanks(2, [](int rank, int world, auto comm) -> absl::Status {
+    const auto opts = FsdpOptions().flatten_parameters(false);
+    FullyShardedDataParallel model(testing::Net(comm, opts), comm, opts);
+    testing::Net plain;
+    const auto want = plain->named_parameters();
+    {
+      auto guard = model->summon_full_params(/*writeback=*/true);
+      for (const auto& item : model->named_parameters()) {
+        FS_RETURN_IF_ERROR(
+            ExpectClose("summoned '" + item.key() + "'", item.value(), want[item.key()], 0));
+      }
+      c10::NoGradGuard no_grad;
+      model->named_parameters()["block1.fc1.weight"].add_(1.0);
+    }
+    for (const auto& item : model->named_parameters()) {
+      at::Tensor full = want[item.key()].detach().clone();
+      if (item.key() == "block1.fc1.weight") full += 1.0;
+      FS_RETURN_IF_ERROR(ExpectClose("after summon '" + item.key() + "'", item.value(),
+                                     Rows(full, rank, world, true), 0));
+    }
+    return absl::OkStatus();
+  });
+  for (const auto& s : statuses) EXPECT_THAT(s, IsOk());
+}
+
+TEST(PerParamTest, MixingLayoutsInOneModelIsRejected) {
+  auto statuses = testing::RunRanks(1, [](int, int, auto comm) -> absl::Status {
+    FullyShardedDataParallel model(testing::Net(comm, FsdpOptions()), comm,
+                                   FsdpOptions().flatten_parameters(false));
+    try {
+      NetLoss(model, 0, 0, 1);
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      if (msg.find("every unit of a model must use the same layout") != std::string::npos) {
+        return absl::OkStatus();
+      }
+      return absl::InternalError("unexpected error: " + msg);
+    }
+    return absl::InternalError("mixing flat and per-parameter units was accepted");
+  });
+  EXPECT_THAT(statuses[0], IsOk());
+}
+
+}  // namespace
+}  // namespace fairscale::fsdp
