@@ -18,8 +18,24 @@
 // wrap.h decides the nesting by policy (size, module type); local_checkpoint.h saves and
 // restores each rank's shards with its optimizer state.
 //
+// With FsdpOptions::flatten_parameters(false) (the per-parameter layout of PyTorch's FSDP2)
+// the wrapper's named_parameters() are the wrapped module's own parameter tensors under their
+// own names, each holding this rank's rows of its dim 0 between steps, so param groups work:
+//
+//   auto opts = fsdp::FsdpOptions().flatten_parameters(false);
+//   fsdp::FullyShardedDataParallel model(MyNet(), comm, opts);
+//   std::vector<torch::Tensor> decay, no_decay;  // e.g. no weight decay on biases and norms
+//   for (auto& p : model->named_parameters()) {
+//     if (!p.value().requires_grad()) continue;  // frozen: no gradient, no reduction
+//     (p.value().dim() >= 2 ? decay : no_decay).push_back(p.value());
+//   }
+//
+// (see fsdp/README.md for the whole example).
+//
 // How it hooks into LibTorch (which has no module hooks): forward() all-gathers the unit's flat
-// parameter before calling the wrapped module; hooks on the outputs re-gather it when backward
+// parameter before calling the wrapped module (per-parameter layout: into a staging buffer,
+// copied out into the parameters, which set_data points at their full values until the unit's
+// backward is done and then back at their rows); hooks on the outputs re-gather it when backward
 // reaches the unit; a hook on each original parameter's AccumulateGrad node collects its
 // gradient into the unit's flat gradient and issues the reduce-scatter once the unit's last
 // gradient arrived, and then completes the reductions issued before it (at most one stays in
@@ -173,6 +189,10 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // valid values only inside forward/backward and summon_full_params; between steps their
   // storage is freed (kFullShard, kShardGradOp). It is deliberately not a registered child, so
   // parameters() lists only the shards (and named_parameters() the names of the flat params).
+  // With flatten_parameters(false) its parameters hold this rank's rows between steps (full
+  // values inside forward/backward and summon_full_params), and the wrapper registers its
+  // parameters, buffers and children under their own names instead: named_parameters() then
+  // lists the same tensors as module()->named_parameters(), nested units included.
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
   const FsdpOptions& options() const { return options_; }
   const std::shared_ptr<comm::Communicator>& communicator() const { return comm_; }

@@ -120,6 +120,11 @@ void FullyShardedDataParallelImpl::load_local_state_dict(const LocalStateDict &s
     TORCH_CHECK(s.sharding_strategy == u->options_.sharding_strategy(), where,
                 ": saved with sharding strategy ", ShardingStrategyName(s.sharding_strategy),
                 ", this unit uses ", ShardingStrategyName(u->options_.sharding_strategy()));
+    TORCH_CHECK(s.info.per_parameter == here.per_parameter, where, ": saved with ",
+                s.info.per_parameter ? "flatten_parameters(false)" : "flatten_parameters(true)",
+                ", this unit uses ",
+                here.per_parameter ? "flatten_parameters(false)" : "flatten_parameters(true)",
+                "; a full state dict or sharded checkpoint loads across layouts");
     TORCH_CHECK(s.info.params.size() == here.params.size(), where,
                 ": holds different parameters: state dict ", Names(s.info), ", here ", Names(here));
     for (size_t p = 0; p < here.params.size(); ++p) {
@@ -127,7 +132,9 @@ void FullyShardedDataParallelImpl::load_local_state_dict(const LocalStateDict &s
       const auto &b = here.params[p];
       TORCH_CHECK(a.name == b.name, where, ": holds different parameters: state dict ",
                   Names(s.info), ", here ", Names(here));
-      TORCH_CHECK(a.shape == b.shape && a.offset == b.offset && a.numel == b.numel, where,
+      TORCH_CHECK(a.shape == b.shape && a.offset == b.offset && a.numel == b.numel &&
+                      a.shard_offset == b.shard_offset && a.rank_numel == b.rank_numel,
+                  where,
                   ": parameter '", b.name, "' has shape ", Shape(a.shape), " at offset ", a.offset,
                   " in the state dict but shape ", Shape(b.shape), " at offset ", b.offset,
                   " here");
@@ -191,6 +198,7 @@ void write_local_state_dict(const LocalStateDict &state, torch::serialize::Outpu
     ar.write(k + "padded_numel", c10::IValue(s.info.padded_numel));
     ar.write(k + "shard_numel", c10::IValue(s.info.shard_numel));
     ar.write(k + "shard_offset", c10::IValue(s.info.shard_offset));
+    ar.write(k + "per_parameter", c10::IValue(s.info.per_parameter));
     ar.write(k + "num_params", c10::IValue(static_cast<int64_t>(s.info.params.size())));
     for (size_t p = 0; p < s.info.params.size(); ++p) {
       const FlatParamInfo::Entry &e = s.info.params[p];
@@ -199,6 +207,8 @@ void write_local_state_dict(const LocalStateDict &state, torch::serialize::Outpu
       ar.write(kp + "aliases", c10::IValue(absl::StrJoin(e.aliases, ",")));
       ar.write(kp + "shape", c10::IValue(e.shape));
       ar.write(kp + "offset", c10::IValue(e.offset));
+      ar.write(kp + "shard_offset", c10::IValue(e.shard_offset));
+      ar.write(kp + "rank_numel", c10::IValue(e.rank_numel));
       ar.write(kp + "numel", c10::IValue(e.numel));
     }
     ar.write(k + "tensor", s.tensor, /*is_buffer=*/true);
@@ -235,6 +245,9 @@ LocalStateDict read_local_state_dict(torch::serialize::InputArchive &ar) {
     s.info.padded_numel = read(k + "padded_numel").toInt();
     s.info.shard_numel = read(k + "shard_numel").toInt();
     s.info.shard_offset = read(k + "shard_offset").toInt();
+    // Absent in files written before the per-parameter layout existed (flat ones).
+    c10::IValue v;
+    s.info.per_parameter = ar.try_read(k + "per_parameter", v) && v.toBool();
     const int64_t num_params = read(k + "num_params").toInt();
     for (int64_t p = 0; p < num_params; ++p) {
       const std::string kp = absl::StrCat(k, "param_", p, "_");
@@ -244,6 +257,8 @@ LocalStateDict read_local_state_dict(torch::serialize::InputArchive &ar) {
       if (!aliases.empty()) e.aliases = absl::StrSplit(aliases, ',');
       e.shape = read(kp + "shape").toIntVector();
       e.offset = read(kp + "offset").toInt();
+      if (ar.try_read(kp + "shard_offset", v)) e.shard_offset = v.toInt();
+      if (ar.try_read(kp + "rank_numel", v)) e.rank_numel = v.toInt();
       e.numel = read(kp + "numel").toInt();
       s.info.params.push_back(std::move(e));
     }

@@ -23,6 +23,7 @@
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/state_dict.h"
 #include "fsdp/test_util.h"
+#include "fsdp/testing/per_param_helpers.h"
 #include "gtest/gtest.h"
 
 namespace fairscale::fsdp {
@@ -30,103 +31,18 @@ namespace {
 
 using base::testing::IsOk;
 using testing::ExpectClose;
-
-constexpr int kSteps = 4;
-
-bool Sharded(ShardingStrategy s, int world) { return world > 1 && s != ShardingStrategy::kNoShard; }
-
-// This rank's rows of the full tensor `t` in the per-parameter layout, derived
-// from the documented contract: ceil(rows / world) rows per rank, fewer or none
-// on the last ranks; a 0-dim tensor is one row, shaped [1] or [0].
-at::Tensor Rows(const at::Tensor& t, int rank, int world, bool sharded) {
-  if (!sharded) return t;
-  at::Tensor x = t.dim() == 0 ? t.reshape({1}) : t;
-  const int64_t rows = x.size(0);
-  const int64_t per = (rows + world - 1) / world;
-  const int64_t begin = std::min(rows, rank * per);
-  return x.narrow(0, begin, std::min(rows, begin + per) - begin);
-}
-
-// AdamW over the distinct trainable parameters of `named`: group 0 (weight
-// decay 0.1) the matrices, group 1 (no weight decay) the rest (biases, vectors,
-// scalars), by name and shape of the unwrapped module, as users group them.
-std::unique_ptr<torch::optim::AdamW> GroupedAdamW(
-    const torch::OrderedDict<std::string, at::Tensor>& named,
-    const std::set<std::string>& matrices) {
-  std::vector<at::Tensor> decay;
-  std::vector<at::Tensor> no_decay;
-  std::vector<at::Tensor> seen;
-  for (const auto& item : named) {
-    const at::Tensor& p = item.value();
-    bool dup = false;
-    for (const at::Tensor& q : seen) dup = dup || q.is_same(p);
-    if (dup || !p.requires_grad()) continue;
-    seen.push_back(p);
-    (matrices.count(item.key()) ? decay : no_decay).push_back(p);
-  }
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
-                                 torch::optim::AdamWOptions(0.02).weight_decay(0.1)));
-  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
-                                    torch::optim::AdamWOptions(0.02).weight_decay(0.0)));
-  return std::make_unique<torch::optim::AdamW>(groups,
-                                               torch::optim::AdamWOptions(0.02).weight_decay(0.1));
-}
-
-std::set<std::string> Matrices(const torch::nn::Module& m) {
-  std::set<std::string> out;
-  for (const auto& item : m.named_parameters()) {
-    if (item.value().dim() >= 2) out.insert(item.key());
-  }
-  return out;
-}
-
-struct Step {
-  at::Tensor loss;
-  std::map<std::string, at::Tensor> grads;   // undefined: no gradient
-  std::map<std::string, at::Tensor> params;  // after the step
-};
-
-// A model family for the harness: make(nested_comm, options) builds it (plain
-// when null), loss(model, step, rank, world) runs forward on this rank's rows
-// and returns the loss (whose backward over all ranks equals the global
-// batch's).
-template <typename Make, typename Loss>
-std::vector<Step> Reference(Make make, Loss loss_fn, double max_norm = 0) {
-  auto net = make(nullptr, FsdpOptions());
-  auto opt = GroupedAdamW(net->named_parameters(), Matrices(*net));
-  std::vector<Step> out;
-  for (int step = 0; step < kSteps; ++step) {
-    opt->zero_grad();
-    Step s;
-    s.loss = loss_fn(net, step, 0, 1);
-    s.loss.backward();
-    if (max_norm > 0) {
-      std::vector<at::Tensor> params;
-      for (const at::Tensor& p : testing::DistinctParameters(*net)) {
-        if (p.requires_grad()) params.push_back(p);
-      }
-      // torch.nn.utils.clip_grad_norm_, written out.
-      double sq = 0;
-      for (const at::Tensor& p : params) sq += p.grad().pow(2).sum().item<double>();
-      const double coef = max_norm / (std::sqrt(sq) + 1e-6);
-      c10::NoGradGuard no_grad;
-      if (coef < 1) {
-        for (const at::Tensor& p : params) p.grad().mul_(coef);
-      }
-    }
-    for (const auto& item : net->named_parameters()) {
-      s.grads[item.key()] =
-          item.value().grad().defined() ? item.value().grad().clone() : at::Tensor();
-    }
-    opt->step();
-    for (const auto& item : net->named_parameters()) {
-      s.params[item.key()] = item.value().detach().clone();
-    }
-    out.push_back(std::move(s));
-  }
-  return out;
-}
+using testing::GroupedAdamW;
+using testing::kSteps;
+using testing::MakeNet;
+using testing::MakePlain;
+using testing::Matrices;
+using testing::NetLoss;
+using testing::NetLossFn;
+using testing::Rows;
+using testing::Sharded;
+using testing::Step;
+using testing::Tied;
+using testing::TiedLossFn;
 
 template <typename Make, typename Loss>
 absl::Status RunRank(Make make, Loss loss_fn, const std::vector<Step>& ref, FsdpOptions options,
@@ -202,7 +118,7 @@ absl::Status RunRank(Make make, Loss loss_fn, const std::vector<Step>& ref, Fsdp
 template <typename Make, typename Loss>
 void ExpectParity(Make make, Loss loss_fn, FsdpOptions options, bool nested, double rtol = 1e-5,
                   double max_norm = 0) {
-  const std::vector<Step> ref = Reference(make, loss_fn, max_norm);
+  const std::vector<Step> ref = testing::Reference(make, loss_fn, max_norm);
   for (int world = 1; world <= 4; ++world) {
     auto statuses = testing::RunRanks(world, [&](int rank, int w, auto comm) {
       return RunRank(make, loss_fn, ref, options, nested, rank, w, comm, rtol, max_norm);
@@ -213,31 +129,6 @@ void ExpectParity(Make make, Loss loss_fn, FsdpOptions options, bool nested, dou
   }
 }
 
-// ---- models
-// --------------------------------------------------------------------------------
-
-auto MakeNet(testing::NetConfig config = {}) {
-  return [config](std::shared_ptr<comm::Communicator> nested, FsdpOptions o) {
-    return testing::Net(nested, o, config);
-  };
-}
-
-template <typename M>
-at::Tensor NetLoss(M& model, int step, int rank, int world) {
-  testing::Batch b = testing::GlobalBatch(step);
-  at::Tensor out = testing::Call<at::Tensor>(model, testing::RankRows(b.x, rank, world));
-  return testing::Mse(out, testing::RankRows(b.y, rank, world));
-}
-struct NetLossFn {
-  template <typename M>
-  at::Tensor operator()(M& model, int step, int rank, int world) const {
-    return NetLoss(model, step, rank, world);
-  }
-};
-
-// Parameters of 0, 1, 2, 3 and 5 rows, a 0-dim scale, and a [1, 4] matrix (one
-// row, fewer than most world sizes): out = (x @ w3^T * s + b1) summed with the
-// other parameters' terms.
 class EdgeImpl : public torch::nn::Module {
  public:
   EdgeImpl() {
@@ -269,43 +160,6 @@ struct EdgeLossFn {
 };
 
 // Tied: "head.weight" is the same tensor as "emb" (registered twice, two
-// names).
-class HeadImpl : public torch::nn::Module {
- public:
-  explicit HeadImpl(at::Tensor w) { weight = register_parameter("weight", std::move(w)); }
-  at::Tensor weight;
-};
-
-class TiedImpl : public torch::nn::Module {
- public:
-  TiedImpl() {
-    emb = register_parameter("emb", at::zeros({6, 5}));
-    bias = register_parameter("bias", at::zeros({6}));
-    testing::InitDeterministic(*this, "tied.");
-    head = register_module("head", std::make_shared<HeadImpl>(emb));
-  }
-  at::Tensor forward(at::Tensor x) {
-    at::Tensor h = at::tanh(x.matmul(emb.t()) + bias);  // [n, 6]
-    return h.matmul(head->weight).sum(1, true) * 0.5;   // [n, 1]
-  }
-  at::Tensor emb, bias;
-  std::shared_ptr<HeadImpl> head;
-};
-TORCH_MODULE(Tied);
-
-struct TiedLossFn {
-  template <typename M>
-  at::Tensor operator()(M& model, int step, int rank, int world) const {
-    at::Tensor x = testing::RankRows(testing::GlobalBatch(step).x, rank, world);
-    return (testing::Call<at::Tensor>(model, x) - 0.2).pow(2).mean();
-  }
-};
-
-template <typename T>
-auto MakePlain() {
-  return [](std::shared_ptr<comm::Communicator>, FsdpOptions) { return T(); };
-}
-
 // ---- tests
 // ---------------------------------------------------------------------------------
 

@@ -191,19 +191,6 @@ FullOptimState OptimMeta(const Manifest& m) {
   return meta;
 }
 
-// The part of flat `flat` this rank writes, each element written by exactly one rank: the
-// rank's 1/world of an unsharded flat parameter; of a sharded one, the rank's shard (without
-// padding), split further among the ranks holding the same shard (HYBRID_SHARD's replicate
-// group), so that the groups share the writing.
-std::pair<int64_t, int64_t> WrittenRange(const internal::FlatRef& flat, const ModelLayout& layout) {
-  if (!flat.sharded) return internal::OwnedRange(flat.info.numel, layout.rank, layout.world);
-  const int64_t begin = std::min(flat.info.numel, flat.info.shard_offset);
-  const int64_t end = std::min(flat.info.numel, flat.info.shard_offset + flat.info.shard_numel);
-  const auto [lo, hi] = internal::OwnedRange(end - begin, flat.unit->replicate_rank(),
-                                             flat.unit->replicate_world_size());
-  return {begin + lo, begin + hi};
-}
-
 }  // namespace
 
 void save_sharded_checkpoint(FullyShardedDataParallel& model,
@@ -242,17 +229,17 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
     status = writer.status();
     // Writes the part [lo, hi) of flat `f` that `shard` (this rank's, or the whole unsharded
     // flat) holds, as ranges of its original tensors.
+    // Writes the part of flat `flat` this rank owns (see ForEachOwnedPiece) that `shard` (this
+    // rank's shard, or the whole unsharded flat) holds, as ranges of its original tensors
+    // (those `keep` accepts).
     auto add_ranges = [&](const internal::FlatRef& flat, const at::Tensor& shard,
-                          const std::string& prefix, const std::string& suffix) {
-      const auto [lo, hi] = WrittenRange(flat, layout);
-      internal::ForEachOverlap(
-          flat.info.params, lo, hi,
-          [&](size_t i, int64_t entry_begin, int64_t flat_begin, int64_t length) {
-            if (!status.ok()) return;
-            at::Tensor t = shard.narrow(0, flat_begin - flat.info.shard_offset, length)
-                               .detach()
-                               .to(at::kCPU)
-                               .contiguous();
+                          const std::string& prefix, const std::string& suffix,
+                          const std::function<bool(size_t)>& keep) {
+      internal::ForEachOwnedPiece(
+          flat, layout.rank, layout.world,
+          [&](size_t i, int64_t entry_begin, int64_t pos, int64_t length) {
+            if (!status.ok() || !keep(i)) return;
+            at::Tensor t = shard.narrow(0, pos, length).detach().to(at::kCPU).contiguous();
             status = (*writer)->Add(prefix + flat.info.params[i].name + suffix,
                                     DtypeName(t.scalar_type()), flat.info.params[i].shape,
                                     entry_begin, entry_begin + length, t.data_ptr(), t.nbytes());
@@ -260,14 +247,18 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
     };
     for (const internal::FlatRef& flat : layout.flats) {
       if (!status.ok()) break;
-      add_ranges(flat, flat.shard, "p/", "");
-      internal::ParamState ps;
-      if (optimizer == nullptr || !internal::GetParamState(*optimizer, flat.shard, &ps)) continue;
-      for (const auto& [tname, t] : ps.tensors) add_ranges(flat, t, "o/", "/" + tname);
-      for (const auto& e : flat.info.params) {
-        auto& saved = manifest.optimizer_state[e.name];
-        saved.step = ps.step;
-        for (const auto& [tname, t] : ps.tensors) saved.tensors.push_back(tname);
+      add_ranges(flat, flat.shard, "p/", "", [](size_t) { return true; });
+      if (optimizer == nullptr) continue;
+      const internal::FlatOptimState ps = internal::GetFlatOptimState(flat, *optimizer);
+      for (const auto& [tname, t] : ps.tensors) {
+        add_ranges(flat, t, "o/", "/" + tname,
+                   [&ps, &tname = tname](size_t e) { return ps.names[e].count(tname) > 0; });
+      }
+      for (size_t e = 0; e < flat.info.params.size(); ++e) {
+        if (!ps.has[e]) continue;
+        auto& saved = manifest.optimizer_state[flat.info.params[e].name];
+        saved.step = ps.step[e];
+        for (const std::string& tname : ps.names[e]) saved.tensors.push_back(tname);
       }
     }
     if (layout.rank == 0) {

@@ -75,8 +75,8 @@ StateDict full_state_dict(FullyShardedDataParallel& model, bool rank0_only) {
     at::Tensor full = internal::GatherFlat(layout, f, flat.shard.detach(),
                                            absl::StrCat(what, " unit '", flat.unit->prefix(), "'"));
     if (!keep) continue;
-    for (const FlatParamInfo::Entry& e : flat.info.params) {
-      by_name[e.name] = ToCpuCopy(full.narrow(0, e.offset, e.numel).view(e.shape));
+    for (size_t e = 0; e < flat.info.params.size(); ++e) {
+      by_name[flat.info.params[e].name] = ToCpuCopy(internal::EntryFromGathered(flat, e, full));
     }
   }
   StateDict out;
@@ -160,8 +160,8 @@ void load_full_state_dict(FullyShardedDataParallel& model, const StateDict& stat
     // One padded flat parameter at a time: rank 0 assembles it, every rank keeps its shard.
     at::Tensor full = at::zeros({info.padded_numel}, flat.shard.options().requires_grad(false));
     if (root) {
-      for (const FlatParamInfo::Entry& e : info.params) {
-        full.narrow(0, e.offset, e.numel).copy_(state[e.name].reshape({-1}));
+      for (size_t e = 0; e < info.params.size(); ++e) {
+        internal::EntryToGathered(flat, e, state[info.params[e].name], full);
       }
     }
     Broadcast(model, full, absl::StrCat(what, ": broadcast of unit '", flat.unit->prefix(), "' ",
@@ -188,21 +188,20 @@ FullOptimState full_optim_state_dict(FullyShardedDataParallel& model,
   c10::NoGradGuard no_grad;
   for (size_t f = 0; f < layout.flats.size(); ++f) {
     const internal::FlatRef& flat = layout.flats[f];
-    internal::ParamState ps;
-    // Every rank steps its shard of every flat parameter, so all ranks agree on which have
-    // state and the gathers below match up.
-    if (!internal::GetParamState(optimizer, flat.shard, &ps)) continue;
-    for (const FlatParamInfo::Entry& e : flat.info.params) {
-      if (keep) out.state[e.name].step = ps.step;
+    // Every rank steps its shard of every flat parameter (or its rows of every parameter), so
+    // all ranks agree on which have state and the gathers below match up.
+    const internal::FlatOptimState ps = internal::GetFlatOptimState(flat, optimizer);
+    for (size_t e = 0; e < flat.info.params.size(); ++e) {
+      if (keep && ps.has[e]) out.state[flat.info.params[e].name].step = ps.step[e];
     }
     for (const auto& [tname, t] : ps.tensors) {
       at::Tensor full = internal::GatherFlat(
-          layout, f, t.detach().contiguous(),
-          absl::StrCat(what, " unit '", flat.unit->prefix(), "' ", tname));
+          layout, f, t, absl::StrCat(what, " unit '", flat.unit->prefix(), "' ", tname));
       if (!keep) continue;
-      for (const FlatParamInfo::Entry& e : flat.info.params) {
-        out.state[e.name].tensors[tname] =
-            ToCpuCopy(full.narrow(0, e.offset, e.numel).view(e.shape));
+      for (size_t e = 0; e < flat.info.params.size(); ++e) {
+        if (!ps.names[e].count(tname)) continue;
+        out.state[flat.info.params[e].name].tensors[tname] =
+            ToCpuCopy(internal::EntryFromGathered(flat, e, full));
       }
     }
   }
@@ -306,17 +305,20 @@ void load_full_optim_state_dict(FullyShardedDataParallel& model, torch::optim::O
   for (size_t f = 0; f < layout.flats.size(); ++f) {
     const internal::FlatRef& flat = layout.flats[f];
     const FlatParamInfo& info = flat.info;
-    const auto first = meta.state.find(info.params.front().name);
-    if (first == meta.state.end()) continue;
-    for (const auto& [tname, unused] : first->second.tensors) {
+    // The state tensors any of its parameters has (all of them share one with the flat layout).
+    std::set<std::string> tnames;
+    for (const FlatParamInfo::Entry& e : info.params) {
+      const auto it = meta.state.find(e.name);
+      if (it == meta.state.end()) continue;
+      for (const auto& [tname, unused] : it->second.tensors) tnames.insert(tname);
+    }
+    for (const std::string& tname : tnames) {
       at::Tensor full = at::zeros({info.padded_numel}, flat.shard.options().requires_grad(false));
-      for (const FlatParamInfo::Entry& e : info.params) {
-        auto p = root ? state.state.find(e.name) : state.state.end();
+      for (size_t e = 0; e < info.params.size(); ++e) {
+        auto p = root ? state.state.find(info.params[e].name) : state.state.end();
         if (p == state.state.end()) continue;
         auto t = p->second.tensors.find(tname);
-        if (t != p->second.tensors.end()) {
-          full.narrow(0, e.offset, e.numel).copy_(t->second.reshape({-1}));
-        }
+        if (t != p->second.tensors.end()) internal::EntryToGathered(flat, e, t->second, full);
       }
       Broadcast(model, full, absl::StrCat(what, ": broadcast of unit '", flat.unit->prefix(),
                                           "' ", info.name, " ", tname));
@@ -331,8 +333,7 @@ void load_full_optim_state_dict(FullyShardedDataParallel& model, torch::optim::O
     if (slice == slices.end()) {
       return absl::InvalidArgumentError(absl::StrCat("optimizer state '", key, "' is missing"));
     }
-    const FlatParamInfo& info = layout.flats[f].info;
-    dst.copy_(slice->second.narrow(0, info.params[e].offset + begin - info.shard_offset,
+    dst.copy_(slice->second.narrow(0, internal::ShardPosition(layout.flats[f], e, begin),
                                    dst.numel()));
     return absl::OkStatus();
   };

@@ -63,7 +63,9 @@ ABSL_FLAG(int, warmup, 2, "untimed steps per configuration");
 ABSL_FLAG(int, steps, 6, "timed steps per configuration (the median is reported)");
 ABSL_FLAG(int, threads, 1, "intra-op threads per rank (at::set_num_threads)");
 ABSL_FLAG(std::string, configs, "unwrapped,FULL_SHARD,FULL_SHARD_LOWMEM,SHARD_GRAD_OP,NO_SHARD",
-          "configurations to run, in this order (unwrapped is required: it is the baseline)");
+          "configurations to run, in this order (unwrapped is required: it is the baseline); "
+          "an FSDP one with the suffix _PP (FULL_SHARD_PP, ...) runs the per-parameter layout, "
+          "flatten_parameters(false)");
 ABSL_FLAG(std::string, out, "", "also write the markdown table here");
 
 namespace fairscale::fsdp::bench {
@@ -143,10 +145,17 @@ bool ApplyFullShardVariant(const std::string& config, FsdpOptions* opts) {
   return false;
 }
 
+// "<config>_PP": the same with flatten_parameters(false), the per-parameter (FSDP2) layout.
+bool PerParam(const std::string& config) { return absl::EndsWith(config, "_PP"); }
+std::string FlatConfig(const std::string& config) {
+  return PerParam(config) ? config.substr(0, config.size() - 3) : config;
+}
+
 // HYBRID_SHARD_G<g> / HYBRID_SHARD_ZERO2_G<g> (not in the default --configs): hybrid sharding
 // over groups of g consecutive ranks, g in 1..9; run only at world sizes g divides. Returns g, or
 // 0 for a name that is not one of them.
-int HybridGroupOf(const std::string& config) {
+int HybridGroupOf(const std::string& with_pp) {
+  const std::string config = FlatConfig(with_pp);
   for (const char* prefix : {"HYBRID_SHARD_G", "HYBRID_SHARD_ZERO2_G"}) {
     const std::string p = prefix;
     if (config.size() == p.size() + 1 && absl::StartsWith(config, p) && config.back() >= '1' &&
@@ -163,7 +172,8 @@ bool RunsAt(const std::string& config, int n) {
   return g == 0 || n % g == 0;
 }
 
-ShardingStrategy StrategyOf(const std::string& config) {
+ShardingStrategy StrategyOf(const std::string& with_pp) {
+  const std::string config = FlatConfig(with_pp);
   FsdpOptions ignored;
   if (ApplyFullShardVariant(config, &ignored)) return ShardingStrategy::kFullShard;
   if (HybridGroupOf(config) > 0) {
@@ -239,8 +249,10 @@ int RunRank(int rank, int n, const std::string& dir) {
       param_bytes = ParamBytes(*model);
       r = Train(config_name, model, tracker, s, rank, comm.get());
     } else {
-      auto opts = FsdpOptions().sharding_strategy(StrategyOf(config_name));
-      ApplyFullShardVariant(config_name, &opts);
+      auto opts = FsdpOptions()
+                      .sharding_strategy(StrategyOf(config_name))
+                      .flatten_parameters(!PerParam(config_name));
+      ApplyFullShardVariant(FlatConfig(config_name), &opts);
       if (HybridGroupOf(config_name) > 0) opts.hybrid_shard_group_size(HybridGroupOf(config_name));
       FullyShardedDataParallel model{nullptr};
       {
@@ -352,9 +364,10 @@ int Main() {
   std::string summary;
   for (const WorldResult& w : worlds) {
     const int64_t p = w.param_bytes, a = w.activation_bytes;
-    double unwrapped_s = 0, full_s = 0, no_s = 0;
+    double unwrapped_s = 0, full_s = 0, no_s = 0, unwrapped_peak = 0;
     for (const Row& row : w.rows) {
       if (row.config == "unwrapped") unwrapped_s = row.step_s;
+      if (row.config == "unwrapped") unwrapped_peak = static_cast<double>(row.peak_bytes);
       if (row.config == "FULL_SHARD") full_s = row.step_s;
       if (row.config == "NO_SHARD") no_s = row.step_s;
     }
@@ -392,6 +405,19 @@ int Main() {
         absl::StrAppend(&summary,
                         absl::StrFormat("overhead at 1 rank, %s: %+.1f%% (target <= 5%%)\n",
                                         row.config, (row.step_s / unwrapped_s - 1) * 100));
+      }
+    }
+    for (const Row& row : w.rows) {
+      if (!PerParam(row.config)) continue;
+      for (const Row& flat : w.rows) {
+        if (flat.config != FlatConfig(row.config)) continue;
+        absl::StrAppend(&summary,
+                        absl::StrFormat("%s vs %s at %d ranks: step time %.3f, peak %.3f; vs "
+                                        "unwrapped: step time %.3f, peak %.3f\n",
+                                        row.config, flat.config, n, row.step_s / flat.step_s,
+                                        static_cast<double>(row.peak_bytes) / flat.peak_bytes,
+                                        row.step_s / unwrapped_s,
+                                        static_cast<double>(row.peak_bytes) / unwrapped_peak));
       }
     }
     if (n == 2 && full_s > 0 && no_s > 0) {

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,9 +27,43 @@ namespace fairscale::fsdp::internal {
 struct FlatRef {
   FullyShardedDataParallelImpl* unit = nullptr;
   FlatParamInfo info;
-  at::Tensor shard;  // the registered flat parameter (this rank's shard)
+  at::Tensor shard;  // this rank's shard of the flat parameter (flat layout: the registered one)
   bool sharded = false;
+  // The original parameter tensor of each entry; with info.per_parameter, what the optimizer
+  // steps (this rank's rows).
+  std::vector<at::Tensor> params;
 };
+
+// The range math of a flat parameter's shard in either layout (FlatParamInfo::per_parameter),
+// written once for the state dicts and the checkpoints. fn(entry, entry_begin, shard_pos,
+// length): `length` elements of the flattened entry from `entry_begin` sit in this rank's shard
+// at `shard_pos`.
+void ForEachShardPiece(const FlatRef& flat,
+                       const std::function<void(size_t, int64_t, int64_t, int64_t)>& fn);
+// The same for the part this rank writes to a sharded checkpoint: over all ranks, every element
+// exactly once. Flat layout: an unsharded flat parameter split between the ranks, a sharded one
+// split between the ranks holding the shard (HYBRID_SHARD's replicate group); per-parameter
+// layout: written by rank 0 (unsharded) or by the first rank holding each shard.
+void ForEachOwnedPiece(const FlatRef& flat, int rank, int world,
+                       const std::function<void(size_t, int64_t, int64_t, int64_t)>& fn);
+// Entry `e`'s full value out of GatherFlat's result, and into a padded full buffer (which
+// holds, rank by rank, every rank's shard).
+at::Tensor EntryFromGathered(const FlatRef& flat, size_t e, const at::Tensor& full);
+void EntryToGathered(const FlatRef& flat, size_t e, const at::Tensor& value, at::Tensor& full);
+// Where element `entry_begin` of entry `e` sits in this rank's shard (it must hold it).
+int64_t ShardPosition(const FlatRef& flat, size_t e, int64_t entry_begin);
+
+// The optimizer state of one flat parameter as shard-shaped tensors. Flat layout: the flat
+// parameter's own state, shared by every entry. Per-parameter layout: each entry's own
+// (parameters may differ in step and state tensors), laid out in shard-shaped tensors with zeros
+// where an entry lacks one. Every rank finds the same entries with state.
+struct FlatOptimState {
+  std::vector<bool> has;        // per entry
+  std::vector<int64_t> step;    // per entry
+  std::vector<std::set<std::string>> names;  // per entry: its state tensors
+  std::map<std::string, at::Tensor> tensors;  // by state tensor name, shard-shaped
+};
+FlatOptimState GetFlatOptimState(const FlatRef& flat, const torch::optim::Optimizer& optimizer);
 
 struct ModelLayout {
   int rank = 0;
