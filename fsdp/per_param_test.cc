@@ -15,6 +15,7 @@
 #include <set>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -51,7 +52,11 @@ absl::Status RunRank(Make make, Loss loss_fn, const std::vector<Step>& ref, Fsdp
   options.flatten_parameters(false);
   auto plain = make(nullptr, FsdpOptions());
   FullyShardedDataParallel model(make(nested ? comm : nullptr, options), comm, options);
-  const bool sharded = Sharded(options.sharding_strategy(), world);
+  // HYBRID_SHARD shards over groups of hybrid_shard_group_size consecutive ranks.
+  const int group =
+      options.hybrid_shard_group_size() > 0 ? options.hybrid_shard_group_size() : world;
+  const int srank = rank % group;
+  const bool sharded = Sharded(options.sharding_strategy(), group);
   const std::string where = absl::StrCat("rank ", rank, "/", world);
   // The wrapper lists the unwrapped module's names, in its order, each the
   // module's own tensor.
@@ -87,13 +92,13 @@ absl::Status RunRank(Make make, Loss loss_fn, const std::vector<Step>& ref, Fsdp
         continue;
       }
       FS_RETURN_IF_ERROR(ExpectClose(absl::StrCat(at_step, " grad '", item.key(), "'"), p.grad(),
-                                     Rows(want, rank, world, sharded), rtol));
+                                     Rows(want, srank, group, sharded), rtol));
     }
     opt->step();
     for (const auto& item : model->named_parameters()) {
       FS_RETURN_IF_ERROR(
           ExpectClose(absl::StrCat(at_step, " param '", item.key(), "'"), item.value(),
-                      Rows(ref[step].params.at(item.key()), rank, world, sharded), rtol));
+                      Rows(ref[step].params.at(item.key()), srank, group, sharded), rtol));
     }
   }
   // The tensors the optimizer stepped are still the ones the module computes
@@ -208,6 +213,25 @@ INSTANTIATE_TEST_SUITE_P(All, PerParamParityTest,
                            return absl::StrCat(ShardingStrategyName(std::get<0>(info.param)),
                                                std::get<1>(info.param) ? "_On" : "_Off");
                          });
+
+// HYBRID_SHARD / _HYBRID_SHARD_ZERO2: rows over the shard group, replicated across groups.
+TEST(PerParamHybridTest, GroupedAdamWMatchesReference) {
+  const std::vector<Step> ref = testing::Reference(MakeNet(), NetLossFn());
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
+    for (const auto& [world, group] :
+         {std::pair{2, 1}, std::pair{2, 2}, std::pair{4, 2}, std::pair{3, 3}}) {
+      const auto opts = FsdpOptions().sharding_strategy(strategy).hybrid_shard_group_size(group);
+      auto statuses = testing::RunRanks(world, [&](int rank, int w, auto comm) {
+        return RunRank(MakeNet(), NetLossFn(), ref, opts, /*nested=*/true, rank, w, comm);
+      });
+      for (int r = 0; r < world; ++r) {
+        EXPECT_THAT(statuses[r], IsOk()) << ShardingStrategyName(strategy) << " world " << world
+                                         << " group " << group << " rank " << r;
+      }
+    }
+  }
+}
 
 // bf16 compute with f32 shards: the per-parameter model takes the same steps as
 // the flat one (the same gathers, reductions and AdamW updates element by
