@@ -322,6 +322,50 @@ TEST(PerParamTest, SummonFullParamsShowsAndWritesBackFullValues) {
   for (const auto& s : statuses) EXPECT_THAT(s, IsOk());
 }
 
+// no_sync(): the first half of each rank's rows accumulates unreduced, the second half's
+// backward reduces both; gradients and the step equal the reference's full-batch step.
+TEST(PerParamTest, NoSyncAccumulatesThenReduces) {
+  const std::vector<Step> ref = testing::Reference(MakeNet(), NetLossFn());
+  for (int world = 1; world <= 4; ++world) {
+    auto statuses = testing::RunRanks(world, [&](int rank, int w, auto comm) -> absl::Status {
+      const auto opts = FsdpOptions().flatten_parameters(false);
+      FullyShardedDataParallel model(testing::Net(comm, opts), comm, opts);
+      testing::Net plain;
+      auto opt = GroupedAdamW(model->named_parameters(), Matrices(*plain));
+      const testing::Batch b = testing::GlobalBatch(0);
+      const at::Tensor x = testing::RankRows(b.x, rank, w);
+      const at::Tensor y = testing::RankRows(b.y, rank, w);
+      const int64_t n = x.size(0), k = n / 2;
+      // This rank's Mse over all its rows, split into the parts of rows [from, from + len).
+      auto part = [&](int64_t from, int64_t len) {
+        at::Tensor out = model(x.narrow(0, from, len));
+        return (out - y.narrow(0, from, len)).pow(2).sum() / static_cast<double>(n * y.size(1));
+      };
+      opt->zero_grad();
+      {
+        auto guard = model->no_sync();
+        part(0, k).backward();
+      }
+      part(k, n - k).backward();
+      const bool sharded = Sharded(ShardingStrategy::kFullShard, w);
+      const std::string where = absl::StrCat("rank ", rank, "/", w);
+      for (const auto& item : model->named_parameters()) {
+        FS_RETURN_IF_ERROR(ExpectClose(where + " grad '" + item.key() + "'", item.value().grad(),
+                                       Rows(ref[0].grads.at(item.key()), rank, w, sharded), 1e-5));
+      }
+      opt->step();
+      for (const auto& item : model->named_parameters()) {
+        FS_RETURN_IF_ERROR(ExpectClose(where + " param '" + item.key() + "'", item.value(),
+                                       Rows(ref[0].params.at(item.key()), rank, w, sharded), 1e-5));
+      }
+      return absl::OkStatus();
+    });
+    for (int r = 0; r < world; ++r) {
+      EXPECT_THAT(statuses[r], IsOk()) << "world " << world << " rank " << r;
+    }
+  }
+}
+
 TEST(PerParamTest, MixingLayoutsInOneModelIsRejected) {
   auto statuses = testing::RunRanks(1, [](int, int, auto comm) -> absl::Status {
     FullyShardedDataParallel model(testing::Net(comm, FsdpOptions()), comm,
