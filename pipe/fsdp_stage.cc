@@ -1,5 +1,6 @@
 #include "pipe/fsdp_stage.h"
 
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -7,8 +8,9 @@
 
 namespace fairscale::pipe {
 
-WrapStageFn fsdp_stage(std::shared_ptr<comm::Communicator> data, fsdp::FsdpOptions options) {
-  return [data = std::move(data), options = std::move(options)](Stage stage) {
+WrapStageFn fsdp_stage(std::shared_ptr<comm::Communicator> data, fsdp::FsdpOptions options,
+                       bool reduce_once_per_step) {
+  return [data = std::move(data), options = std::move(options), reduce_once_per_step](Stage stage) {
     fsdp::FullyShardedDataParallel wrapped(stage, data, options);
     WrappedStage out;
     out.module = wrapped.ptr();
@@ -24,6 +26,18 @@ WrapStageFn fsdp_stage(std::shared_ptr<comm::Communicator> data, fsdp::FsdpOptio
       }
       return wrapped->forward<std::vector<at::Tensor>>(std::move(xs), list);
     };
+    if (reduce_once_per_step) {
+      using Guard = fsdp::FullyShardedDataParallelImpl::NoSyncGuard;
+      // Held from the first backward of a step to its last (which then reduces everything).
+      auto guard = std::make_shared<std::unique_ptr<Guard>>();
+      out.before_backward = [wrapped, guard](bool last) mutable {
+        if (last) {
+          guard->reset();
+        } else if (!*guard) {
+          guard->reset(new Guard(wrapped->no_sync()));
+        }
+      };
+    }
     return out;
   };
 }

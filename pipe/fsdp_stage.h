@@ -14,7 +14,8 @@
 // SHARD_GRAD_OP keeps them until that micro-batch's backward), each micro-batch's backward
 // gathers them again if needed and reduce-scatters its gradient into the shards' .grad(), where
 // the micro-batches accumulate (the average over the replicas of the sum over micro-batches:
-// the same gradients as all_reduce_gradients). A checkpointed micro-batch's recompute inside
+// the same gradients as all_reduce_gradients; reduce_once_per_step below defers the reduction to
+// the last micro-batch). A checkpointed micro-batch's recompute inside
 // backward gathers like a forward. Collective over `data` (construction, every micro-batch):
 // every replica must run the same schedule, which the pipe guarantees.
 //
@@ -36,6 +37,13 @@ namespace fairscale::pipe {
 // `data` with `options` (any strategy, mixed precision, prefetch settings). The returned
 // WrappedStage's module is the fsdp::FullyShardedDataParallelImpl (use
 // std::dynamic_pointer_cast on Pipe::module() for its checkpoint and state-dict functions).
-WrapStageFn fsdp_stage(std::shared_ptr<comm::Communicator> data, fsdp::FsdpOptions options = {});
+//
+// reduce_once_per_step: the backwards of all but the step's last micro-batch run under FSDP's
+// no_sync(), accumulating the stage's full (unsharded) gradient on each rank, and the last one
+// reduce-scatters the sum: one reduction per step instead of one per micro-batch (1/chunks of
+// the gradient traffic) for a full gradient of the stage in memory during the step. Same
+// gradients either way (up to f32 summation order).
+WrapStageFn fsdp_stage(std::shared_ptr<comm::Communicator> data, fsdp::FsdpOptions options = {},
+                       bool reduce_once_per_step = false);
 
 }  // namespace fairscale::pipe

@@ -4,7 +4,8 @@
 // SHARD_GRAD_OP, GPipe and 1F1B, chunks 1 and 3, checkpoint never / always / except_last. Each
 // rank checks every step's replica loss, its shard of the first step's gradient (against the
 // reference's full gradient, sliced by the flat parameter's layout) and, after 3 Adam steps,
-// the stage's full parameters (gathered with summon_full_params), all within 1e-5.
+// the stage's full parameters (gathered with summon_full_params), all within 1e-5; gradients
+// reduced per micro-batch and once per step (reduce_once_per_step).
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
 #include <torch/optim/adam.h>
@@ -18,6 +19,7 @@
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
 #include "fsdp/fully_sharded_data_parallel.h"
+#include "fsdp/testing/counting_communicator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "pipe/fsdp_stage.h"
@@ -93,10 +95,12 @@ struct Case {
   Schedule schedule;
   int64_t chunks;
   CheckpointMode checkpoint;
+  bool reduce_once;
   std::string Name() const {
     return absl::StrCat("2 stages x ", world / 2, " replicas ",
                         fsdp::ShardingStrategyName(strategy), " ", ScheduleName(schedule),
-                        " chunks ", chunks, " checkpoint ", CheckpointModeName(checkpoint));
+                        " chunks ", chunks, " checkpoint ", CheckpointModeName(checkpoint),
+                        reduce_once ? " reduce once per step" : "");
   }
 };
 
@@ -112,8 +116,9 @@ absl::Status RunRank(const Case& c, const ReferenceRun& ref, const at::Tensor& x
                        .chunks(c.chunks)
                        .schedule(c.schedule)
                        .checkpoint(c.checkpoint)
-                       .wrap_stage(fsdp_stage(
-                           grid.data, fsdp::FsdpOptions().sharding_strategy(c.strategy)))));
+                       .wrap_stage(fsdp_stage(grid.data,
+                                              fsdp::FsdpOptions().sharding_strategy(c.strategy),
+                                              c.reduce_once))));
   auto unit = std::dynamic_pointer_cast<fsdp::FullyShardedDataParallelImpl>(pipe->module());
   if (!unit) return absl::InternalError(what + ": module() is not the FSDP unit");
   if (unit->is_sharded() != (grid.replicas > 1)) {
@@ -166,7 +171,8 @@ TEST(FsdpStageTest, MatchesOneProcessAdam) {
         for (int64_t chunks : {1, 3}) {
           for (CheckpointMode checkpoint :
                {CheckpointMode::kNever, CheckpointMode::kAlways, CheckpointMode::kExceptLast}) {
-            const Case c{world, strategy, schedule, chunks, checkpoint};
+           for (bool reduce_once : {false, true}) {
+            const Case c{world, strategy, schedule, chunks, checkpoint, reduce_once};
             const ReferenceRun& ref = world == 4 ? ref2 : ref1;
             std::vector<absl::Status> statuses = testing::RunInproc(
                 world, [&](int, std::shared_ptr<comm::Communicator> comm) {
@@ -175,6 +181,7 @@ TEST(FsdpStageTest, MatchesOneProcessAdam) {
             for (int r = 0; r < world; ++r) {
               EXPECT_THAT(statuses[r], IsOk()) << c.Name() << " rank " << r;
             }
+           }
           }
         }
       }
@@ -187,6 +194,52 @@ TEST(FsdpStageTest, MatchesOneProcessAdam) {
 // fsdp's mixed-precision tolerance (edge_case_test's kMixedRtol: 6e-2 relative) of the f32
 // one-process run, as is every replica loss. Both strategies, both schedules, chunks 3,
 // checkpoint except_last.
+// reduce_once_per_step: a step of 3 micro-batches reduce-scatters each stage's gradient once
+// (3 times without it), both strategies and schedules; the gradients are checked by
+// MatchesOneProcessAdam.
+TEST(FsdpStageTest, ReduceOncePerStepReducesOnce) {
+  const at::Tensor x = testing::Inputs(kRows, 1);
+  const at::Tensor y = testing::Targets(kRows, 2);
+  for (fsdp::ShardingStrategy strategy :
+       {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp}) {
+    for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+      for (bool once : {false, true}) {
+        const std::string name = absl::StrCat(fsdp::ShardingStrategyName(strategy), " ",
+                                              ScheduleName(schedule), once ? " once" : "");
+        std::vector<absl::Status> statuses = testing::RunInproc(
+            4, [&](int rank, std::shared_ptr<comm::Communicator> world) -> absl::Status {
+              FS_ASSIGN_OR_RETURN(PipeGrid grid, MakePipeGrid(world, 2));
+              auto counting = std::make_shared<fsdp::testing::CountingCommunicator>(grid.data);
+              FS_ASSIGN_OR_RETURN(
+                  std::unique_ptr<Pipe> pipe,
+                  Pipe::Create(testing::MakeMlp(), grid.pipe,
+                               PipeOptions()
+                                   .balance({3, 4})
+                                   .chunks(3)
+                                   .schedule(schedule)
+                                   .checkpoint(CheckpointMode::kExceptLast)
+                                   .wrap_stage(fsdp_stage(
+                                       counting, fsdp::FsdpOptions().sharding_strategy(strategy),
+                                       once))));
+              for (int step = 0; step < 2; ++step) {
+                counting->Reset();
+                FS_RETURN_IF_ERROR(pipe->train_step(Rows(x, 2, grid.replica),
+                                                    Rows(y, 2, grid.replica), testing::Mse)
+                                       .status());
+                const int64_t reductions = counting->count(comm::OpType::kReduceScatter).ops;
+                if (reductions != (once ? 1 : 3)) {
+                  return absl::InternalError(absl::StrCat(name, " rank ", rank, " step ", step,
+                                                          ": ", reductions, " reduce-scatters"));
+                }
+              }
+              return absl::OkStatus();
+            });
+        for (int r = 0; r < 4; ++r) EXPECT_THAT(statuses[r], IsOk()) << name << " rank " << r;
+      }
+    }
+  }
+}
+
 // The last stage's bf16 output scored in f32 against the f32 target.
 at::Tensor MseInF32(const at::Tensor& output, const at::Tensor& target) {
   return testing::Mse(output.to(at::kFloat), target);

@@ -315,6 +315,7 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(std::vector<torch::nn::Sequenti
       }
       pipe->module_ = std::move(wrapped.module);
       pipe->forwards_[0] = std::move(wrapped.forward);
+      pipe->before_backward_ = std::move(wrapped.before_backward);
     } catch (const std::exception& e) {
       return absl::InvalidArgumentError(absl::StrCat(pipe->Name(), ": wrap_stage: ", e.what()));
     }
@@ -441,8 +442,13 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
                                    [](const Action& a) { return a.phase == Phase::kBackward; }),
                     actions.end());
     }
+    const Action* last_backward = nullptr;
+    for (const Action& a : actions) {
+      if (a.phase == Phase::kBackward) last_backward = &a;
+    }
     for (const Action& a : actions) {
       if (!status.ok()) break;
+      if (a.phase == Phase::kBackward && before_backward_) before_backward_(&a == last_backward);
       doing_ = absl::StrCat(a.phase == Phase::kForward ? "forward" : "backward",
                             " of micro-batch ", a.micro_batch);
       if (virtual_stages() > 1) {

@@ -107,9 +107,14 @@ TORCH_MODULE(Stage);
 //   return WrappedStage{w.ptr(), [w](std::vector<at::Tensor> xs, bool list) mutable {
 //     return w->forward<std::vector<at::Tensor>>(std::move(xs), list);
 //   }};
+//
+// `before_backward` (optional) runs before each micro-batch's backward on this stage, with
+// `last` true for the step's last one here: e.g. fsdp_stage's reduce_once_per_step holds FSDP's
+// no_sync() over all but the last, so the gradients are reduced once per step.
 struct WrappedStage {
   std::shared_ptr<torch::nn::Module> module;
   std::function<std::vector<at::Tensor>(std::vector<at::Tensor>, bool)> forward;
+  std::function<void(bool last)> before_backward;
 };
 using WrapStageFn = std::function<WrappedStage(Stage stage)>;
 
@@ -262,6 +267,7 @@ class Pipe {
   std::vector<int64_t> chunk_first_;
   std::shared_ptr<torch::nn::Module> module_;
   std::vector<std::function<std::vector<at::Tensor>(std::vector<at::Tensor>, bool)>> forwards_;
+  std::function<void(bool last)> before_backward_;  // WrappedStage::before_backward
   std::vector<PipeEvent> trace_;
   absl::Status broken_;
   std::string doing_;  // the action running now, for error messages
