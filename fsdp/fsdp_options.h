@@ -9,6 +9,7 @@
 // /work/shared/reference/fairscale-and-peers.md §1.1 and §4.1); the differences are stated here.
 #pragma once
 
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
@@ -141,6 +142,33 @@ struct FsdpOptions {
   // splits, the others reuse its communicators, which then live as long as that communicator.
   TORCH_ARG(int, hybrid_shard_group_size) = 0;
 
+  // CPU offload (FairScale's move_params_to_cpu / move_grads_to_cpu, PyTorch's
+  // CPUOffload(offload_params=true)) for compute on an accelerator: the f32 shards the optimizer
+  // steps (and its state) stay in CPU memory (pinned when LibTorch has CUDA), while the
+  // full parameters and the computation live on `compute_device`. Each all-gather first copies
+  // the shard to the compute device (cast to param_dtype there) and gathers into device
+  // buffers; gradients are reduced on the compute device and the reduced gradient shard is
+  // copied to the CPU shard's .grad (synchronously), for a CPU optimizer step.
+  //   move_grads_to_cpu: unset = move_params_to_cpu (FairScale's default); a different value is
+  //     rejected: the optimizer steps the shard where it lives, so its gradient must live there.
+  //   compute_device: unset = where the module's parameters are. Without move_params_to_cpu it
+  //     must be that device. A CUDA device needs LibTorch with CUDA and a GPU.
+  // With the compute device on the CPU (any CPU-only build) the options are validated and
+  // change nothing: the shards are already in CPU memory, results are bitwise the same.
+  // The communicator must accept buffers on the compute device (and, for the state-dict and
+  // checkpoint functions, which gather the CPU master shards, on the CPU).
+  TORCH_ARG(bool, move_params_to_cpu) = false;
+  TORCH_ARG(c10::optional<c10::Device>, compute_device) = c10::nullopt;
+
+ public:
+  FsdpOptions& move_grads_to_cpu(bool on) {
+    move_grads_to_cpu_ = on;
+    return *this;
+  }
+  // The effective value: move_params_to_cpu() unless set.
+  bool move_grads_to_cpu() const noexcept { return move_grads_to_cpu_.value_or(move_params_to_cpu()); }
+  bool move_grads_to_cpu_set() const noexcept { return move_grads_to_cpu_.has_value(); }
+
  public:
   FsdpOptions& hybrid_shard_groups(std::shared_ptr<comm::Communicator> shard,
                                    std::shared_ptr<comm::Communicator> replicate) {
@@ -198,6 +226,7 @@ struct FsdpOptions {
   BackwardPrefetch backward_prefetch_ = BackwardPrefetch::kBackwardPre;
   std::shared_ptr<comm::Communicator> hybrid_shard_comm_;
   std::shared_ptr<comm::Communicator> hybrid_replicate_comm_;
+  c10::optional<bool> move_grads_to_cpu_;
 };
 
 }  // namespace fairscale::fsdp

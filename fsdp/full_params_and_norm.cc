@@ -97,7 +97,7 @@ FullyShardedDataParallelImpl::FullParamsGuard FullyShardedDataParallelImpl::summ
     u->set_param_views(true);
     u->summoned_ = true;
     for (FlatParam& fp : u->flats_) {
-      if (!u->sharded() && !fp.mixed && !writeback) {
+      if (!u->sharded() && !fp.separate && !writeback) {
         snapshots.push_back(fp.shard.detach().clone());
       }
     }
@@ -116,8 +116,14 @@ FullyShardedDataParallelImpl::FullParamsGuard::~FullParamsGuard() {
         } else if (writeback_) {
           fp.shard.detach().copy_(fp.full.narrow(0, fp.shard_offset, fp.shard_numel));
         }
-      } else if (fp.mixed) {
-        fp.stale = true;  // read-only: drop changes to the low-precision copy
+      } else if (fp.separate) {
+        // A copy on the compute device in the parameters' dtype is written back; a
+        // low-precision one is read-only: its changes are dropped.
+        if (writeback_ && !fp.mixed) {
+          fp.shard.detach().copy_(fp.full);
+        } else {
+          fp.stale = true;
+        }
       } else if (!writeback_) {
         fp.shard.detach().copy_(snapshots_[next_snapshot++]);
       }

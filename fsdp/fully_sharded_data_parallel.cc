@@ -1,5 +1,6 @@
 #include "fsdp/fully_sharded_data_parallel.h"
 
+#include <ATen/Context.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -113,6 +114,18 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule 
   TORCH_CHECK(options_.all_gathers_in_flight() >= 0,
               "FullyShardedDataParallel: all_gathers_in_flight must be >= 0 (0 = unlimited), got ",
               options_.all_gathers_in_flight());
+  TORCH_CHECK(!options_.move_grads_to_cpu_set() ||
+                  options_.move_grads_to_cpu() == options_.move_params_to_cpu(),
+              "FullyShardedDataParallel: move_grads_to_cpu(", options_.move_grads_to_cpu(),
+              ") with move_params_to_cpu(", options_.move_params_to_cpu(),
+              "): the optimizer steps the shard where it lives, so its gradient must be there too; "
+              "leave move_grads_to_cpu unset (it follows move_params_to_cpu)");
+  if (const auto& device = options_.compute_device()) {
+    TORCH_CHECK(device->is_cpu() || (device->is_cuda() && at::hasCUDA()),
+                "FullyShardedDataParallel: compute_device ", *device,
+                " is not available (this LibTorch ",
+                at::hasCUDA() ? "has CUDA" : "has no CUDA or sees no GPU", ")");
+  }
   const auto bp = options_.backward_prefetch();
   TORCH_CHECK(bp == BackwardPrefetch::kNone || bp == BackwardPrefetch::kBackwardPre ||
                   bp == BackwardPrefetch::kBackwardPost,
@@ -282,7 +295,18 @@ void FullyShardedDataParallelImpl::collect_and_shard() {
     const auto& mp = options_.mixed_precision();
     fp.mixed = mp.param_dtype().has_value() && *mp.param_dtype() != first.scalar_type();
     fp.reduce_dtype = mp.reduce_dtype().value_or(fp.mixed ? *mp.param_dtype() : first.scalar_type());
+    const c10::Device compute = options_.compute_device().value_or(first.device());
+    TORCH_CHECK(compute == first.device() ||
+                    (options_.move_params_to_cpu() && first.device().is_cpu()),
+                label(), ": the parameters are on ", first.device(), " but compute_device is ",
+                compute, "; move them there first (or, with move_params_to_cpu, keep them on the CPU)");
+    fp.offloaded = options_.move_params_to_cpu() &&
+                   (!compute.is_cpu() || internal::OffloadOnCpuForTesting());
+    fp.separate = fp.mixed || fp.offloaded;
     if (!options_.flatten_parameters()) {
+      TORCH_CHECK(!fp.offloaded, label(),
+                  ": move_params_to_cpu with a compute device other than the CPU is implemented "
+                  "for the flat layout only (flatten_parameters(true))");
       init_dim0(fp, slots);  // the shard, `full`, and the parameters pointed at `full`
     } else {
       if (sharded()) {
@@ -293,16 +317,21 @@ void FullyShardedDataParallelImpl::collect_and_shard() {
         fp.shard_numel = fp.padded_numel = fp.numel;
       }
       // The master values in the parameters' own dtype; `full` is the same tensor unless mixed
-      // precision computes in another dtype.
+      // precision computes in another dtype or the shard is offloaded to the CPU.
       at::Tensor master = at::zeros({fp.padded_numel}, first.options().requires_grad(false));
       for (ParamSlot& slot : slots) {
         master.narrow(0, slot.offset, slot.numel).copy_(slot.param.detach().reshape({-1}));
       }
-      fp.full = fp.mixed ? master.to(*mp.param_dtype()) : master;
+      const at::ScalarType compute_dtype = fp.mixed ? *mp.param_dtype() : first.scalar_type();
+      fp.full = fp.separate ? master.to(compute, compute_dtype, false, /*copy=*/true) : master;
       fp.shard = sharded() ? master.narrow(0, fp.shard_offset, fp.shard_numel).clone() : master;
+      if (fp.offloaded) {
+        fp.shard = fp.shard.to(at::kCPU, /*non_blocking=*/false, /*copy=*/!sharded());
+        if (at::hasCUDA()) fp.shard = fp.shard.pin_memory();  // fast copies to the device
+      }
       {
         const auto [pre, post] = internal::DivideFactors(options_, world_);
-        fp.grad_views = fp.requires_grad && !sharded() && !fp.mixed &&
+        fp.grad_views = fp.requires_grad && !sharded() && !fp.separate &&
                         fp.reduce_dtype == master.scalar_type() &&
                         std::abs(pre * post - world_) <= 1e-9 * world_;
       }
@@ -338,6 +367,16 @@ void FullyShardedDataParallelImpl::collect_and_shard() {
     if (!seen && b.defined()) distinct_buffers.push_back(b);
   }
   broadcast_buffers(distinct_buffers);
+  // move_params_to_cpu with the parameters on the CPU: the module computes on the compute device,
+  // so its buffers go there (the parameters already view `full` there).
+  if (options_.move_params_to_cpu() && options_.compute_device()) {
+    c10::NoGradGuard no_grad;
+    for (const at::Tensor& b : distinct_buffers) {
+      if (b.device() != *options_.compute_device()) {
+        at::Tensor(b).set_data(b.to(*options_.compute_device()));
+      }
+    }
+  }
   if (const auto dtype = options_.mixed_precision().buffer_dtype()) {
     for (const at::Tensor& b : distinct_buffers) {
       if (b.is_floating_point()) at::Tensor(b).set_data(b.to(*dtype));
@@ -562,7 +601,12 @@ void FullyShardedDataParallelImpl::issue_gathers() {
     if (fp.gather_pending || internal::HasStorage(fp.full)) continue;
     internal::AllocateStorage(fp.full);
     const std::string context = label() + ": all_gather of the flat parameter";
-    fp.gather_send = fp.mixed ? fp.shard.detach().to(fp.full.scalar_type()) : fp.shard.detach();
+    // The shard on the compute device in the compute dtype (a copy when offloaded: blocking, so
+    // the communicator may read it at once whichever stream it uses).
+    fp.gather_send = fp.separate ? fp.shard.detach().to(fp.full.device(), fp.full.scalar_type(),
+                                                        /*non_blocking=*/false,
+                                                        /*copy=*/fp.offloaded)
+                                 : fp.shard.detach();
     // Per-parameter layout: gathered rank-major into a staging buffer, copied out on wait.
     if (fp.per_param) fp.gather_buf = at::empty({fp.padded_numel}, fp.full.options());
     fp.gather_work = shard_comm_->AllGather(
@@ -672,7 +716,8 @@ void FullyShardedDataParallelImpl::on_param_grad(size_t flat, size_t slot_index)
       // Starting this unit's full gradient: first let older reductions finish down to the
       // allowed number, so their full gradients are freed before this one is allocated.
       drain_reduces(static_cast<size_t>(options_.reductions_in_flight()));
-      fp.full_grad = at::zeros({fp.padded_numel}, fp.shard.options().dtype(fp.reduce_dtype));
+      // On the compute device (where autograd's gradients are), also when offloaded.
+      fp.full_grad = at::zeros({fp.padded_numel}, fp.full.options().dtype(fp.reduce_dtype));
     }
     if (fp.per_param) {
       internal::AddDim0Grad(fp, slot, grad, dim0_world());
@@ -741,7 +786,7 @@ void FullyShardedDataParallelImpl::finalize_backward() {
     for (FullyShardedDataParallelImpl* u : st.units) {
       u->reshard();
       // The optimizer steps next: unsharded low-precision copies must be refreshed.
-      for (FlatParam& fp : u->flats_) fp.stale = fp.mixed && !u->sharded();
+      for (FlatParam& fp : u->flats_) fp.stale = fp.separate && !u->sharded();
     }
     if (!st.backward_order.empty()) st.backward_order_done = true;
   } catch (...) {

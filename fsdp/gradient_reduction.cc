@@ -47,7 +47,7 @@ void FullyShardedDataParallelImpl::issue_reduce(size_t flat) {
   fp.full_grad = at::Tensor();
   c10::NoGradGuard no_grad;
   if (!send.defined())
-    send = at::zeros({fp.padded_numel}, fp.shard.options().dtype(fp.reduce_dtype));
+    send = at::zeros({fp.padded_numel}, fp.full.options().dtype(fp.reduce_dtype));
   const double pre = internal::DivideFactors(options_, world_).first;
   if (pre != 1.0) send.div_(pre);
   const int64_t bytes = send.numel() * static_cast<int64_t>(send.element_size());
@@ -152,13 +152,15 @@ void FullyShardedDataParallelImpl::complete_reduce(const internal::PendingReduce
       internal::AccumulateDim0Grads(fp, recv);
       continue;
     }
+    // move_grads_to_cpu: the reduced shard goes to the CPU shard's .grad (a blocking copy).
     at::Tensor& grad = fp.shard.mutable_grad();
     if (grad.defined()) {
-      grad.add_(recv);
+      grad.add_(recv.device() == grad.device() ? recv : recv.to(grad.device()));
     } else {
       // A copy: recv views the whole send buffer (the unit's full gradient, or a bucket), which
       // must not stay alive as the shard's gradient.
-      grad = recv.to(fp.shard.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+      grad = recv.to(fp.shard.device(), fp.shard.scalar_type(), /*non_blocking=*/false,
+                     /*copy=*/true);
     }
   }
 }

@@ -172,8 +172,9 @@ void FullyShardedDataParallelImpl::load_local_state_dict(const LocalStateDict &s
     FullyShardedDataParallelImpl *u = targets[i].unit;
     internal::FlatParam &fp = u->flats_[targets[i].flat];
     fp.shard.detach().copy_(state.shards[i].tensor);
-    // An unsharded low-precision copy must be refreshed from the new master values.
-    fp.stale = fp.mixed && !u->sharded();
+    // An unsharded separate copy (low precision, or on the compute device) must be refreshed
+    // from the new master values.
+    fp.stale = fp.separate && !u->sharded();
   }
   for (size_t i = 0; i < buffers.size(); ++i) buffers[i].second.copy_(*sources[i]);
   // Full parameters gathered from the old shards are stale now.

@@ -4,7 +4,15 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
+
 namespace fairscale::fsdp::internal {
+namespace {
+std::atomic<bool> offload_on_cpu_for_testing{false};
+}  // namespace
+
+void SetOffloadOnCpuForTesting(bool on) { offload_on_cpu_for_testing = on; }
+bool OffloadOnCpuForTesting() { return offload_on_cpu_for_testing; }
 
 bool HasStorage(const at::Tensor& t) { return t.numel() == 0 || t.storage().data() != nullptr; }
 

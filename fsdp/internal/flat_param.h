@@ -67,6 +67,11 @@ struct FlatParam {
   // Mixed precision: `full` (and the parameters) are in the compute dtype, `shard` is the
   // master copy in the parameters' original dtype.
   bool mixed = false;
+  // CPU offload (FsdpOptions::move_params_to_cpu with an accelerator compute device, or the
+  // test hook below): `shard` (and its .grad) in CPU memory, `full` on the compute device.
+  bool offloaded = false;
+  // `full` does not share the master's storage (mixed or offloaded).
+  bool separate = false;
   // kNoShard with mixed precision: `full` is a separate low-precision copy of the shard that the
   // next forward must refresh (set at the end of backward, when the optimizer is about to step).
   bool stale = false;
@@ -89,6 +94,12 @@ struct FlatParam {
   int grads_ready = 0;   // slots whose AccumulateGrad fired in this backward
   bool reduced = false;  // the reduction of this backward is issued
 };
+
+// Test hook: makes move_params_to_cpu take the offloaded path (separate compute buffers, copies
+// to the compute device and back) although the compute device is the CPU, so that path runs
+// and can be checked on a CPU-only machine. Read when a unit is constructed.
+void SetOffloadOnCpuForTesting(bool on);
+bool OffloadOnCpuForTesting();
 
 // Whether `t`'s storage currently holds memory (false after FreeStorage).
 bool HasStorage(const at::Tensor& t);
