@@ -155,6 +155,19 @@ TEST(CpuOffload, TheCopyPathGivesBitwiseTheSameResults) {
       "forced copy path bf16",
       FsdpOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
   ExpectOffloadChangesNothing("forced copy path bucketed", FsdpOptions().bucket_cap_mb(1.0));
+  // The per-parameter layout has no offloaded path (yet): a clear error.
+  ExpectAllOk(testing::RunRanks(
+                  1,
+                  [](int, int, std::shared_ptr<comm::Communicator> c) -> absl::Status {
+                    return ExpectError(
+                        [c] {
+                          FullyShardedDataParallel m(
+                              testing::Net(), c,
+                              FsdpOptions().flatten_parameters(false).move_params_to_cpu(true));
+                        },
+                        {"implemented for the flat layout only"});
+                  }),
+              "per-parameter layout");
   // The hook really separates the compute buffer: an unsharded unit's parameters no longer
   // view its shard.
   ExpectAllOk(testing::RunRanks(
