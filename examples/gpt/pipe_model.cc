@@ -1,0 +1,295 @@
+// The trainer's pipeline mode (--pipeline_stages > 1): PipeModel behind ParallelModel.
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/adam.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+#include <filesystem>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/fnv1a.h"
+#include "base/status_macros.h"
+#include "examples/gpt/checkpoint_dir.h"
+#include "examples/gpt/parallel_model_internal.h"
+#include "fsdp/fully_sharded_data_parallel.h"
+#include "fsdp/sharded_checkpoint.h"
+#include "pipe/balance.h"
+#include "pipe/fsdp_stage.h"
+#include "pipe/grid.h"
+#include "pipe/pipe.h"
+
+namespace fairscale::examples::gpt::internal {
+namespace {
+
+// Pipeline x data parallel: this rank holds one stage (a few consecutive layers of the fp32
+// Gpt) of one replica; an Adam over the stage's parameters. The replicas of a stage either keep
+// it whole and all-reduce its gradients (strategy no_shard), or shard it with FSDP over them
+// (full_shard / shard_grad_op: pipe::fsdp_stage; the Adam steps this rank's shard).
+class PipeModel final : public ParallelModel {
+ public:
+  PipeModel(int rank, pipe::PipeGrid grid, std::unique_ptr<pipe::Pipe> pipe, int64_t vocab,
+            int64_t num_params, torch::optim::AdamOptions adam, std::string label)
+      : rank_(rank),
+        grid_(std::move(grid)),
+        pipe_(std::move(pipe)),
+        fsdp_(std::dynamic_pointer_cast<fsdp::FullyShardedDataParallelImpl>(pipe_->module())),
+        opt_(pipe_->parameters(), adam),
+        vocab_(vocab),
+        num_params_(num_params),
+        label_(std::move(label)) {}
+
+  at::Tensor forward(const at::Tensor&) override {
+    TORCH_CHECK(false, "pipeline mode: no rank holds the whole model's forward (use loss())");
+  }
+  bool computes_loss() const override { return true; }
+  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets) override {
+    const int64_t vocab = vocab_;
+    const pipe::LossFn fn = [vocab](const at::Tensor& logits, const at::Tensor& y) {
+      // bf16 logits (mixed precision) are scored in f32, as in the unpipelined modes.
+      return torch::nn::functional::cross_entropy(logits.to(at::kFloat).reshape({-1, vocab}),
+                                                  y.reshape({-1}));
+    };
+    const bool train = c10::GradMode::is_enabled();
+    absl::StatusOr<at::Tensor> r =
+        train ? pipe_->train_step(tokens, targets, fn) : pipe_->eval_step(tokens, targets, fn);
+    TORCH_CHECK(r.ok(), r.status().ToString());
+    // Under FSDP every micro-batch's backward already reduce-scattered its gradient.
+    if (train && grid_.replicas > 1 && !fsdp_) {
+      const absl::Status st = pipe::all_reduce_gradients(pipe_->parameters(), *grid_.data);
+      TORCH_CHECK(st.ok(), "all-reduce of stage ", grid_.stage, "'s gradients over ",
+                  grid_.replicas, " replicas: ", st.ToString());
+    }
+    return *r;
+  }
+  int data_rank(int) const override { return static_cast<int>(grid_.replica); }
+  int data_replicas(int) const override { return static_cast<int>(grid_.replicas); }
+
+  torch::optim::Optimizer& optimizer() override { return opt_; }
+  void zero_grad() override { opt_.zero_grad(); }
+  // torch::nn::utils::clip_grad_norm_'s rule over the whole model: the squared norms of the
+  // stages summed over the pipe (whole stages: the same in every replica after the all-reduce;
+  // FSDP: each stage's shards summed over its replicas first).
+  void clip_grad_norm(double max_norm) override {
+    double sq = 0;
+    for (const at::Tensor& p : pipe_->parameters()) {
+      if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+    }
+    if (fsdp_) sq = AllReduceSum(*grid_.data, sq, "clip_grad_norm: squared norm over the replicas");
+    const double total_sq = AllReduceSum(*grid_.pipe, sq, "clip_grad_norm: squared norm over the pipe");
+    const double coef = max_norm / (std::sqrt(total_sq) + 1e-6);
+    if (coef >= 1) return;
+    torch::NoGradGuard no_grad;
+    for (const at::Tensor& p : pipe_->parameters()) {
+      if (p.grad().defined()) p.grad().mul_(coef);
+    }
+  }
+  int64_t num_params() const override { return num_params_; }
+  std::string label() const override { return label_; }
+
+  // Whole stages: every rank writes its stage in rank<r>.pt, "model/<full-model name>" for each
+  // of the stage's parameters and "optimizer" (its Adam); loadable at the same world size and
+  // stages only (pipeline_stages is part of the checkpoint's config). FSDP: each stage's
+  // replicas write an fsdp sharded checkpoint (model + Adam) into stage<s>/, loadable with any
+  // number of replicas.
+  std::string checkpoint_format() const override {
+    return fsdp_ ? kFormatPipeFsdpSharded : kFormatPipeStages;
+  }
+  std::vector<std::string> checkpoint_files(int world) const override {
+    if (!fsdp_) return RankFileNames(world);
+    // Rank r's file first (r = replica * stages + stage), then every stage's manifest.
+    std::vector<std::string> files;
+    for (int r = 0; r < world; ++r) {
+      files.push_back(StageDir(r % grid_.stages) + "/" + ShardFileName(r / grid_.stages));
+    }
+    for (int s = 0; s < grid_.stages; ++s) files.push_back(StageDir(s) + "/" + kShardManifestName);
+    return files;
+  }
+  absl::Status check_resume(const std::string& format, int saved_world,
+                            int world) const override {
+    if (!fsdp_) {
+      return CheckSameWorldResume(format, kFormatPipeStages, saved_world, world, "pipeline mode");
+    }
+    if (format != kFormatPipeFsdpSharded) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "its format is '", format, "'; a pipeline with FSDP inside its stages loads only ",
+          kFormatPipeFsdpSharded));
+    }
+    if (saved_world % grid_.stages != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "it was written by ", saved_world, " ranks, not a multiple of pipeline_stages ",
+          grid_.stages));
+    }
+    return absl::OkStatus();
+  }
+  void save(const std::string& step_dir) override {
+    if (fsdp_) {
+      fsdp::FullyShardedDataParallel holder(fsdp_);
+      fsdp::save_sharded_checkpoint(holder, &opt_, step_dir + "/" + StageDir(grid_.stage));
+      return;
+    }
+    const std::string file = RankFile(step_dir, rank_);
+    torch::serialize::OutputArchive archive;
+    for (const auto& item : pipe_->stage_module()->named_parameters()) {
+      archive.write("model/" + item.key(), item.value().detach());
+    }
+    torch::serialize::OutputArchive optimizer;
+    opt_.save(optimizer);
+    archive.write("optimizer", optimizer);
+    const std::string tmp = file + ".tmp";
+    archive.save_to(tmp);
+    std::filesystem::rename(tmp, file);
+  }
+  void load(const std::string& step_dir, const std::string&) override {
+    if (fsdp_) {
+      fsdp::FullyShardedDataParallel holder(fsdp_);
+      fsdp::load_sharded_checkpoint(holder, &opt_, step_dir + "/" + StageDir(grid_.stage));
+      return;
+    }
+    const std::string file = RankFile(step_dir, rank_);
+    torch::serialize::InputArchive archive;
+    archive.load_from(file);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& item : pipe_->stage_module()->named_parameters()) {
+        at::Tensor saved;
+        archive.read("model/" + item.key(), saved);
+        TORCH_CHECK(saved.sizes() == item.value().sizes(), file, ": parameter ", item.key(),
+                    " has shape ", saved.sizes(), " in the checkpoint, ", item.value().sizes(),
+                    " in stage ", grid_.stage);
+        item.value().copy_(saved);
+      }
+    }
+    torch::serialize::InputArchive optimizer;
+    archive.read("optimizer", optimizer);
+    opt_.load(optimizer);
+  }
+
+  uint64_t param_hash() override {
+    uint64_t h = kFnv1a64Basis;
+    for (const at::Tensor& p : pipe_->parameters()) h = HashTensor(p, h);
+    return h;
+  }
+  // This stage's parameters by their full-model names (each stage hashes its own; FSDP gathers
+  // them over the replicas: collective).
+  uint64_t full_param_hash() override {
+    auto hash = [this] {
+      uint64_t h = kFnv1a64Basis;
+      for (const auto& item : pipe_->stage_module()->named_parameters()) {
+        h = HashNamed(item.key(), item.value(), h);
+      }
+      return h;
+    };
+    if (!fsdp_) return hash();
+    auto full = fsdp_->summon_full_params(/*writeback=*/false);
+    return hash();
+  }
+
+ private:
+  static constexpr char kFormatPipeStages[] = "pipe_stages";
+  static constexpr char kFormatPipeFsdpSharded[] = "pipe_fsdp_sharded";
+  static std::string StageDir(int64_t stage) { return absl::StrCat("stage", stage); }
+
+  int rank_;
+  pipe::PipeGrid grid_;
+  std::unique_ptr<pipe::Pipe> pipe_;
+  std::shared_ptr<fsdp::FullyShardedDataParallelImpl> fsdp_;  // null: whole stages
+  torch::optim::Adam opt_;
+  int64_t vocab_;
+  int64_t num_params_;
+  std::string label_;
+};
+
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
+    const TrainConfig& config, const GptConfig& model_config,
+    std::shared_ptr<comm::Communicator> comm, const torch::optim::AdamOptions& adam) {
+  const int64_t stages = config.pipeline_stages;
+  if (comm->size() % stages != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline_stages ", stages, " does not divide the world size ", comm->size(),
+        " (each of world / pipeline_stages replicas runs the whole pipeline)"));
+  }
+  FS_ASSIGN_OR_RETURN(pipe::Schedule schedule, ParseSchedule(config.pipeline_schedule));
+  FS_ASSIGN_OR_RETURN(pipe::PipeGrid grid, pipe::MakePipeGrid(comm, stages));
+  // The same Gpt (so the same initial weights) as the unpipelined modes, its layers in order.
+  Gpt full(model_config);
+  int64_t num_params = 0;
+  for (const at::Tensor& p : full->parameters()) num_params += p.numel();
+  torch::nn::Sequential layers;
+  for (const auto& item : full->named_children()) {
+    const std::shared_ptr<torch::nn::Module>& m = item.value();
+    if (auto e = std::dynamic_pointer_cast<EmbeddingsImpl>(m)) {
+      layers->push_back(item.key(), e);
+    } else if (auto b = std::dynamic_pointer_cast<TransformerBlockImpl>(m)) {
+      layers->push_back(item.key(), b);
+    } else if (auto h = std::dynamic_pointer_cast<LmHeadImpl>(m)) {
+      layers->push_back(item.key(), h);
+    } else {
+      return absl::InternalError(absl::StrCat("pipeline mode: Gpt child '", item.key(),
+                                              "' is not an Embeddings, block or LmHead"));
+    }
+  }
+  FS_ASSIGN_OR_RETURN(pipe::CheckpointMode checkpoint,
+                      ParsePipeCheckpoint(config.checkpoint_activations));
+  FS_ASSIGN_OR_RETURN(fsdp::ShardingStrategy strategy, ParseStrategy(config.strategy));
+  auto opts = pipe::PipeOptions()
+                  .chunks(config.pipeline_chunks)
+                  .schedule(schedule)
+                  .virtual_stages(config.pipeline_virtual_stages)
+                  .checkpoint(checkpoint);
+  if (config.pipeline_balance == "size") {
+    // Parameter bytes x 4 (parameter, gradient, Adam's two moments) + one micro-batch's
+    // output bytes per layer, measured on a batch of the job's shape (the same on every rank).
+    const at::Tensor sample = at::zeros({config.batch, config.seq}, at::kLong);
+    absl::StatusOr<std::vector<int64_t>> balance =
+        pipe::balance_by_size(stages * config.pipeline_virtual_stages, layers, sample,
+                              config.pipeline_chunks, 4.0);
+    if (!balance.ok()) {
+      return absl::Status(balance.status().code(), absl::StrCat("pipeline_balance size: ",
+                                                                balance.status().message()));
+    }
+    opts.balance(*balance);
+  }
+  if (strategy != fsdp::ShardingStrategy::kNoShard) {
+    // bf16: each stage computes (and sends its boundary activations) in bf16 over f32 master
+    // shards, gradients reduced in f32, like the unpipelined fsdp mode.
+    FS_ASSIGN_OR_RETURN(c10::optional<c10::ScalarType> dtype, ParsePrecision(config.precision));
+    fsdp::MixedPrecision mp;
+    if (dtype) mp.param_dtype(dtype).reduce_dtype(at::kFloat);
+    opts.wrap_stage(pipe::fsdp_stage(
+        grid.data, fsdp::FsdpOptions().sharding_strategy(strategy).mixed_precision(mp)));
+  }
+  absl::StatusOr<std::unique_ptr<pipe::Pipe>> p = pipe::Pipe::Create(layers, grid.pipe, opts);
+  if (!p.ok()) {
+    return absl::Status(p.status().code(),
+                        absl::StrCat("pipeline_stages ", stages, ": ", p.status().message()));
+  }
+  std::string balance;
+  for (int64_t n : (*p)->balance()) absl::StrAppend(&balance, balance.empty() ? "" : "+", n);
+  const std::string label = absl::StrCat(
+      "pipe ", stages, " stages",
+      config.pipeline_virtual_stages > 1
+          ? absl::StrCat(" x ", config.pipeline_virtual_stages, " virtual")
+          : std::string(),
+      " (layers ", balance, ") x ", grid.replicas, " replica",
+      grid.replicas == 1 ? "" : "s",
+      strategy == fsdp::ShardingStrategy::kNoShard
+          ? std::string(" (all-reduce)")
+          : absl::StrCat(" (FSDP ", fsdp::ShardingStrategyName(strategy), ")"),
+      ", ", config.pipeline_schedule, ", ", config.pipeline_chunks, " micro-batches");
+  const int64_t vocab = model_config.vocab();
+  return std::unique_ptr<ParallelModel>(std::make_unique<PipeModel>(
+      comm->rank(), std::move(grid), std::move(*p), vocab, num_params, adam, label));
+}
+
+}  // namespace fairscale::examples::gpt::internal
