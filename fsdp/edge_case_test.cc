@@ -46,15 +46,7 @@ void ExpectAllOk(const std::vector<absl::Status>& statuses, const std::string& w
 }
 
 // The standard step: MSE of this rank's rows of the global batch.
-struct MseStep {
-  template <typename M>
-  void operator()(M& model, int step, int rank, int world) const {
-    testing::Batch b = testing::GlobalBatch(step);
-    testing::Mse(testing::Call<torch::Tensor>(model, testing::RankRows(b.x, rank, world)),
-                 testing::RankRows(b.y, rank, world))
-        .backward();
-  }
-};
+using testing::MseStep;
 
 // Runs the parity harness for every world size, strategy and (if `nest`) nesting.
 template <typename MakeFn, typename StepFn>
@@ -97,16 +89,7 @@ TEST(FsdpEdgeCases, FrozenParameters) {
 TEST(FsdpEdgeCases, ParametersUnusedInAnIteration) {
   testing::NetConfig config;
   config.with_unused = true;
-  auto step_fn = [](auto& model, int step, int rank, int world) {
-    testing::NetImpl* net;
-    if constexpr (testing::IsFsdp<decltype(model)>()) {
-      net = dynamic_cast<testing::NetImpl*>(model->module().get());
-    } else {
-      net = model.get();
-    }
-    net->skip_block = step % 2 == 1 ? 1 : -1;
-    MseStep()(model, step, rank, world);
-  };
+  testing::MseStepSkippingBlockOnOddSteps step_fn;
   for (OptimizerKind kind : {OptimizerKind::kSgdMomentum, OptimizerKind::kAdam}) {
     ExpectParity("unused", MakeNet(config), step_fn, kind, /*nest=*/true);
   }
@@ -346,16 +329,7 @@ TEST(FsdpBucketing, FrozenUnusedAndMixedPrecisionKeepParity) {
   testing::NetConfig config;
   config.frozen = {"fc_in.weight", "block0.fc1.bias"};
   config.with_unused = true;
-  auto step_fn = [](auto& model, int step, int rank, int world) {
-    testing::NetImpl* net;
-    if constexpr (testing::IsFsdp<decltype(model)>()) {
-      net = dynamic_cast<testing::NetImpl*>(model->module().get());
-    } else {
-      net = model.get();
-    }
-    net->skip_block = step % 2 == 1 ? 1 : -1;
-    MseStep()(model, step, rank, world);
-  };
+  testing::MseStepSkippingBlockOnOddSteps step_fn;
   ExpectParity("bucketed", MakeNet(config), step_fn, OptimizerKind::kAdam, /*nest=*/true,
                FsdpOptions().bucket_cap_mb(1.0));
   ExpectParity("bucketed bf16", MakeNet(), MseStep(), OptimizerKind::kAdamW, /*nest=*/true,

@@ -48,15 +48,7 @@ FsdpOptions Hybrid(ShardingStrategy strategy, int group_size) {
   return FsdpOptions().sharding_strategy(strategy).hybrid_shard_group_size(group_size);
 }
 
-struct MseStep {
-  template <typename M>
-  void operator()(M& model, int step, int rank, int world) const {
-    testing::Batch b = testing::GlobalBatch(step);
-    testing::Mse(testing::Call<torch::Tensor>(model, testing::RankRows(b.x, rank, world)),
-                 testing::RankRows(b.y, rank, world))
-        .backward();
-  }
-};
+using testing::MseStep;
 
 auto MakeNet(testing::NetConfig config = {}) {
   return [config](std::shared_ptr<comm::Communicator> comm, FsdpOptions opts) {
@@ -106,16 +98,7 @@ TEST(HybridShard, FrozenUnusedAndBucketedKeepParity) {
   testing::NetConfig config;
   config.frozen = {"fc_in.weight", "block0.fc1.bias"};
   config.with_unused = true;
-  auto step_fn = [](auto& model, int step, int rank, int world) {
-    testing::NetImpl* net;
-    if constexpr (testing::IsFsdp<decltype(model)>()) {
-      net = dynamic_cast<testing::NetImpl*>(model->module().get());
-    } else {
-      net = model.get();
-    }
-    net->skip_block = step % 2 == 1 ? 1 : -1;
-    MseStep()(model, step, rank, world);
-  };
+  testing::MseStepSkippingBlockOnOddSteps step_fn;
   for (double cap : {0.0, 1.0}) {
     ExpectHybridParity(absl::StrCat("frozen+unused bucket_cap_mb=", cap), MakeNet(config), step_fn,
                        FsdpOptions().bucket_cap_mb(cap), 1e-5, {{4, 2}, {3, 3}}, {true});

@@ -110,6 +110,33 @@ constexpr bool IsFsdp() {
   return std::is_same_v<std::decay_t<M>, FullyShardedDataParallel>;
 }
 
+// One training step's forward and backward on this rank's rows of GlobalBatch(step), MSE loss
+// (model: a plain holder or an FSDP root).
+struct MseStep {
+  template <typename M>
+  void operator()(M& model, int step, int rank, int world) const {
+    Batch b = GlobalBatch(step);
+    Mse(Call<at::Tensor>(model, RankRows(b.x, rank, world)), RankRows(b.y, rank, world))
+        .backward();
+  }
+};
+
+// MseStep on a testing::Net that skips block 1 on odd steps (its parameters get no gradient
+// then: an unused unit).
+struct MseStepSkippingBlockOnOddSteps {
+  template <typename M>
+  void operator()(M& model, int step, int rank, int world) const {
+    NetImpl* net;
+    if constexpr (IsFsdp<M>()) {
+      net = dynamic_cast<NetImpl*>(model->module().get());
+    } else {
+      net = model.get();
+    }
+    net->skip_block = step % 2 == 1 ? 1 : -1;
+    MseStep()(model, step, rank, world);
+  }
+};
+
 // parameters() without repeats: a tensor registered twice (tied weights) is listed twice, and
 // LibTorch's optimizers would step it twice.
 std::vector<at::Tensor> DistinctParameters(torch::nn::Module& m);

@@ -56,15 +56,7 @@ class AutoNetImpl : public torch::nn::Module {
 };
 TORCH_MODULE(AutoNet);
 
-struct MseStep {
-  template <typename M>
-  void operator()(M& model, int step, int rank, int world) const {
-    testing::Batch b = testing::GlobalBatch(step);
-    testing::Mse(testing::Call<torch::Tensor>(model, testing::RankRows(b.x, rank, world)),
-                 testing::RankRows(b.y, rank, world))
-        .backward();
-  }
-};
+using testing::MseStep;
 
 struct PolicyCase {
   std::string name;
