@@ -218,10 +218,18 @@ int RunStage(int rank, int n, const std::string& dir) {
       if (!loss.ok()) Die(loss.status().ToString());
       double busy = 0;
       for (const PipeEvent& e : (*pipe)->trace()) busy += absl::ToDoubleSeconds(e.end - e.start);
+      // The pipeline's step time is the slowest stage's: the last stage returns as soon as its
+      // last backward is sent, while the first one still computes (its own dt would count that
+      // tail as outside the step and understate its idle share).
+      double step_s = 0;
+      s = comm->AllReduce(comm::MakeConstBuffer(&dt, 1), comm::MakeBuffer(&step_s, 1),
+                          comm::ReduceOp::kMax)
+              .Wait();
+      if (!s.ok()) Die(s.ToString());
       if (step >= absl::GetFlag(FLAGS_warmup)) {
         peak = std::max(peak, tracker->peak_bytes() - live);
-        times.push_back(dt);
-        bubbles.push_back(1.0 - busy / dt);
+        times.push_back(step_s);
+        bubbles.push_back(1.0 - busy / step_s);
       }
     }
     out << c.Name() << '\t' << Median(times) << '\t' << Median(bubbles) << '\t' << peak << '\n';
