@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "base/tensor_close.h"
 #include "comm/registry.h"
 #include "comm/testing/rank_runner.h"
 
@@ -208,16 +209,7 @@ std::vector<absl::Status> RunRanks(
 
 absl::Status ExpectClose(const std::string& what, const at::Tensor& actual,
                          const at::Tensor& expected, double rtol) {
-  if (!actual.defined()) return absl::InternalError(absl::StrCat(what, ": undefined tensor"));
-  if (actual.sizes() != expected.sizes()) {
-    return absl::InternalError(absl::StrCat(what, ": shape mismatch"));
-  }
-  const double diff =
-      (actual.detach().to(at::kDouble) - expected.to(at::kDouble)).norm().item<double>();
-  const double ref = expected.to(at::kDouble).norm().item<double>();
-  if (diff <= rtol * ref || (ref < 1e-12 && diff < 1e-9)) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": relative error ", diff / std::max(ref, 1e-30),
-                                          " > ", rtol, " (|expected| = ", ref, ")"));
+  return base::ExpectTensorClose(what, actual, expected, rtol);
 }
 
 }  // namespace fairscale::fsdp::testing
