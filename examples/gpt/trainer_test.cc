@@ -232,13 +232,8 @@ TEST(TrainRankTest, PipelineMatchesTheUnpipelinedRun) {
   if (comm::testing::IsRankProcess()) return;
   ASSERT_EQ(pipe2.losses.size(), ref1.losses.size());
   ASSERT_EQ(pipe4.losses.size(), ref2.losses.size());
-  double max_diff = 0;
-  for (size_t i = 0; i < ref1.losses.size(); ++i) {
-    EXPECT_NEAR(pipe2.losses[i], ref1.losses[i], 1e-5) << "2 stages x 1, step " << i + 1;
-    EXPECT_NEAR(pipe4.losses[i], ref2.losses[i], 1e-5) << "2 stages x 2, step " << i + 1;
-    max_diff = std::max({max_diff, std::abs(pipe2.losses[i] - ref1.losses[i]),
-                         std::abs(pipe4.losses[i] - ref2.losses[i])});
-  }
+  const double max_diff = std::max(ExpectSameLosses(pipe2, ref1, "2 stages x 1"),
+                                   ExpectSameLosses(pipe4, ref2, "2 stages x 2"));
   std::printf("pipeline vs unpipelined: max |loss difference| %.3g over %zu steps; 2x1 loss "
               "%.4f -> %.4f, 2x2 %.4f -> %.4f\n",
               max_diff, ref1.losses.size(), pipe2.losses.front(), pipe2.losses.back(),
@@ -337,13 +332,8 @@ TEST(TrainRankTest, PipelineWithFsdpInsideStagesMatchesTheUnpipelinedRun) {
   if (comm::testing::IsRankProcess()) return;
   ASSERT_EQ(full4.losses.size(), ref2.losses.size());
   ASSERT_EQ(grad_op4.losses.size(), ref2.losses.size());
-  double max_diff = 0;
-  for (size_t i = 0; i < ref2.losses.size(); ++i) {
-    EXPECT_NEAR(full4.losses[i], ref2.losses[i], 1e-5) << "full_shard, step " << i + 1;
-    EXPECT_NEAR(grad_op4.losses[i], ref2.losses[i], 1e-5) << "shard_grad_op, step " << i + 1;
-    max_diff = std::max({max_diff, std::abs(full4.losses[i] - ref2.losses[i]),
-                         std::abs(grad_op4.losses[i] - ref2.losses[i])});
-  }
+  const double max_diff = std::max(ExpectSameLosses(full4, ref2, "full_shard"),
+                                   ExpectSameLosses(grad_op4, ref2, "shard_grad_op"));
   std::printf("pipeline+fsdp vs unpipelined: max |loss difference| %.3g over %zu steps\n",
               max_diff, ref2.losses.size());
   EXPECT_THAT(full4.final_record["mode"].get<std::string>(),
@@ -405,7 +395,7 @@ TEST(TrainRankTest, PipelineWithFsdpResumesWithAnotherReplicaCount) {
   const JobOutput& got = runs[1][1];
   ASSERT_EQ(ref.losses.size(), 8u);
   ASSERT_EQ(got.losses.size(), 8u);
-  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << "step " << i + 1;
+  ExpectSameLosses(got, ref, "2x2 resumed as 2x1");
   const JobOutput& saved = runs[1][0];
   ASSERT_EQ(saved.checkpoints.size(), 1u);
   EXPECT_EQ(saved.checkpoints[0]["format"], "pipe_fsdp_sharded");
