@@ -14,6 +14,7 @@
 #include "base/status_matchers.h"
 #include "base/tracking_allocator.h"
 #include "comm/registry.h"
+#include "comm/testing/connect.h"
 #include "comm/testing/rank_runner.h"
 #include "fsdp/sharded_checkpoint.h"
 #include "fsdp/state_dict.h"
@@ -27,20 +28,9 @@ namespace {
 using base::testing::IsOk;
 using testing::Check;
 
-absl::StatusOr<std::shared_ptr<comm::Communicator>> Connect(int rank, int world) {
-  FS_ASSIGN_OR_RETURN(
-      std::shared_ptr<comm::Communicator> comm,
-      comm::CreateCommunicator("tcp", comm::testing::RankConfig(absl::Seconds(20))));
-  if (comm->size() != world || comm->rank() != rank) {
-    return absl::InternalError(absl::StrCat("communicator is rank ", comm->rank(), "/",
-                                            comm->size(), ", expected ", rank, "/", world));
-  }
-  return comm;
-}
-
 absl::Status MemoryRank(int rank, int world) {
   base::TrackingCpuAllocator* tracker = base::TrackingCpuAllocator::Install();
-  FS_ASSIGN_OR_RETURN(auto comm, Connect(rank, world));
+  FS_ASSIGN_OR_RETURN(auto comm, comm::testing::ConnectRank("tcp", rank, world, absl::Seconds(20)));
   auto model = testing::MakeModel(comm, ShardingStrategy::kFullShard, /*nested=*/true);
   // Expected, from the layout: flat parameters are gathered one at a time, in unit order.
   int64_t expected_peak = 0, dict = 0, whole = 0;
@@ -90,7 +80,8 @@ TEST(FsdpStateDictProcesses, ShardedCheckpointSavedAt2LoadsAt3) {
         world,
         [&](int rank) -> absl::Status {
           try {
-            FS_ASSIGN_OR_RETURN(auto comm, Connect(rank, world));
+            FS_ASSIGN_OR_RETURN(auto comm,
+                                comm::testing::ConnectRank("tcp", rank, world, absl::Seconds(20)));
             auto model = testing::MakeModel(comm, ShardingStrategy::kFullShard, true);
             auto opt = testing::MakeOptimizer(testing::OptimizerKind::kAdam, model->parameters());
             if (save) {

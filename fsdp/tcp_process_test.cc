@@ -13,6 +13,7 @@
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
 #include "comm/registry.h"
+#include "comm/testing/connect.h"
 #include "comm/testing/rank_runner.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/test_util.h"
@@ -28,13 +29,8 @@ constexpr int kSteps = 5;
 constexpr double kRtol = 1e-5;
 
 absl::Status RunRank(int rank, int world, const std::vector<testing::ReferenceStep>& ref) {
-  FS_ASSIGN_OR_RETURN(
-      std::shared_ptr<comm::Communicator> comm,
-      comm::CreateCommunicator("tcp", comm::testing::RankConfig(absl::Seconds(20))));
-  if (comm->size() != world || comm->rank() != rank) {
-    return absl::InternalError(absl::StrCat("communicator is rank ", comm->rank(), "/",
-                                            comm->size(), ", expected ", rank, "/", world));
-  }
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> comm,
+                      comm::testing::ConnectRank("tcp", rank, world, absl::Seconds(20)));
   const auto opts = FsdpOptions().sharding_strategy(ShardingStrategy::kFullShard);
   FullyShardedDataParallel model(testing::Net(comm, opts), comm, opts);
   if (model->fsdp_units().size() != 3) {

@@ -14,6 +14,7 @@
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
 #include "comm/registry.h"
+#include "comm/testing/connect.h"
 #include "comm/testing/rank_runner.h"
 #include "fsdp/test_util.h"
 #include "gtest/gtest.h"
@@ -30,13 +31,8 @@ using testing::Kind;
 constexpr int kSteps = 5;
 
 absl::Status RunRank(int rank, int world, PartitionMode mode, const testing::Trajectory& ref) {
-  FS_ASSIGN_OR_RETURN(
-      std::shared_ptr<comm::Communicator> comm,
-      comm::CreateCommunicator("tcp", comm::testing::RankConfig(absl::Seconds(20))));
-  if (comm->size() != world || comm->rank() != rank) {
-    return absl::InternalError(absl::StrCat("communicator is rank ", comm->rank(), "/",
-                                            comm->size(), ", expected ", rank, "/", world));
-  }
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> comm,
+                      comm::testing::ConnectRank("tcp", rank, world, absl::Seconds(20)));
   testing::Net net;
   auto opt = std::make_shared<OSS>(testing::TwoGroups(net, Kind::kAdam),
                                    testing::Factory(Kind::kAdam), comm,
