@@ -33,8 +33,14 @@ def fs_cc_test(name, copts = None, size = "small", deps = None, **kwargs):
         **kwargs
     )
 
+def _here(name):
+    # "@fairscale_cpp//bazel:name" from a consumer, "@//bazel:name" in this workspace: labels in
+    # this file resolve in fairscale-cpp's repository, whichever BUILD file calls the macro.
+    label = Label("//bazel:" + name)
+    return "@%s//%s:%s" % (label.workspace_name, label.package, label.name)
+
 def if_cuda(if_true, if_false = []):
-    return select({"//bazel:cuda": if_true, "//conditions:default": if_false})
+    return select({_here("cuda"): if_true, "//conditions:default": if_false})
 
 # `target_compatible_with = REQUIRES_CUDA` on targets that only make sense with CUDA.
-REQUIRES_CUDA = select({"//bazel:cuda": [], "//conditions:default": ["//bazel:incompatible"]})
+REQUIRES_CUDA = select({_here("cuda"): [], "//conditions:default": [_here("incompatible")]})

@@ -5,6 +5,11 @@
 // this header has no LibTorch dependency (//comm/torch adapts at::Tensor to Buffer).
 #pragma once
 
+// Every fairscale-cpp header includes this one (through //comm:interface).
+#if __cplusplus < 201703L
+#error "fairscale-cpp needs C++17: compile with -std=c++17 (Bazel: `build --cxxopt=-std=c++17` in your .bazelrc, or copts = [\"-std=c++17\"] on your targets)"
+#endif
+
 #include <cstddef>
 #include <cstdint>
 #include <string>

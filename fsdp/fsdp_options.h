@@ -5,8 +5,8 @@
 //                   .sharding_strategy(fsdp::ShardingStrategy::kShardGradOp)
 //                   .gradient_predivide_factor(2.0);
 //
-// Semantics follow FairScale's FullyShardedDataParallel and PyTorch FSDP (see
-// /work/shared/reference/fairscale-and-peers.md §1.1 and §4.1); the differences are stated here.
+// Semantics follow FairScale's FullyShardedDataParallel and PyTorch's FSDP (its
+// ShardingStrategy, MixedPrecision and CPUOffload); the differences are stated here.
 #pragma once
 
 #include <c10/core/Device.h>

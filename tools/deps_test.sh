@@ -10,19 +10,19 @@ if [[ -s "$paths" ]]; then
   cat "$paths" >&2
   exit 1
 fi
-if grep -E '^@torch|^//(comm/(tcp|ucx|nccl|inproc)|comm:all_backends|fsdp|oss)' "$interface_deps" >&2; then
+if grep -E '^@libtorch|^(@fairscale_cpp)?//(comm/(tcp|ucx|nccl|inproc)|comm:all_backends|fsdp|oss)' "$interface_deps" >&2; then
   echo "//comm:interface must depend on Abseil only (above)." >&2
   exit 1
 fi
 trace_deps="${3:-}"
-if [[ -n "$trace_deps" ]] && grep -E '^@torch' "$trace_deps" >&2; then
+if [[ -n "$trace_deps" ]] && grep -E '^@libtorch' "$trace_deps" >&2; then
   echo "//trace must not depend on LibTorch (above)." >&2
   exit 1
 fi
 control="${4:-}"
 if [[ -n "$control" ]]; then
   for backend in //comm/tcp:tcp //comm/ucx:ucx //comm/inproc:inproc //comm/nccl:nccl //comm:all_backends; do
-    if ! grep -qx "$backend" "$control"; then
+    if ! grep -qxE "(@fairscale_cpp)?$backend" "$control"; then
       echo "control query: which_backend_all has no path to $backend; is the check still wired?" >&2
       cat "$control" >&2
       exit 1
