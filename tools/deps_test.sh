@@ -10,7 +10,7 @@ if [[ -s "$paths" ]]; then
   cat "$paths" >&2
   exit 1
 fi
-if grep -E '^@libtorch|^(@fairscale_cpp)?//(comm/(tcp|ucx|nccl|inproc)|comm:all_backends|fsdp|oss)' "$interface_deps" >&2; then
+if grep -E '^@libtorch|^(@[A-Za-z0-9_.-]+)?//(comm/(tcp|ucx|nccl|inproc)|comm:all_backends|fsdp|oss)' "$interface_deps" >&2; then
   echo "//comm:interface must depend on Abseil only (above)." >&2
   exit 1
 fi
@@ -22,7 +22,7 @@ fi
 control="${4:-}"
 if [[ -n "$control" ]]; then
   for backend in //comm/tcp:tcp //comm/ucx:ucx //comm/inproc:inproc //comm/nccl:nccl //comm:all_backends; do
-    if ! grep -qxE "(@fairscale_cpp)?$backend" "$control"; then
+    if ! grep -qxE "(@[A-Za-z0-9_.-]+)?$backend" "$control"; then
       echo "control query: which_backend_all has no path to $backend; is the check still wired?" >&2
       cat "$control" >&2
       exit 1
