@@ -12,6 +12,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
+#include "comm/slurm_hostlist.h"
+#include "comm/store/file_store.h"
 #include "comm/store/hash_store.h"
 #include "comm/store/prefix_store.h"
 #include "comm/store/tcp_store.h"
@@ -82,6 +84,56 @@ std::vector<std::string> LinkedBackends() {
   std::vector<std::string> names;
   for (const Entry& e : r.entries) names.push_back(e.name);
   return names;
+}
+
+namespace {
+
+struct StoreClients {
+  absl::Mutex mu;
+  std::vector<std::pair<std::string, StoreClientFactory>> entries ABSL_GUARDED_BY(mu);
+};
+
+StoreClients& GetStoreClients() {
+  static StoreClients* clients = new StoreClients();
+  return *clients;
+}
+
+}  // namespace
+
+StoreClientRegistration::StoreClientRegistration(absl::string_view protocol,
+                                                 StoreClientFactory factory) {
+  StoreClients& c = GetStoreClients();
+  absl::MutexLock lock(&c.mu);
+  c.entries.emplace_back(std::string(protocol), factory);
+  std::sort(c.entries.begin(), c.entries.end());
+}
+
+std::vector<std::string> LinkedStoreClients() {
+  StoreClients& c = GetStoreClients();
+  absl::MutexLock lock(&c.mu);
+  std::vector<std::string> names;
+  for (const auto& e : c.entries) names.push_back(e.first);
+  return names;
+}
+
+absl::StatusOr<std::unique_ptr<Store>> CreateStoreClient(absl::string_view protocol,
+                                                         const StoreClientOptions& options) {
+  StoreClientFactory factory = nullptr;
+  {
+    StoreClients& c = GetStoreClients();
+    absl::MutexLock lock(&c.mu);
+    for (const auto& e : c.entries) {
+      if (e.first == protocol) factory = e.second;
+    }
+  }
+  if (factory == nullptr) {
+    std::vector<std::string> linked = LinkedStoreClients();
+    return absl::NotFoundError(absl::StrCat(
+        "no '", protocol, "' store client is linked into this binary",
+        protocol == "c10d" ? "; depend on //comm/torch:c10d_store" : "",
+        linked.empty() ? "" : absl::StrCat(" (linked: ", absl::StrJoin(linked, ", "), ")")));
+  }
+  return factory(options);
 }
 
 absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(absl::string_view name,
@@ -171,7 +223,43 @@ absl::StatusOr<RankAndSize> ReadSource(const RankSource& s, absl::string_view wh
   return out;
 }
 
+// The batch step of an sbatch script has SLURM_PROCID=0 and SLURM_NTASKS=N but no SLURM_STEP_ID
+// (srun sets it for every step it starts); Slurm's own id of the batch step is 0xfffffffb.
+bool IsSlurmBatchStep() {
+  for (const char* name : {"SLURM_STEP_ID", "SLURM_STEPID"}) {
+    std::optional<std::string> v = Env(name);
+    if (v.has_value()) return *v == "batch" || *v == "4294967291";
+  }
+  return true;
+}
+
+// MASTER_ADDR from a Slurm node list when MASTER_ADDR is unset: the first host.
+absl::Status MasterFromSlurm(EnvConfig* env) {
+  for (const char* name : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {
+    std::optional<std::string> v = Env(name);
+    if (!v.has_value()) continue;
+    absl::StatusOr<std::string> first = FirstSlurmHost(*v);
+    if (!first.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " is not a Slurm host list: ", first.status().message(),
+          "; set MASTER_ADDR to rank 0's host instead"));
+    }
+    env->master_addr = *first;
+    env->master_addr_source = name;
+    return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+bool StartedByLauncher() {
+  if (IsSet(kTorchrunSource) || IsSet(kSlurmSource)) return true;
+  for (const RankSource& s : kMpiSources) {
+    if (IsSet(s)) return true;
+  }
+  return false;
+}
 
 absl::StatusOr<EnvConfig> ParseEnv() {
   constexpr int kMaxInt = std::numeric_limits<int>::max();
@@ -190,6 +278,15 @@ absl::StatusOr<EnvConfig> ParseEnv() {
     }
   }
   FS_ASSIGN_OR_RETURN(RankAndSize rs, ReadSource(*source, why));
+  if (source == &kSlurmSource && rs.size > 1 && IsSlurmBatchStep()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SLURM_PROCID='", rs.rank, "' SLURM_NTASKS='", rs.size,
+        "' come from the batch step of an sbatch script (SLURM_STEP_ID is not set): nothing "
+        "starts the other ", rs.size - 1, " rank(s) here, so this process would wait for them "
+        "until it times out. Start one process per task with `srun <program>` in the script "
+        "(or use torchrun / mpirun / fs_launch, whose variables win), or run one process with "
+        "SLURM_NTASKS unset"));
+  }
   if (source == &kMpiSources[0] && IsSet(kMpiSources[1])) {
     // Both MPI views describe the same launch: a disagreement means a mixed-up environment.
     FS_ASSIGN_OR_RETURN(RankAndSize pmi, ReadSource(kMpiSources[1], "set by mpirun"));
@@ -213,16 +310,56 @@ absl::StatusOr<EnvConfig> ParseEnv() {
 
   // Several ranks need a rendezvous; a single rank may still be told where one is.
   const bool need_master = env.world_size > 1;
-  const std::string why_master =
-      absl::StrCat("required when WORLD_SIZE > 1; WORLD_SIZE='", env.world_size, "'");
   std::optional<std::string> addr = Env("MASTER_ADDR");
   if (addr.has_value() && addr->empty()) return BadVar("MASTER_ADDR", "", "is empty");
-  if (!addr.has_value() && need_master) {
-    return absl::InvalidArgumentError(absl::StrCat("MASTER_ADDR is not set (", why_master, ")"));
+  if (addr.has_value()) {
+    env.master_addr = *addr;
+    env.master_addr_source = "MASTER_ADDR";
+  } else if (source == &kSlurmSource) {
+    FS_RETURN_IF_ERROR(MasterFromSlurm(&env));
+  } else if (source == &kMpiSources[0] && need_master) {
+    // One node: mpirun's per-job session directory is shared by the ranks and removed by
+    // mpirun at the end, so a FileStore there needs no address, port or cleanup.
+    std::optional<std::string> local_size = Env("OMPI_COMM_WORLD_LOCAL_SIZE");
+    std::optional<std::string> session = Env("OMPI_MCA_orte_jobfam_session_dir");
+    std::optional<std::string> job = Env("OMPI_MCA_ess_base_jobid");
+    if (local_size == absl::StrCat(env.world_size) && session.has_value() && !session->empty() &&
+        job.has_value() && !job->empty() && !Env("MASTER_PORT").has_value()) {
+      env.store_dir = absl::StrCat(*session, "/fairscale_store_", *job);
+    }
   }
-  env.master_addr = addr.value_or("");
-  FS_ASSIGN_OR_RETURN(std::optional<int> port,
-                      IntVar("MASTER_PORT", 1, 65535, need_master, why_master));
+  if (env.master_addr.empty() && need_master && env.store_dir.empty()) {
+    std::string msg = absl::StrCat("MASTER_ADDR is not set (required when WORLD_SIZE > 1; ",
+                                   source->size, "='", env.world_size, "')");
+    if (source == &kMpiSources[0] || source == &kMpiSources[1]) {
+      absl::StrAppend(&msg, "; under mpirun across nodes pass rank 0's host and a free port: "
+                            "mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500 ...");
+    } else if (source == &kSlurmSource) {
+      absl::StrAppend(&msg, "; under srun it defaults to the first host of SLURM_JOB_NODELIST, "
+                            "which is not set either");
+    }
+    return absl::InvalidArgumentError(msg);
+  }
+  std::optional<int> port;
+  if (Env("MASTER_PORT").has_value() || env.store_dir.empty()) {
+    const bool slurm_default = source == &kSlurmSource && Env("SLURM_JOB_ID").has_value() &&
+                               !Env("MASTER_PORT").has_value();
+    if (slurm_default) {
+      // Every task of the step derives the same port; jobs sharing a node rarely collide.
+      FS_ASSIGN_OR_RETURN(std::optional<int> job,
+                          IntVar("SLURM_JOB_ID", 0, kMaxInt, /*required=*/true, ""));
+      port = 15000 + *job % 20000;
+      env.master_port_source = "SLURM_JOB_ID";
+    } else {
+      const std::string why_port = absl::StrCat(
+          "required when WORLD_SIZE > 1; ", source->size, "='", env.world_size, "'",
+          source == &kMpiSources[0] || source == &kMpiSources[1]
+              ? "; under mpirun: mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500 ..."
+              : "");
+      FS_ASSIGN_OR_RETURN(port, IntVar("MASTER_PORT", 1, 65535, need_master, why_port));
+      if (port.has_value()) env.master_port_source = "MASTER_PORT";
+    }
+  }
   env.master_port = port.value_or(0);
 
   env.backend = Env("FS_COMM_BACKEND").value_or("");
@@ -244,10 +381,70 @@ absl::StatusOr<EnvConfig> ParseEnv() {
       return BadVar("TORCHELASTIC_USE_AGENT_STORE", *a, "is not True or False");
     }
   }
-  env.store_token = Env("FS_STORE_TOKEN").value_or("");
+  std::optional<std::string> token = Env("FS_STORE_TOKEN");
+  env.store_token = token.value_or("");
   env.store_prefix = Env("FS_STORE_PREFIX").value_or("");
+  // torchrun never sets FS_STORE_TOKEN and fs_launch always does.
+  env.store_protocol = token.has_value() ? "fairscale" : "c10d";
+  if (std::optional<std::string> p = Env("FS_STORE_PROTOCOL"); p.has_value()) {
+    if (*p != "fairscale" && *p != "c10d") {
+      return BadVar("FS_STORE_PROTOCOL", *p,
+                    "is not 'fairscale' (fs_launch's store) or 'c10d' (torchrun's)");
+    }
+    env.store_protocol = *p;
+  }
+  FS_ASSIGN_OR_RETURN(std::optional<int> restart,
+                      IntVar("TORCHELASTIC_RESTART_COUNT", 0, kMaxInt, /*required=*/false, ""));
+  env.restart_count = restart.value_or(0);
   return env;
 }
+
+namespace {
+
+// The rendezvous store ParseEnv described (world size > 1).
+absl::StatusOr<std::shared_ptr<Store>> RendezvousStore(const EnvConfig& env,
+                                                       absl::Duration timeout) {
+  if (!env.store_dir.empty()) {
+    FileStoreOptions options;
+    options.timeout = timeout;
+    absl::StatusOr<std::unique_ptr<FileStore>> store = FileStore::Create(env.store_dir, options);
+    if (!store.ok()) {
+      return absl::Status(store.status().code(),
+                          absl::StrCat("FileStore in mpirun's session directory ", env.store_dir,
+                                       ": ", store.status().message()));
+    }
+    return std::shared_ptr<Store>(std::move(*store));
+  }
+  if (env.use_agent_store && env.store_protocol == "c10d") {
+    StoreClientOptions options;
+    options.host = env.master_addr;
+    options.port = env.master_port;
+    options.timeout = timeout;
+    absl::StatusOr<std::unique_ptr<Store>> client = CreateStoreClient("c10d", options);
+    if (!client.ok()) {
+      if (client.status().code() != absl::StatusCode::kNotFound) return client.status();
+      return absl::NotFoundError(absl::StrCat(
+          "TORCHELASTIC_USE_AGENT_STORE=True without FS_STORE_TOKEN: the launcher (torchrun) "
+          "hosts PyTorch's c10d TCPStore at ", env.master_addr, ":", env.master_port, ", but ",
+          client.status().message(), "; under fs_launch set FS_STORE_PROTOCOL=fairscale"));
+    }
+    // PyTorch's workers use this namespace too: a restarted attempt never sees the keys of an
+    // earlier one in the agent's store, which outlives attempts.
+    return std::shared_ptr<Store>(std::make_shared<PrefixStore>(
+        absl::StrCat("/worker/attempt_", env.restart_count), std::move(*client)));
+  }
+  TCPStoreOptions options;
+  options.host = env.master_addr;
+  options.port = env.master_port;
+  // With the agent store the launcher already serves MASTER_PORT; otherwise rank 0 does.
+  options.is_server = !env.use_agent_store && env.rank == 0;
+  options.timeout = timeout;
+  options.token = env.store_token;
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<TCPStore> store, TCPStore::Create(options));
+  return std::shared_ptr<Store>(std::move(store));
+}
+
+}  // namespace
 
 absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(const CommConfig& base) {
   FS_ASSIGN_OR_RETURN(EnvConfig env, ParseEnv());
@@ -260,15 +457,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(const Co
       // Nobody to meet: an in-memory store does, and no port is taken.
       config.store = std::make_shared<HashStore>();
     } else {
-      TCPStoreOptions options;
-      options.host = env.master_addr;
-      options.port = env.master_port;
-      // With the agent store the launcher already serves MASTER_PORT; otherwise rank 0 does.
-      options.is_server = !env.use_agent_store && env.rank == 0;
-      options.timeout = config.timeout;
-      options.token = env.store_token;
-      FS_ASSIGN_OR_RETURN(std::unique_ptr<TCPStore> store, TCPStore::Create(options));
-      config.store = std::move(store);
+      FS_ASSIGN_OR_RETURN(config.store, RendezvousStore(env, config.timeout));
     }
     if (!env.store_prefix.empty()) {
       // The launcher's namespace for this attempt: keys of an earlier attempt stay invisible.

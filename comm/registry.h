@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "comm/communicator.h"
 #include "comm/config.h"
+#include "comm/store/store.h"
 
 namespace fairscale::comm {
 
@@ -38,27 +39,88 @@ std::vector<std::string> LinkedBackends();
 absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(absl::string_view name,
                                                                  const CommConfig& config);
 
-// The torchrun contract, read from the environment:
-//   RANK, WORLD_SIZE (required), LOCAL_RANK (optional), MASTER_ADDR, MASTER_PORT (required
-//   when WORLD_SIZE > 1), FS_COMM_BACKEND (backend name, default: highest priority),
-//   FS_COMM_TIMEOUT_S (default operation timeout in seconds),
-//   TORCHELASTIC_USE_AGENT_STORE=True (the launcher hosts the TCPStore; otherwise rank 0 does),
-//   FS_STORE_TOKEN (the job token the TCPStore server demands; fs_launch generates it),
-//   FS_STORE_PREFIX (a namespace for every store key; fs_launch sets one per restart attempt).
-// Without RANK and WORLD_SIZE, the rank and size come from the launcher that started the
-// process, in this order: mpirun (OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK, or PMI_RANK /
-// PMI_SIZE / MPI_LOCALRANKID; when both are set they must agree), then Slurm's srun
-// (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; last, because mpirun inside an allocation
-// inherits the batch step's). An explicit LOCAL_RANK wins over the launcher's local rank.
+// Clients of rendezvous stores that speak another launcher's protocol, by protocol name:
+// "c10d" is PyTorch's TCPStore, the store torchrun's agent hosts. Registered like backends, from
+// a target with alwayslink = 1 (//comm/torch:c10d_store, which keeps LibTorch out of //comm):
+//
+//   const StoreClientRegistration kRegistration("c10d", &CreateC10dStoreClient);
+struct StoreClientOptions {
+  std::string host;
+  int port = 0;
+  // Bounds the connect and every request without a timeout of its own.
+  absl::Duration timeout = absl::Minutes(5);
+};
+using StoreClientFactory =
+    absl::StatusOr<std::unique_ptr<Store>> (*)(const StoreClientOptions&);
+
+class StoreClientRegistration {
+ public:
+  StoreClientRegistration(absl::string_view protocol, StoreClientFactory factory);
+};
+
+// Protocols with a linked store client, sorted.
+std::vector<std::string> LinkedStoreClients();
+
+// Connects a client of `protocol`'s store at options.host:port. kNotFound names the target to
+// link when no client of `protocol` is linked.
+absl::StatusOr<std::unique_ptr<Store>> CreateStoreClient(absl::string_view protocol,
+                                                         const StoreClientOptions& options);
+
+// The environment contract. Rank and size, first source that is set wins:
+//   RANK, WORLD_SIZE, LOCAL_RANK        torchrun / fs_launch
+//   OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK, or PMI_RANK / PMI_SIZE / MPI_LOCALRANKID
+//                                       mpirun (when both are set they must agree)
+//   SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
+//                                       srun; last, because mpirun or torchrun inside an
+//                                       allocation inherit the batch step's. The batch step of
+//                                       an sbatch script (SLURM_STEP_ID unset) with
+//                                       SLURM_NTASKS > 1 is refused (kFailedPrecondition):
+//                                       nothing starts the other ranks there; use srun.
+// An explicit LOCAL_RANK wins over the launcher's local rank.
+//
+// The rendezvous (needed when the world size is > 1), first that applies:
+//   MASTER_ADDR, MASTER_PORT            torchrun / fs_launch set them; under mpirun pass them
+//                                       with `mpirun -x MASTER_ADDR=<rank 0's host>
+//                                       -x MASTER_PORT=<free port>`
+//   single-node mpirun without MASTER_ADDR (OMPI_COMM_WORLD_LOCAL_SIZE = _SIZE): a FileStore
+//                                       in mpirun's per-job session directory
+//                                       ($OMPI_MCA_orte_jobfam_session_dir/fairscale_store_<job
+//                                       id>; mpirun deletes it when the job ends)
+//   srun without MASTER_ADDR / MASTER_PORT: the first host of SLURM_STEP_NODELIST (else
+//                                       SLURM_JOB_NODELIST, else SLURM_NODELIST), port
+//                                       15000 + SLURM_JOB_ID % 20000
+// Who hosts it: rank 0 (a TCPStore bound to MASTER_ADDR), unless TORCHELASTIC_USE_AGENT_STORE=True:
+// then the launcher hosts it and every rank is a client, speaking
+//   FS_STORE_PROTOCOL=fairscale         our TCPStore (fs_launch; presents FS_STORE_TOKEN), or
+//   FS_STORE_PROTOCOL=c10d              PyTorch's TCPStore (torchrun's agent); needs
+//                                       //comm/torch:c10d_store linked. Keys are prefixed
+//                                       "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>/" as
+//                                       PyTorch's workers do, so an attempt never sees an
+//                                       earlier one's keys.
+// FS_STORE_PROTOCOL defaults to fairscale when FS_STORE_TOKEN is set (fs_launch always sets it)
+// and to c10d otherwise (torchrun never sets it).
+// Also: FS_COMM_BACKEND (backend name, default: highest priority), FS_COMM_TIMEOUT_S (default
+// operation timeout in seconds; also bounds the rendezvous), FS_STORE_TOKEN (the job token our
+// TCPStore server demands; fs_launch generates it), FS_STORE_PREFIX (a namespace for every store
+// key; fs_launch sets one per restart attempt).
 struct EnvConfig {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
   std::string master_addr;
   int master_port = 0;
+  // Where master_addr / master_port came from, for messages: "MASTER_ADDR",
+  // "SLURM_JOB_NODELIST", ...
+  std::string master_addr_source;
+  std::string master_port_source;
+  // Non-empty: rendezvous through a FileStore in this directory instead of a TCPStore.
+  std::string store_dir;
   std::string backend;
   absl::Duration timeout = absl::Minutes(10);
   bool use_agent_store = false;
+  // "fairscale" or "c10d": the protocol of the launcher's store (use_agent_store).
+  std::string store_protocol = "fairscale";
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT
   std::string store_token;
   std::string store_prefix;
   // Which variables gave rank and size: "RANK/WORLD_SIZE", "OMPI_COMM_WORLD_*", "PMI_*" or
@@ -66,15 +128,19 @@ struct EnvConfig {
   std::string rank_source;
 };
 
+// Whether a launcher started this process: any rank source above is set (RANK or WORLD_SIZE,
+// OMPI_COMM_WORLD_RANK/_SIZE, PMI_RANK/_SIZE, SLURM_PROCID/SLURM_NTASKS). Binaries that launch
+// their own ranks otherwise (train_gpt, demo) decide with this, so that `mpirun -np 2 prog`
+// runs 2 ranks of one job, not 2 jobs. ParseEnv then says what is wrong or missing.
+bool StartedByLauncher();
+
 // Parses and validates the variables above; kInvalidArgument names the variable at fault.
 absl::StatusOr<EnvConfig> ParseEnv();
 
-// ParseEnv(), then a TCPStore at MASTER_ADDR:MASTER_PORT, then CreateCommunicator.
+// ParseEnv(), then the rendezvous store described above, then CreateCommunicator.
 // `base` supplies the fields the environment does not (bind_address, options; timeout unless
-// FS_COMM_TIMEOUT_S is set; a store, which then replaces the TCPStore). Rank 0 hosts the
-// TCPStore server, bound to MASTER_ADDR, unless TORCHELASTIC_USE_AGENT_STORE=True (then every
-// rank is a client of the launcher's); the TCPStore presents FS_STORE_TOKEN, and with
-// FS_STORE_PREFIX it is wrapped in a PrefixStore. WORLD_SIZE=1 uses an in-memory HashStore.
+// FS_COMM_TIMEOUT_S is set; a store, which then replaces the rendezvous). With FS_STORE_PREFIX
+// the store is wrapped in a PrefixStore. WORLD_SIZE=1 uses an in-memory HashStore.
 absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(
     const CommConfig& base = {});
 

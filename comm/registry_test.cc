@@ -25,7 +25,10 @@ constexpr const char* kVars[] = {
     "MASTER_PORT",    "FS_COMM_BACKEND",    "FS_COMM_TIMEOUT_S",    "TORCHELASTIC_USE_AGENT_STORE",
     "FS_STORE_TOKEN", "FS_STORE_PREFIX",    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
     "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "PMI_SIZE",           "MPI_LOCALRANKID",
-    "SLURM_PROCID",   "SLURM_NTASKS",       "SLURM_LOCALID"};
+    "SLURM_PROCID",   "SLURM_NTASKS",       "SLURM_LOCALID",        "SLURM_STEP_ID",
+    "SLURM_STEPID",   "SLURM_JOB_ID",       "SLURM_JOB_NODELIST",   "SLURM_NODELIST",
+    "SLURM_STEP_NODELIST", "FS_STORE_PROTOCOL", "TORCHELASTIC_RESTART_COUNT",
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_orte_jobfam_session_dir", "OMPI_MCA_ess_base_jobid"};
 
 // Clears the contract's variables for each test and restores them afterwards.
 class EnvTest : public ::testing::Test {
@@ -194,6 +197,7 @@ TEST_F(EnvTest, PmiRankAndSize) {
 }
 
 TEST_F(EnvTest, SlurmProcidNtasksLocalid) {
+  Set("SLURM_STEP_ID", "0");
   Set("SLURM_PROCID", "5");
   Set("SLURM_NTASKS", "8");
   Set("SLURM_LOCALID", "1");
@@ -204,6 +208,173 @@ TEST_F(EnvTest, SlurmProcidNtasksLocalid) {
   EXPECT_EQ(env.world_size, 8);
   EXPECT_EQ(env.local_rank, 1);
   EXPECT_EQ(env.rank_source, "SLURM_*");
+}
+
+// srun without MASTER_ADDR / MASTER_PORT: the first host of the node list, a port from the job.
+TEST_F(EnvTest, SlurmMasterFromNodeListAndPortFromJobId) {
+  Set("SLURM_STEP_ID", "0");
+  Set("SLURM_PROCID", "1");
+  Set("SLURM_NTASKS", "4");
+  Set("SLURM_JOB_ID", "123456");
+  Set("SLURM_JOB_NODELIST", "node[01-04,07]");
+  ASSERT_OK_AND_ASSIGN(EnvConfig env, ParseEnv());
+  EXPECT_EQ(env.master_addr, "node01");
+  EXPECT_EQ(env.master_addr_source, "SLURM_JOB_NODELIST");
+  EXPECT_EQ(env.master_port, 15000 + 123456 % 20000);
+  EXPECT_EQ(env.master_port_source, "SLURM_JOB_ID");
+  EXPECT_FALSE(env.use_agent_store);
+
+  Set("SLURM_NODELIST", "x[9-11]");  // the job's list wins over the older spelling
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_EQ(env.master_addr, "node01");
+  unsetenv("SLURM_JOB_NODELIST");
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_EQ(env.master_addr, "x9");
+  EXPECT_EQ(env.master_addr_source, "SLURM_NODELIST");
+  Set("SLURM_STEP_NODELIST", "gpu-[9-11]x,a3");  // the step's own nodes win
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_EQ(env.master_addr, "gpu-9x");
+
+  Set("MASTER_ADDR", "head");
+  Set("MASTER_PORT", "29400");
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_EQ(env.master_addr, "head");
+  EXPECT_EQ(env.master_port, 29400);
+  EXPECT_EQ(env.master_addr_source, "MASTER_ADDR");
+}
+
+TEST_F(EnvTest, SlurmBadNodeListNamesTheVariable) {
+  Set("SLURM_STEP_ID", "0");
+  Set("SLURM_PROCID", "0");
+  Set("SLURM_NTASKS", "2");
+  Set("SLURM_JOB_ID", "7");
+  Set("SLURM_JOB_NODELIST", "node[04-01]");
+  EXPECT_THAT(ParseEnv().status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("SLURM_JOB_NODELIST is not a Slurm host list"),
+                             HasSubstr("'node[04-01]'"), HasSubstr("set MASTER_ADDR"))));
+  unsetenv("SLURM_JOB_NODELIST");
+  EXPECT_THAT(ParseEnv().status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("MASTER_ADDR is not set"),
+                             HasSubstr("SLURM_JOB_NODELIST, which is not set either"))));
+  Set("SLURM_JOB_NODELIST", "n1");
+  unsetenv("SLURM_JOB_ID");
+  EXPECT_THAT(ParseEnv().status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("MASTER_PORT is not set")));
+}
+
+// The batch step of an sbatch script: SLURM_PROCID=0, SLURM_NTASKS=N, no srun step.
+TEST_F(EnvTest, SlurmBatchStepIsRefused) {
+  Set("SLURM_PROCID", "0");
+  Set("SLURM_NTASKS", "4");
+  Set("SLURM_JOB_ID", "7");
+  Set("SLURM_JOB_NODELIST", "n[1-2]");
+  for (const char* step : {"", "batch", "4294967291"}) {
+    if (*step != '\0') Set("SLURM_STEP_ID", step);
+    EXPECT_THAT(ParseEnv().status(),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         AllOf(HasSubstr("SLURM_PROCID='0' SLURM_NTASKS='4'"),
+                               HasSubstr("batch step of an sbatch script"),
+                               HasSubstr("other 3 rank(s)"), HasSubstr("srun <program>"))))
+        << "SLURM_STEP_ID='" << step << "'";
+  }
+  EXPECT_TRUE(StartedByLauncher());  // so train_gpt says this instead of launching itself
+  Set("SLURM_STEP_ID", "3");
+  EXPECT_THAT(ParseEnv().status(), IsOk());
+  unsetenv("SLURM_STEP_ID");
+  Set("SLURM_NTASKS", "1");  // one task: nobody to wait for
+  EXPECT_THAT(ParseEnv().status(), IsOk());
+}
+
+// mpirun on one node without MASTER_ADDR: a FileStore in mpirun's session directory.
+TEST_F(EnvTest, SingleNodeMpirunUsesTheSessionDirectory) {
+  Set("OMPI_COMM_WORLD_RANK", "1");
+  Set("OMPI_COMM_WORLD_SIZE", "2");
+  Set("OMPI_COMM_WORLD_LOCAL_SIZE", "2");
+  Set("OMPI_MCA_orte_jobfam_session_dir", "/tmp/ompi.vm.0/pid.42");
+  Set("OMPI_MCA_ess_base_jobid", "1498742785");
+  ASSERT_OK_AND_ASSIGN(EnvConfig env, ParseEnv());
+  EXPECT_EQ(env.store_dir, "/tmp/ompi.vm.0/pid.42/fairscale_store_1498742785");
+  EXPECT_EQ(env.master_addr, "");
+
+  Set("MASTER_ADDR", "127.0.0.1");  // an explicit rendezvous wins
+  Set("MASTER_PORT", "29500");
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_EQ(env.store_dir, "");
+  EXPECT_EQ(env.master_port, 29500);
+
+  unsetenv("MASTER_ADDR");
+  unsetenv("MASTER_PORT");
+  Set("OMPI_COMM_WORLD_LOCAL_SIZE", "1");  // two nodes: no shared directory
+  EXPECT_THAT(ParseEnv().status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("MASTER_ADDR is not set"),
+                             HasSubstr("OMPI_COMM_WORLD_SIZE='2'"),
+                             HasSubstr("mpirun -x MASTER_ADDR=<rank 0's host> "
+                                       "-x MASTER_PORT=29500"))));
+  Set("MASTER_ADDR", "node0");
+  EXPECT_THAT(ParseEnv().status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("MASTER_PORT is not set"), HasSubstr("mpirun -x"))));
+}
+
+TEST_F(EnvTest, StoreProtocol) {
+  Set("RANK", "1");
+  Set("WORLD_SIZE", "2");
+  Set("MASTER_ADDR", "localhost");
+  Set("MASTER_PORT", "29500");
+  Set("TORCHELASTIC_USE_AGENT_STORE", "True");
+  Set("TORCHELASTIC_RESTART_COUNT", "3");
+  ASSERT_OK_AND_ASSIGN(EnvConfig env, ParseEnv());
+  EXPECT_EQ(env.store_protocol, "c10d");  // torchrun: no FS_STORE_TOKEN
+  EXPECT_EQ(env.restart_count, 3);
+  Set("FS_STORE_TOKEN", "tok");  // fs_launch
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_EQ(env.store_protocol, "fairscale");
+  Set("FS_STORE_PROTOCOL", "c10d");
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_EQ(env.store_protocol, "c10d");
+  unsetenv("FS_STORE_TOKEN");
+  Set("FS_STORE_PROTOCOL", "fairscale");
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_EQ(env.store_protocol, "fairscale");
+  Set("FS_STORE_PROTOCOL", "gloo");
+  EXPECT_THAT(ParseEnv().status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("FS_STORE_PROTOCOL='gloo'")));
+  unsetenv("FS_STORE_PROTOCOL");
+  Set("TORCHELASTIC_RESTART_COUNT", "-1");
+  EXPECT_THAT(ParseEnv().status(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                            HasSubstr("TORCHELASTIC_RESTART_COUNT='-1'")));
+}
+
+// torchrun's agent store without //comm/torch:c10d_store linked: the error says what to link.
+TEST_F(EnvTest, C10dStoreNotLinked) {
+  EXPECT_THAT(LinkedStoreClients(), IsEmpty());
+  Set("RANK", "1");
+  Set("WORLD_SIZE", "2");
+  Set("MASTER_ADDR", "127.0.0.1");
+  Set("MASTER_PORT", "29500");
+  Set("TORCHELASTIC_USE_AGENT_STORE", "True");
+  EXPECT_THAT(CreateCommunicatorFromEnv().status(),
+              StatusIs(absl::StatusCode::kNotFound,
+                       AllOf(HasSubstr("c10d TCPStore at 127.0.0.1:29500"),
+                             HasSubstr("no 'c10d' store client is linked"),
+                             HasSubstr("depend on //comm/torch:c10d_store"),
+                             HasSubstr("FS_STORE_PROTOCOL=fairscale"))));
+}
+
+TEST_F(EnvTest, StartedByLauncher) {
+  EXPECT_FALSE(StartedByLauncher());
+  for (const char* var : {"RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                          "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS"}) {
+    Set(var, "0");
+    EXPECT_TRUE(StartedByLauncher()) << var;
+    unsetenv(var);
+  }
+  Set("LOCAL_RANK", "0");  // not a rank source by itself
+  Set("MASTER_ADDR", "x");
+  EXPECT_FALSE(StartedByLauncher());
 }
 
 TEST_F(EnvTest, ExplicitRankAndWorldSizeWinOverLaunchers) {
