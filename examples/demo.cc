@@ -3,7 +3,8 @@
 //   ./bazelw run //examples:demo                  # 4 ranks, tcp backend
 //   ./bazelw run //examples:demo -- --ranks=3 --count=1000000
 //
-// Without RANK in the environment the binary is its own small launcher: it hosts the TCPStore
+// Unless a launcher started it (comm::StartedByLauncher(): torchrun / fs_launch, mpirun or srun
+// variables) the binary is its own small launcher: it hosts the TCPStore
 // (as torchrun's agent does, TORCHELASTIC_USE_AGENT_STORE=True), spawns one copy of itself per
 // rank with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, and exits non-zero if
 // any rank fails. Each rank creates its communicator with CreateCommunicatorFromEnv() and runs
@@ -148,7 +149,8 @@ int Launch(const char* self) {
         std::vector<std::string> env = {
             absl::StrCat("RANK=", r),         absl::StrCat("LOCAL_RANK=", r),
             absl::StrCat("WORLD_SIZE=", n),   "MASTER_ADDR=127.0.0.1",
-            absl::StrCat("MASTER_PORT=", port), "TORCHELASTIC_USE_AGENT_STORE=True"};
+            absl::StrCat("MASTER_PORT=", port), "TORCHELASTIC_USE_AGENT_STORE=True",
+            "FS_STORE_PROTOCOL=fairscale"};
         if (default_timeout) env.push_back("FS_COMM_TIMEOUT_S=60");
         return env;
       },
@@ -173,10 +175,11 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
-  if (std::getenv("RANK") == nullptr) return fairscale::examples::Launch(argv[0]);
+  if (!fairscale::comm::StartedByLauncher()) return fairscale::examples::Launch(argv[0]);
   absl::Status s = fairscale::examples::RunRank();
   if (!s.ok()) {
-    std::fprintf(stderr, "[rank %s] %s\n", std::getenv("RANK"), s.ToString().c_str());
+    const char* rank = std::getenv("RANK");  // unset under mpirun / srun
+    std::fprintf(stderr, "[rank %s] %s\n", rank ? rank : "?", s.ToString().c_str());
     return 1;
   }
   return 0;

@@ -6,12 +6,13 @@
 //   ./bazelw run //examples:train_gpt -- --resume           # continue from the last checkpoint
 //   ./bazelw run //examples:train_gpt -- --resume --nproc=4 # ... at another world size (fsdp)
 //
-// Without RANK in the environment the binary is its own launcher (LaunchLocal below, which runs
+// Unless a launcher started it (comm::StartedByLauncher(): RANK, OMPI_COMM_WORLD_*, PMI_* or
+// SLURM_* set) the binary is its own launcher (LaunchLocal below, which runs
 // //launch's Launch(), the fs_launch engine): it hosts the TCPStore with a job token, starts
 // --nproc copies of itself with the torchrun environment, stops every rank within
 // --failure_grace_s when one fails, and with --max_restarts restarts them all from the newest
-// complete checkpoint. With RANK set (a launcher such as torchrun-style fs_launch started it)
-// it runs as that rank through CreateCommunicatorFromEnv(). Outputs go to --out_dir (default
+// complete checkpoint. Under a launcher (fs_launch, torchrun, mpirun, srun) it runs as that
+// rank through CreateCommunicatorFromEnv(). Outputs go to --out_dir (default
 // out/train_gpt in the workspace under `bazel run`, else in the current directory).
 #include <signal.h>
 #include <sys/wait.h>
@@ -299,7 +300,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(static_cast<int>(argv_fixed.size()), argv_fixed.data());
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
-  if (std::getenv("RANK") == nullptr) {
+  if (!fairscale::comm::StartedByLauncher()) {
     return fairscale::examples::LaunchLocal(
         std::vector<std::string>(argv_fixed.begin() + 1, argv_fixed.end()));
   }

@@ -23,7 +23,7 @@ for token in wrong-token ""; do
   start=$(date +%s)
   status=0
   env -u FS_STORE_TOKEN RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
-      TORCHELASTIC_USE_AGENT_STORE=True ${token:+FS_STORE_TOKEN=$token} \
+      TORCHELASTIC_USE_AGENT_STORE=True FS_STORE_PROTOCOL=fairscale ${token:+FS_STORE_TOKEN=$token} \
       timeout -k 5 60 "$TRAIN_GPT" "${TINY[@]}" --steps=5 --out_dir="$WORK/intruder" \
       >"$WORK/intruder.log" 2>&1 || status=$?
   took=$(( $(date +%s) - start ))
