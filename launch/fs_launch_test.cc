@@ -464,9 +464,10 @@ TEST(WithoutFsLaunch, MpirunAndSlurmVariablesAreEnoughForAnAllReduce) {
        }},
       {2, 29522,
        [](int r) {
+         // srun sets SLURM_STEP_ID for the tasks of a step (the batch step has none).
          return std::vector<std::string>{absl::StrCat("SLURM_PROCID=", r), "SLURM_NTASKS=2",
-                                         absl::StrCat("SLURM_LOCALID=", r), "MASTER_ADDR=127.0.0.1",
-                                         "MASTER_PORT=29522"};
+                                         absl::StrCat("SLURM_LOCALID=", r), "SLURM_STEP_ID=0",
+                                         "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29522"};
        }},
   };
   for (const Case& c : cases) {
