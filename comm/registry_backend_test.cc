@@ -113,7 +113,8 @@ class FromEnvTest : public ::testing::Test {
   void SetUp() override {
     for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                           "FS_COMM_BACKEND", "FS_COMM_TIMEOUT_S",
-                          "TORCHELASTIC_USE_AGENT_STORE", "FS_STORE_TOKEN", "FS_STORE_PREFIX"}) {
+                          "TORCHELASTIC_USE_AGENT_STORE", "FS_STORE_TOKEN", "FS_STORE_PREFIX",
+                          "FS_STORE_PROTOCOL", "TORCHELASTIC_RESTART_COUNT"}) {
       unsetenv(v);
     }
   }
@@ -185,6 +186,8 @@ TEST_F(FromEnvTest, AgentStoreMakesEveryRankAClient) {
   Set("MASTER_ADDR", "127.0.0.1");
   Set("MASTER_PORT", absl::StrCat(agent->port()));
   Set("TORCHELASTIC_USE_AGENT_STORE", "True");
+  // Our protocol (fs_launch's agent store): without a token the agent store would be c10d's.
+  Set("FS_STORE_PROTOCOL", "fairscale");
   ASSERT_OK_AND_ASSIGN(auto c, CreateCommunicatorFromEnv());
   auto* store = dynamic_cast<TCPStore*>(AsFake(c).config.store.get());
   ASSERT_NE(store, nullptr);
@@ -207,6 +210,7 @@ TEST_F(FromEnvTest, TheStoreTokenAndPrefixReachTheTCPStore) {
   Set("MASTER_ADDR", "127.0.0.1");
   Set("MASTER_PORT", absl::StrCat(agent->port()));
   Set("TORCHELASTIC_USE_AGENT_STORE", "True");
+  Set("FS_STORE_PROTOCOL", "fairscale");  // a missing token must still reach our TCPStore
   Set("FS_COMM_TIMEOUT_S", "60");
   for (const char* wrong : {"", "feedfacefeedfacefeedfacefeedfacf"}) {
     if (*wrong == '\0') {

@@ -37,8 +37,8 @@ archive_tree() {  # archive_tree DIR
 # message matching PATTERN.
 expect_fetch_error() {
   local name=$1 pattern=$2 out
-  if out=$(LIBTORCH_HOME="$tmp/$name" bazel --output_base="$ARCHIVE_BASE" build "${FLAGS[@]}" \
-      --nobuild @libtorch//:torch 2>&1); then
+  if out=$(cd "$tmp/other" && LIBTORCH_HOME="$tmp/$name" bazel --output_base="$tmp/other_base" \
+      build "${FLAGS[@]}" --nobuild @libtorch//:torch 2>&1); then
     echo "$out"
     echo "FAIL: LIBTORCH_HOME=$name fetched"
     exit 1
@@ -63,8 +63,7 @@ load("@fairscale_cpp//bazel:repositories.bzl", "fairscale_cpp_dependencies")
 fairscale_cpp_dependencies()
 EOF
 (cd "$tmp/other" && bazel --output_base="$tmp/other_base" build "${FLAGS[@]}" --nobuild @fairscale_cpp//... &&
- bazel --output_base="$tmp/other_base" test "${FLAGS[@]}" --test_output=errors @fairscale_cpp//tools:deps_test &&
- bazel --output_base="$tmp/other_base" shutdown)
+ bazel --output_base="$tmp/other_base" test "${FLAGS[@]}" --test_output=errors @fairscale_cpp//tools:deps_test)
 
 step "3/4 libtorch_repository rejects what is not a usable LibTorch"
 mkdir -p "$tmp/empty"
@@ -85,16 +84,23 @@ rm "$tmp/old_abi/share/cmake/Torch"
 mkdir -p "$tmp/old_abi/share/cmake/Torch"
 echo 'set(TORCH_CXX_FLAGS "-D_GLIBCXX_USE_CXX11_ABI=0")' >"$tmp/old_abi/share/cmake/Torch/TorchConfig.cmake"
 expect_fetch_error old_abi "built with the pre-C\+\+11 ABI"
+(cd "$tmp/other" && bazel --output_base="$tmp/other_base" shutdown)
 
 step "4/4 test //... against LibTorch in the official archive's layout (LIBTORCH_HOME)"
 # At a fixed path: the rpath to its lib/ is on the link command lines, which then stay cached.
 tree=${ARCHIVE_BASE}-libtorch
 rm -rf "$tree"
 archive_tree "$tree"
-LIBTORCH_HOME="$tree" bazel --output_base="$ARCHIVE_BASE" test "${FLAGS[@]}" \
-    --test_output=errors //...
-layout=$(LIBTORCH_HOME="$tree" bazel --output_base="$ARCHIVE_BASE" info output_base)/external/libtorch/defs.bzl
+# In a copy of this workspace: Bazel 4 would take this directory's bazel-* links, which point
+# into the other output base, for packages.
+ws=${ARCHIVE_BASE}-workspace
+rm -rf "$ws" && mkdir -p "$ws"
+cp BUILD.bazel ./*.cc ./*.sh "$ws/"
+sed "s#path = \"../..\"#path = \"$(cd ../.. && pwd)\"#" WORKSPACE >"$ws/WORKSPACE"
+(cd "$ws" && LIBTORCH_HOME="$tree" bazel --output_base="$ARCHIVE_BASE" test "${FLAGS[@]}" \
+    --test_output=errors //...)
+layout=$(cd "$ws" && LIBTORCH_HOME="$tree" bazel --output_base="$ARCHIVE_BASE" info output_base)/external/libtorch/defs.bzl
 grep -q 'LIBTORCH_LAYOUT = "archive"' "$layout" || { cat "$layout"; echo "FAIL: not the archive layout"; exit 1; }
 step "  built and tested with $(grep -E '^LIBTORCH_(VERSION|LAYOUT)' "$layout" | tr '\n' ' ')"
-bazel --output_base="$ARCHIVE_BASE" shutdown
+(cd "$ws" && bazel --output_base="$ARCHIVE_BASE" shutdown)
 step "PASS"
