@@ -1,7 +1,7 @@
 // The demo job: N ranks as real processes on 127.0.0.1 under the torchrun environment contract.
 //
 //   ./bazelw run //examples:demo                  # 4 ranks, tcp backend
-//   ./bazelw run //examples:demo -- --ranks=3 --count=1000000
+//   ./bazelw run //examples:demo -- --nproc_per_node=3 --count=1000000
 //
 // Unless a launcher started it (comm::StartedByLauncher(): torchrun / fs_launch, mpirun or srun
 // variables) the binary is its own small launcher: it hosts the TCPStore
@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/flags.h"
 #include "base/logging.h"
 #include "base/subprocess.h"
 #include "base/status_macros.h"
@@ -30,7 +31,8 @@
 #include "comm/registry.h"
 #include "comm/store/tcp_store.h"
 
-ABSL_FLAG(int, ranks, 4, "number of ranks to launch");
+ABSL_FLAG(int, nproc_per_node, 0, "ranks to launch (0: --ranks, else 4)");
+ABSL_FLAG(int, ranks, 0, "short for --nproc_per_node");
 ABSL_FLAG(int64_t, count, 1 << 20, "f32 elements per rank");
 ABSL_FLAG(int, timeout_s, 300, "the launcher kills ranks still running after this long");
 
@@ -127,9 +129,18 @@ absl::Status RunRank() {
 }
 
 int Launch(const char* self) {
-  const int n = absl::GetFlag(FLAGS_ranks);
+  const int ranks = absl::GetFlag(FLAGS_ranks);
+  const int nproc_per_node = absl::GetFlag(FLAGS_nproc_per_node);
+  if (ranks > 0 && nproc_per_node > 0 && ranks != nproc_per_node) {
+    std::fprintf(stderr,
+                 "demo: --ranks=%d and --nproc_per_node=%d disagree (--ranks is short for "
+                 "--nproc_per_node); give one of them\n",
+                 ranks, nproc_per_node);
+    return 2;
+  }
+  const int n = nproc_per_node != 0 ? nproc_per_node : ranks != 0 ? ranks : 4;
   if (n < 1) {
-    std::fprintf(stderr, "demo: --ranks must be >= 1\n");
+    std::fprintf(stderr, "demo: --nproc_per_node must be >= 1, got %d\n", n);
     return 2;
   }
   comm::TCPStoreOptions opts;
@@ -141,6 +152,7 @@ int Launch(const char* self) {
     return 1;
   }
   std::printf("demo: launching %d ranks, store at 127.0.0.1:%d\n", n, (*store)->port());
+  std::fflush(stdout);  // before the ranks write to the same terminal (or pipe)
   const int port = (*store)->port();
   const bool default_timeout = std::getenv("FS_COMM_TIMEOUT_S") == nullptr;
   std::vector<absl::StatusOr<int>> results = base::RunSelfCopies(
@@ -158,9 +170,9 @@ int Launch(const char* self) {
   int failed = 0;
   for (int r = 0; r < n; ++r) {
     if (!results[r].ok() || *results[r] != 0) {
-      std::fprintf(stderr, "demo: rank %d failed: %s\n", r,
-                   results[r].ok() ? absl::StrCat("exit code ", *results[r]).c_str()
-                                   : results[r].status().ToString().c_str());
+      const std::string why = results[r].ok() ? absl::StrCat("exit code ", *results[r])
+                                              : results[r].status().ToString();
+      std::fprintf(stderr, "demo: rank %d failed: %s\n", r, why.c_str());
       ++failed;
     }
   }
@@ -168,11 +180,23 @@ int Launch(const char* self) {
   return failed ? 1 : 0;
 }
 
+constexpr char kUsage[] =
+    "runs every collective once on N ranks (processes on 127.0.0.1 over tcp) and checks\n"
+    "each result.\n"
+    "\n"
+    "  demo [--nproc_per_node=4] [--count=1048576]\n"
+    "  fs_launch --nproc_per_node=4 -- demo      (under a launcher: one rank each)\n"
+    "\n"
+    "Environment read: RANK (set: run as that rank; unset: launch the ranks), WORLD_SIZE,\n"
+    "LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE, FS_STORE_TOKEN,\n"
+    "FS_STORE_PREFIX (or Open MPI / PMI / Slurm rank variables, launch/README.md),\n"
+    "FS_COMM_BACKEND, FS_COMM_TIMEOUT_S (60 when self-launched).";
+
 }  // namespace
 }  // namespace fairscale::examples
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  fairscale::base::ParseCommandLine(argc, argv, fairscale::examples::kUsage);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
   if (!fairscale::comm::StartedByLauncher()) return fairscale::examples::Launch(argv[0]);

@@ -2,14 +2,14 @@
 // FSDP, 2 ranks as processes on this machine by default.
 //
 //   ./bazelw run //examples:train_gpt
-//   ./bazelw run //examples:train_gpt -- --nproc=1 --steps=600 --precision=fp32
+//   ./bazelw run //examples:train_gpt -- --nproc_per_node=1 --steps=600 --precision=fp32
 //   ./bazelw run //examples:train_gpt -- --resume           # continue from the last checkpoint
-//   ./bazelw run //examples:train_gpt -- --resume --nproc=4 # ... at another world size (fsdp)
+//   ./bazelw run //examples:train_gpt -- --resume --nproc_per_node=4  # another world size
 //
 // Unless a launcher started it (comm::StartedByLauncher(): RANK, OMPI_COMM_WORLD_*, PMI_* or
 // SLURM_* set) the binary is its own launcher (LaunchLocal below, which runs
 // //launch's Launch(), the fs_launch engine): it hosts the TCPStore with a job token, starts
-// --nproc copies of itself with the torchrun environment, stops every rank within
+// --nproc_per_node copies of itself with the torchrun environment, stops every rank within
 // --failure_grace_s when one fails, and with --max_restarts restarts them all from the newest
 // complete checkpoint. Under a launcher (fs_launch, torchrun, mpirun, srun) it runs as that
 // rank through CreateCommunicatorFromEnv(). Outputs go to --out_dir (default
@@ -18,10 +18,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,9 +37,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/flags.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "base/subprocess.h"
@@ -44,7 +52,10 @@
 #include "comm/store/tcp_store.h"
 #include "examples/gpt/trainer.h"
 
-ABSL_FLAG(int, nproc, 2, "ranks to launch when not started by a launcher (RANK unset)");
+ABSL_FLAG(int, nproc_per_node, 0,
+          "ranks to launch on this machine when not started by a launcher (RANK unset); "
+          "0: --nproc, else 2");
+ABSL_FLAG(int, nproc, 0, "short for --nproc_per_node");
 ABSL_FLAG(int64_t, steps, 400, "optimizer steps");
 ABSL_FLAG(int64_t, batch, 16, "sequences per rank per step");
 ABSL_FLAG(int64_t, seq, 64, "characters per sequence (context length)");
@@ -225,26 +236,93 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   return c;
 }
 
+// A rank's error: with FS_ERROR_DIR (set by LaunchLocal) into <dir>/<attempt>.<rank> for the
+// launcher to print once per distinct message (ranks often fail the same way); else to stderr.
+void ReportRankError(int rank, int size, const absl::Status& status) {
+  absl::string_view message = status.message();
+  absl::ConsumePrefix(&message, absl::StrCat("rank ", rank, "/", size, ": "));
+  const std::string text =
+      absl::StrCat(absl::StatusCodeToString(status.code()), ": ", message);
+  if (const char* dir = std::getenv("FS_ERROR_DIR"); dir != nullptr && rank >= 0) {
+    const char* attempt = std::getenv("FS_RESTART_COUNT");
+    const std::string path =
+        absl::StrCat(dir, "/", attempt != nullptr ? attempt : "0", ".", rank);
+    if (std::FILE* f = std::fopen(path.c_str(), "w")) {
+      const bool ok = std::fputs(text.c_str(), f) >= 0;
+      if (std::fclose(f) == 0 && ok) return;
+    }
+  }
+  std::fprintf(stderr, "%strain_gpt: %s\n", base::OutputRankPrefix(rank).c_str(), text.c_str());
+}
+
+// Prints the errors the ranks left in `dir` (ReportRankError): one line per attempt and distinct
+// message, naming the ranks, e.g. "train_gpt: all 4 ranks: DATA_LOSS: resume: ..." (an attempt
+// that was restarted: "train_gpt: before restart 1, rank 0 of 2: ...").
+void PrintRankErrors(const std::string& dir, int n, bool job_succeeded) {
+  std::map<int, std::map<std::string, std::vector<int>>> by_attempt;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    int attempt = 0, rank = 0;
+    const std::vector<std::string> parts = absl::StrSplit(e.path().filename().string(), '.');
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &attempt) ||
+        !absl::SimpleAtoi(parts[1], &rank)) {
+      continue;
+    }
+    std::ifstream in(e.path());
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    by_attempt[attempt][text].push_back(rank);
+  }
+  // Errors of an attempt that was restarted say so (a job that succeeded restarted them all).
+  const int last_attempt =
+      job_succeeded || by_attempt.empty() ? -1 : by_attempt.rbegin()->first;
+  for (auto& [attempt, messages] : by_attempt) {
+    // The first-failing ranks' message first is not known here; fewest ranks first puts a
+    // lone root cause before the echoes of it on the other ranks.
+    std::vector<std::pair<std::string, std::vector<int>>> sorted(messages.begin(), messages.end());
+    std::stable_sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
+      return a.second.size() < b.second.size();
+    });
+    for (auto& [text, ranks] : sorted) {
+      std::sort(ranks.begin(), ranks.end());
+      std::string who;
+      if (static_cast<int>(ranks.size()) == n && n > 1) {
+        who = absl::StrCat("all ", n, " ranks");
+      } else if (ranks.size() > 2 && ranks.back() - ranks.front() + 1 == static_cast<int>(ranks.size())) {
+        who = absl::StrCat("ranks ", ranks.front(), "-", ranks.back(), " of ", n);
+      } else {
+        who = absl::StrCat(ranks.size() == 1 ? "rank " : "ranks ", absl::StrJoin(ranks, ", "),
+                           " of ", n);
+      }
+      std::fprintf(stderr, "train_gpt: %s%s: %s\n",
+                   attempt != last_attempt
+                       ? absl::StrCat("before restart ", attempt + 1, ", ").c_str()
+                       : "",
+                   who.c_str(), text.c_str());
+    }
+  }
+}
+
 // One rank, started by a launcher (ours or another) with the torchrun environment.
 int RunRank() {
   absl::StatusOr<gpt::TrainConfig> config = ConfigFromFlags();
   if (!config.ok()) {
-    std::fprintf(stderr, "train_gpt: %s\n", std::string(config.status().message()).c_str());
+    const char* rank = std::getenv("RANK");
+    ReportRankError(rank != nullptr ? std::atoi(rank) : -1, 0, config.status());
     return 2;
   }
   absl::StatusOr<std::shared_ptr<comm::Communicator>> comm = comm::CreateCommunicatorFromEnv();
   if (!comm.ok()) {
     const char* rank = std::getenv("RANK");
-    std::fprintf(stderr, "%strain_gpt: cannot create the communicator: %s\n",
-                 base::OutputRankPrefix(rank != nullptr ? std::atoi(rank) : -1).c_str(),
-                 comm.status().ToString().c_str());
+    ReportRankError(rank != nullptr ? std::atoi(rank) : -1, 0,
+                    absl::Status(comm.status().code(),
+                                 absl::StrCat("cannot create the communicator: ",
+                                              comm.status().message())));
     return 1;
   }
   base::SetLogRank((*comm)->rank(), (*comm)->size());
   absl::StatusOr<gpt::TrainResult> result = gpt::TrainRank(*config, *comm);
   if (!result.ok()) {
-    std::fprintf(stderr, "%strain_gpt: %s\n", base::OutputRankPrefix((*comm)->rank()).c_str(),
-                 result.status().ToString().c_str());
+    ReportRankError((*comm)->rank(), (*comm)->size(), result.status());
     (*comm)->Abort(result.status());  // peers blocked on us fail now instead of timing out
     return 1;
   }
@@ -256,14 +334,26 @@ int RunRank() {
 // 0 prints, and its progress line may redraw itself). Restarts resume from the newest complete
 // checkpoint (ConfigFromFlags turns --resume=never into auto when FS_RESTART_COUNT > 0).
 int LaunchLocal(const std::vector<std::string>& args) {
-  const int n = absl::GetFlag(FLAGS_nproc);
-  if (n < 1) {
-    std::fprintf(stderr, "train_gpt: --nproc must be >= 1\n");
+  const int nproc = absl::GetFlag(FLAGS_nproc);
+  const int nproc_per_node = absl::GetFlag(FLAGS_nproc_per_node);
+  if (nproc > 0 && nproc_per_node > 0 && nproc != nproc_per_node) {
+    std::fprintf(stderr,
+                 "train_gpt: --nproc=%d and --nproc_per_node=%d disagree (--nproc is short for "
+                 "--nproc_per_node); give one of them\n",
+                 nproc, nproc_per_node);
     return 2;
   }
-  absl::StatusOr<gpt::TrainConfig> config = ConfigFromFlags();  // fail before spawning
-  if (!config.ok()) {
-    std::fprintf(stderr, "train_gpt: %s\n", std::string(config.status().message()).c_str());
+  const int n = nproc_per_node != 0 ? nproc_per_node : nproc != 0 ? nproc : 2;
+  if (n < 1) {
+    std::fprintf(stderr, "train_gpt: --nproc_per_node must be >= 1, got %d\n", n);
+    return 2;
+  }
+  // Every check that can be made here is made before a rank starts: one message, and nothing
+  // launched (flags, the world size, the output directories, the checkpoint to resume from).
+  absl::StatusOr<gpt::TrainConfig> config = ConfigFromFlags();
+  absl::Status ready = config.ok() ? gpt::CheckBeforeLaunch(*config, n) : config.status();
+  if (!ready.ok()) {
+    std::fprintf(stderr, "train_gpt: %s\n", std::string(ready.message()).c_str());
     return 2;
   }
   launch::LaunchOptions o;
@@ -279,13 +369,39 @@ int LaunchLocal(const std::vector<std::string>& args) {
     std::fprintf(stderr, "train_gpt: --max_restarts needs checkpoints (--checkpoint_dir)\n");
     return 2;
   }
+  // The ranks leave their errors here and this process prints each distinct one once.
+  std::error_code ec;
+  const std::filesystem::path error_dir =
+      std::filesystem::temp_directory_path(ec) /
+      absl::StrCat("train_gpt_errors.", ::getpid(), ".", absl::ToUnixNanos(absl::Now()));
+  if (std::filesystem::create_directories(error_dir, ec)) {
+    o.env.push_back(absl::StrCat("FS_ERROR_DIR=", error_dir.string()));
+  }
   absl::StatusOr<int> status = launch::Launch(o);
+  PrintRankErrors(error_dir.string(), n, status.ok() && *status == 0);
+  std::filesystem::remove_all(error_dir, ec);
   if (!status.ok()) {
     std::fprintf(stderr, "train_gpt: %s\n", status.status().ToString().c_str());
     return 1;
   }
   return *status;
 }
+
+constexpr char kUsage[] =
+    "the main job: a small GPT trained with FSDP on the King James Genesis and\n"
+    "Exodus, 2 ranks as processes on this machine by default (README.md).\n"
+    "\n"
+    "  train_gpt [--nproc_per_node=N] [--steps=400] [--resume] [--out_dir=DIR] ...\n"
+    "  fs_launch --nproc_per_node=4 -- train_gpt ...      (under a launcher: one rank each)\n"
+    "\n"
+    "Environment read: RANK (set: run as that rank under a launcher; unset: launch\n"
+    "--nproc_per_node ranks of this binary), WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,\n"
+    "TORCHELASTIC_USE_AGENT_STORE, FS_STORE_TOKEN, FS_STORE_PREFIX (the launcher's rendezvous;\n"
+    "or Open MPI / PMI / Slurm rank variables, launch/README.md), FS_COMM_BACKEND (tcp or ucx),\n"
+    "FS_COMM_TIMEOUT_S (collective and rendezvous timeout; 60 when self-launched),\n"
+    "FS_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT (> 0: a restart, which resumes),\n"
+    "BUILD_WORKSPACE_DIRECTORY (bazel run: the default --out_dir is in the workspace),\n"
+    "FS_ERROR_DIR (set by the self-launcher for its ranks).";
 
 }  // namespace
 }  // namespace fairscale::examples
@@ -297,7 +413,8 @@ int main(int argc, char** argv) {
   for (char*& a : argv_fixed) {
     if (std::strcmp(a, "--resume") == 0 || std::strcmp(a, "-resume") == 0) a = kResumeTrue;
   }
-  absl::ParseCommandLine(static_cast<int>(argv_fixed.size()), argv_fixed.data());
+  fairscale::base::ParseCommandLine(static_cast<int>(argv_fixed.size()), argv_fixed.data(),
+                                    fairscale::examples::kUsage);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
   if (!fairscale::comm::StartedByLauncher()) {

@@ -14,7 +14,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
+#include "base/flags.h"
 #include "fsdp/sharded_checkpoint.h"
 #include "fsdp/state_dict.h"
 
@@ -24,9 +24,15 @@ ABSL_FLAG(std::string, optimizer_output, "",
           "where to write the optimizer state (torch::load(optimizer, path)); empty: skip");
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "Consolidates a sharded FSDP checkpoint into a state dict file plain LibTorch loads.");
-  absl::ParseCommandLine(argc, argv);
+  fairscale::base::ParseCommandLine(
+      argc, argv,
+      "turns a sharded FSDP checkpoint into a state dict file (and an\n"
+      "optimizer file) that plain LibTorch loads into the unwrapped module, offline.\n"
+      "\n"
+      "  consolidate_checkpoint --checkpoint_dir=/ckpt/step_1000 --output=model.pt \\\n"
+      "      [--optimizer_output=optim.pt]\n"
+      "\n"
+      "Environment read: none.");
   const std::string dir = absl::GetFlag(FLAGS_checkpoint_dir);
   const std::string output = absl::GetFlag(FLAGS_output);
   const std::string optimizer_output = absl::GetFlag(FLAGS_optimizer_output);

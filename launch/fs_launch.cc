@@ -14,11 +14,11 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/time/time.h"
+#include "base/flags.h"
 #include "glog/logging.h"
 #include "launch/launcher.h"
 
@@ -43,6 +43,21 @@ ABSL_FLAG(bool, prefix_output, true, "prefix every output line of a rank with \"
 
 namespace {
 
+constexpr char kUsage[] =
+    "the torchrun-like launcher (launch/README.md).\n"
+    "\n"
+    "  fs_launch [flags] -- program [args...]\n"
+    "  fs_launch --nproc_per_node=4 --master_port=0 -- bazel-bin/examples/train_gpt\n"
+    "\n"
+    "Starts --nproc_per_node ranks of program, hosts the job's TCPStore on node 0 and supervises\n"
+    "the ranks (stop on failure, --max_restarts). torchrun's spellings work (--nproc-per-node 4).\n"
+    "\n"
+    "Environment read: FS_STORE_TOKEN (the job token; generated on one node, required with\n"
+    "--nnodes > 1). Set for every rank: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,\n"
+    "GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE, FS_STORE_TOKEN,\n"
+    "FS_STORE_PREFIX, FS_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS.\n"
+    "Exit status: the failed rank's code, 128 + signal, or 1 when the job could not be run.";
+
 // Whether --name takes a value (so "--name value" consumes the next argument): every known
 // flag except the booleans.
 bool TakesValue(const std::string& name) {
@@ -53,9 +68,6 @@ bool TakesValue(const std::string& name) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "fs_launch [flags] -- program [args...]: starts --nproc_per_node ranks of program with "
-      "RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and FS_STORE_TOKEN set");
   // Our flags end at "--" or at the first argument that is not a flag; torchrun's dashed
   // spellings become absl's underscores.
   std::vector<std::string> ours = {argv[0]};
@@ -81,7 +93,7 @@ int main(int argc, char** argv) {
   }
   std::vector<char*> ours_argv;
   for (std::string& s : ours) ours_argv.push_back(s.data());
-  absl::ParseCommandLine(static_cast<int>(ours_argv.size()), ours_argv.data());
+  fairscale::base::ParseCommandLine(static_cast<int>(ours_argv.size()), ours_argv.data(), kUsage);
   // The store's log lines (glog, via //base:logging) go to stderr without glog's "Logging before
   // InitGoogleLogging" warning.
   google::InitGoogleLogging(argv[0]);

@@ -5,9 +5,12 @@
 // Every wait is bounded (tens of seconds, far above what each step needs); nothing asserts on
 // how fast something happened: a launcher that did not stop its sleeping ranks would still be
 // waiting on them (they sleep 120 s) when the bound expires.
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -439,6 +442,22 @@ TEST(FsLaunch, ErrorsBeforeAnyRankRuns) {
   no_token.StartRaw({"--nnodes=2", "--master_port=29519", "--", g_fake_rank}, {"FS_STORE_TOKEN="});
   EXPECT_EQ(no_token.Wait(), 1);
   EXPECT_THAT(no_token.err(), HasSubstr("FS_STORE_TOKEN"));
+
+  // A port someone else listens on: the message says what to do.
+  const int busy = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(busy, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(busy, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(busy, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(busy, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  Launcher in_use;
+  in_use.StartRaw({absl::StrCat("--master_port=", ntohs(addr.sin_port)), "--", g_fake_rank});
+  EXPECT_EQ(in_use.Wait(), 1);
+  EXPECT_THAT(in_use.err(), HasSubstr("pass --master_port=0 to pick a free one"));
+  ::close(busy);
 }
 
 // The same binaries without fs_launch: the rank and size come from mpirun's or srun's variables

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "absl/random/random.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -659,9 +660,16 @@ absl::StatusOr<int> Launch(const LaunchOptions& o) {
   }
   absl::StatusOr<std::unique_ptr<comm::TCPStore>> store = comm::TCPStore::Create(so);
   if (!store.ok()) {
+    std::string hint;
+    if (o.node_rank == 0 && o.master_port != 0 &&
+        absl::StrContains(store.status().message(), std::strerror(EADDRINUSE))) {
+      hint = absl::StrCat("; another process holds port ", o.master_port,
+                          o.nnodes == 1 ? ": pass --master_port=0 to pick a free one"
+                                        : ": pick a free --master_port on every node");
+    }
     return absl::Status(store.status().code(),
                         absl::StrCat("fs_launch: node ", o.node_rank,
-                                     ": the job store: ", store.status().message()));
+                                     ": the job store: ", store.status().message(), hint));
   }
   const int master_port = (*store)->port();
 

@@ -7,6 +7,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "base/flags.h"
 #include "trace/internal/demo.h"
 
 ABSL_FLAG(int, ranks, 4, "number of ranks (threads over the inproc backend)");
@@ -14,8 +15,17 @@ ABSL_FLAG(int, steps, 3, "fake training steps");
 ABSL_FLAG(std::string, trace, "/tmp/trace_demo.json", "merged Chrome trace to write");
 ABSL_FLAG(int, compute_rounds, 40, "fake compute per phase (passes over a 64 KiB vector)");
 
+constexpr char kUsage[] =
+    "a few fake training steps on --ranks threads over the inproc backend, traced:\n"
+    "writes the merged Chrome trace (--trace; open it in ui.perfetto.dev) and prints the\n"
+    "compute / communication / idle table per rank.\n"
+    "\n"
+    "  trace_demo --ranks=4 --steps=3 --trace=/tmp/trace_demo.json\n"
+    "\n"
+    "Environment read: none.";
+
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  fairscale::base::ParseCommandLine(argc, argv, kUsage);
   fairscale::trace::internal::DemoOptions options;
   options.ranks = absl::GetFlag(FLAGS_ranks);
   options.steps = absl::GetFlag(FLAGS_steps);

@@ -27,6 +27,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "base/flags.h"
 #include "base/tracking_allocator.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/memory_tracker.h"
@@ -213,7 +214,15 @@ int Main() {
 }  // namespace
 }  // namespace fairscale::checkpoint::bench
 
+constexpr char kUsage[] =
+    "step time and activation memory of a GPT with no, every other and every\n"
+    "block checkpointed, in one process (checkpoint/README.md).\n"
+    "\n"
+    "  OMP_NUM_THREADS=1 checkpoint_bench --every_k=0,2,1\n"
+    "\n"
+    "Environment read: none (OMP_NUM_THREADS by LibTorch).";
+
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  fairscale::base::ParseCommandLine(argc, argv, kUsage);
   return fairscale::checkpoint::bench::Main();
 }

@@ -75,7 +75,9 @@ class TransportCommunicator final : public Communicator {
       error_ = reason;
       FailQueueLocked(reason);
     }
-    FS_LOG(WARNING) << "communicator aborted: " << reason;
+    // The caller chose to abort and reports its reason itself (every rank of a job that fails
+    // the same way would otherwise log it once more): a detail for verbose logs.
+    FS_VLOG(1) << "communicator aborted: " << reason;
     // The worker wakes up (its condition sees error_) and shuts the transport down.
     transport_->Cancel(reason);
   }

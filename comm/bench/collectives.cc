@@ -39,6 +39,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/flags.h"
 #include "base/subprocess.h"
 #include "comm/communicator.h"
 #include "comm/registry.h"
@@ -459,8 +460,17 @@ int Main(const char* self) {
 }  // namespace
 }  // namespace fairscale::comm
 
+constexpr char kUsage[] =
+    "our backends (tcp, ucx) vs Gloo per collective and message size, ranks as\n"
+    "processes on 127.0.0.1, with memcpy bandwidth as the ceiling (comm/bench/README.md).\n"
+    "\n"
+    "  collectives --ranks=2,4 --max_bytes=268435456\n"
+    "\n"
+    "Environment read: TEST_TMPDIR (where the ranks' directory goes, else /tmp);\n"
+    "FS_BENCH_RANK, FS_BENCH_SIZE, FS_BENCH_DIR are set by the benchmark for its ranks.";
+
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  fairscale::base::ParseCommandLine(argc, argv, kUsage);
   const char* rank = std::getenv("FS_BENCH_RANK");
   if (rank != nullptr) {
     return fairscale::comm::RunRank(std::atoi(rank), std::atoi(std::getenv("FS_BENCH_SIZE")),

@@ -76,7 +76,7 @@ absl::StatusOr<std::unique_ptr<TCPStore>> TCPStore::Create(TCPStoreOptions optio
     // A wildcard bind address is not a destination; its own client goes over loopback.
     if (connect_host.empty() || connect_host == "0.0.0.0") connect_host = "127.0.0.1";
     if (connect_host == "::") connect_host = "::1";
-    FS_LOG(INFO) << "TCPStore server listening on "
+    FS_VLOG(1) << "TCPStore server listening on "
                  << tcp_store_internal::HostPort(options.host, store->port());
   }
   FS_ASSIGN_OR_RETURN(store->client_,

@@ -11,6 +11,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& host,
   absl::Duration backoff = absl::Milliseconds(10);
   std::string last_error;
   int attempts = 0;
+  const absl::Time start = absl::Now();
+  absl::Time next_report = start + absl::Seconds(5);
   while (true) {
     ++attempts;
     absl::StatusOr<addrinfo*> addrs = Resolve(host, port, /*passive=*/false);
@@ -58,9 +60,19 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& host,
       }
       freeaddrinfo(*addrs);
     }
-    // The server may not be up yet (other ranks start in any order): retry until the deadline.
+    // The server may not be up yet (other ranks start in any order): retry until the deadline,
+    // saying so after 5 s and every 30 s (a rank started without the one hosting the store
+    // would otherwise wait out the whole timeout in silence).
     const absl::Time now = absl::Now();
     if (now >= deadline) break;
+    if (now >= next_report) {
+      FS_LOG(INFO) << "TCPStore: no server at " << address << " yet (" << last_error
+                   << "); it is hosted by the launcher or rank 0: is it running, at this "
+                   << "MASTER_ADDR / MASTER_PORT? (waited "
+                   << absl::FormatDuration(absl::Trunc(now - start, absl::Seconds(1)))
+                   << ", giving up after " << absl::FormatDuration(timeout) << ")";
+      next_report = now + absl::Seconds(30);
+    }
     absl::SleepFor(std::min(backoff, deadline - now));
     backoff = std::min(backoff * 2, absl::Seconds(1));
   }

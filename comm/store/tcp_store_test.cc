@@ -266,6 +266,23 @@ TEST(TCPStore, ConnectGivesUpAtTheDeadlineNamingHostAndPort) {
   EXPECT_LT(took, absl::Seconds(2));
 }
 
+// A client started without its server (a rank alone) says what it waits for after 5 s.
+TEST(TCPStore, AClientWaitingForItsServerSaysSo) {
+  int port = 0;
+  {
+    ASSERT_OK_AND_ASSIGN(auto server, StartServer());
+    port = server->port();
+  }
+  ::testing::internal::CaptureStderr();
+  absl::StatusOr<std::unique_ptr<TCPStore>> client = Connect(port, absl::Seconds(6));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(client.status(), StatusIs(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(log, HasSubstr(absl::StrCat("TCPStore: no server at 127.0.0.1:", port,
+                                          " yet (Connection refused); it is hosted by the "
+                                          "launcher or rank 0")));
+  EXPECT_THAT(log, HasSubstr("giving up after 6s"));
+}
+
 TEST(TCPStore, ConnectRetriesUntilTheServerComesUp) {
   // Reserve a port number, release it, and start the server there a little later.
   int port = 0;

@@ -20,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/flags.h"
 #include "comm/store/hash_store.h"
 #include "comm/tcp/tcp_transport.h"
 #include "gloo/rendezvous/context.h"
@@ -160,9 +161,17 @@ std::string Size(size_t bytes) {
 }  // namespace
 }  // namespace fairscale::comm
 
+constexpr char kUsage[] =
+    "one-way time and bandwidth of TcpTransport vs Gloo's TCP transport, two\n"
+    "threads over loopback, message sizes --min_bytes..--max_bytes.\n"
+    "\n"
+    "  pingpong_bench --max_bytes=16777216\n"
+    "\n"
+    "Environment read: none.";
+
 int main(int argc, char** argv) {
   using namespace fairscale::comm;  // NOLINT
-  absl::ParseCommandLine(argc, argv);
+  fairscale::base::ParseCommandLine(argc, argv, kUsage);
   const std::vector<size_t> sizes = Sizes();
   Best best{std::vector<double>(sizes.size(), 1e30), std::vector<double>(sizes.size(), 1e30)};
   auto store = std::make_shared<HashStore>();

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "base/flags.h"
 #include "base/status_macros.h"
 #include "comm/communicator.h"
 #include "comm/config.h"
@@ -88,4 +89,14 @@ int Main() {
 }  // namespace
 }  // namespace fairscale::examples
 
-int main() { return fairscale::examples::Main(); }
+int main(int argc, char** argv) {
+  fairscale::base::ParseCommandLine(
+      argc, argv,
+      "prints the comm backends linked into this binary, then runs one all-reduce\n"
+      "over 2 ranks (threads) with the one FS_COMM_BACKEND names (unset: the highest priority).\n"
+      "\n"
+      "  FS_COMM_BACKEND=inproc which_backend_all\n"
+      "\n"
+      "Environment read: FS_COMM_BACKEND.");
+  return fairscale::examples::Main();
+}

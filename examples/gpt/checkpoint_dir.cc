@@ -185,6 +185,29 @@ absl::StatusOr<CompleteCheckpoint> ParseComplete(const std::string& dir) {
 
 }  // namespace
 
+absl::Status WithOlderCheckpointHint(const absl::Status& error, const std::string& root) {
+  if (error.ok() || error.code() != absl::StatusCode::kDataLoss) return error;
+  std::string newest;
+  for (const auto& [step, dir] : StepDirs(root)) {
+    if (!HasComplete(dir)) continue;
+    if (newest.empty()) {
+      newest = dir;
+      continue;
+    }
+    absl::StatusOr<CompleteCheckpoint> c = ParseComplete(dir);
+    if (!c.ok() || c->step != step || !VerifyCheckpoint(*c).ok()) continue;
+    return absl::Status(
+        error.code(),
+        absl::StrCat(error.message(), "; the newest intact checkpoint before it is ", dir,
+                     " (step ", step, "): to resume from it, move the damaged one aside (mv ",
+                     newest, " ", newest, ".damaged) and run with --resume again"));
+  }
+  return absl::Status(error.code(),
+                      absl::StrCat(error.message(), "; no older intact checkpoint is under ", root,
+                                   ": start again without --resume (with another --out_dir to "
+                                   "keep these files)"));
+}
+
 absl::StatusOr<std::optional<CompleteCheckpoint>> FindLatestComplete(const std::string& root) {
   for (const auto& [step, dir] : StepDirs(root)) {
     if (!HasComplete(dir)) continue;

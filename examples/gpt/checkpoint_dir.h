@@ -94,6 +94,11 @@ absl::StatusOr<std::optional<CompleteCheckpoint>> FindLatestComplete(const std::
 // the first file that differs (kNotFound if missing).
 absl::Status VerifyCheckpoint(const CompleteCheckpoint& checkpoint);
 
+// `error` (about the newest complete checkpoint under `root`: damaged, unreadable) with what to do
+// appended: which older complete checkpoint is intact (it verifies) and how to resume from it
+// (move the damaged one aside), or that none is. Other errors come back unchanged.
+absl::Status WithOlderCheckpointHint(const absl::Status& error, const std::string& root);
+
 // Keeps the newest `keep` (>= 1) complete step directories; deletes older complete ones and
 // every incomplete one older than the newest complete one (an interrupted save).
 absl::Status PruneCheckpoints(const std::string& root, int keep);

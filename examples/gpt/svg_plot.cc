@@ -22,6 +22,45 @@ std::string TickLabel(double v, double step) {
 
 }  // namespace
 
+std::vector<std::string> WrapText(const std::string& text, size_t max_chars, size_t max_lines) {
+  max_chars = std::max<size_t>(max_chars, 4);
+  max_lines = std::max<size_t>(max_lines, 1);
+  std::vector<std::string> lines;
+  std::string line;
+  size_t i = 0;
+  while (i < text.size()) {
+    // The next word, with the spaces before it.
+    size_t j = text.find(' ', text.find_first_not_of(' ', i));
+    if (j == std::string::npos) j = text.size();
+    std::string word = text.substr(i, j - i);
+    if (line.empty()) word.erase(0, word.find_first_not_of(' '));
+    if (line.size() + word.size() <= max_chars) {
+      line += word;
+      i = j;
+      continue;
+    }
+    if (!line.empty()) {  // the word starts the next line
+      lines.push_back(line);
+      line.clear();
+      continue;
+    }
+    // A word longer than a line: cut it.
+    line = word.substr(0, max_chars);
+    i += (j - i) - (word.size() - max_chars);
+    lines.push_back(line);
+    line.clear();
+  }
+  if (!line.empty()) lines.push_back(line);
+  for (std::string& l : lines) l.erase(l.find_last_not_of(' ') + 1);
+  if (lines.size() > max_lines) {
+    lines.resize(max_lines);
+    std::string& last = lines.back();
+    if (last.size() + 3 > max_chars) last.resize(max_chars - 3);
+    last += "...";
+  }
+  return lines;
+}
+
 std::vector<double> NiceTicks(double lo, double hi, int target) {
   if (!(hi > lo)) return {lo};
   const double raw = (hi - lo) / std::max(1, target - 1);
@@ -41,7 +80,14 @@ std::vector<double> NiceTicks(double lo, double hi, int target) {
 
 std::string LinePlotSvg(const std::vector<PlotSeries>& series, const std::string& title,
                         const std::string& x_label, const std::string& y_label) {
-  const double w = 720, h = 440, left = 70, right = 20, top = 40, bottom = 60;
+  // The title wraps onto up to kTitleLines lines of at most w / kTitleCharWidth characters
+  // (a conservative width per character of a sans-serif font), the plot moving down for each.
+  const double w = 720, left = 70, right = 20, bottom = 60;
+  const std::vector<std::string> title_lines = WrapText(
+      title, static_cast<size_t>((w - 2 * kTitleMargin) / (kTitleFontSize * kTitleCharWidth)),
+      kTitleLines);
+  const double title_h = 20.0 * std::max<size_t>(1, title_lines.size());
+  const double top = 20 + title_h, h = 420 + title_h;
   double x0 = std::numeric_limits<double>::infinity(), x1 = -x0, y0 = x0, y1 = -x0;
   for (const PlotSeries& s : series) {
     for (const auto& [x, y] : s.points) {
@@ -73,8 +119,11 @@ std::string LinePlotSvg(const std::vector<PlotSeries>& series, const std::string
       "viewBox=\"0 0 %g %g\" font-family=\"sans-serif\" font-size=\"12\">\n"
       "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
       w, h, w, h);
-  absl::StrAppendFormat(&svg, "<text x=\"%g\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">%s</text>\n",
-                        w / 2, Escape(title));
+  for (size_t i = 0; i < title_lines.size(); ++i) {
+    absl::StrAppendFormat(
+        &svg, "<text x=\"%g\" y=\"%g\" text-anchor=\"middle\" font-size=\"%g\">%s</text>\n", w / 2,
+        24.0 + 20.0 * static_cast<double>(i), kTitleFontSize, Escape(title_lines[i]));
+  }
   for (double v : yt) {
     absl::StrAppendFormat(&svg,
                           "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n"

@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <chrono>
@@ -26,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/match.h"
 #include "base/logging.h"
 #include "absl/strings/numbers.h"
 #include "amp/sharded_grad_scaler.h"
@@ -58,6 +61,13 @@ std::string HumanDuration(double s) {
   if (t >= 3600) return absl::StrFormat("%dh%02dm", t / 3600, t / 60 % 60);
   if (t >= 60) return absl::StrFormat("%dm%02ds", t / 60, t % 60);
   return absl::StrFormat("%ds", t);
+}
+
+absl::Status NoCheckpointError(const std::string& root) {
+  return absl::NotFoundError(absl::StrCat(
+      "resume: no complete checkpoint (a step_* directory with ", kCompleteName, ") under ", root,
+      "; run without --resume to start from step 0, or with --resume=auto to resume only when "
+      "there is one"));
 }
 
 // Rank 0's metrics file. On resume the records after the checkpoint's step (written by the
@@ -162,6 +172,8 @@ class Trainer {
                       {"from_world_size", resumed_from_world_},
                       {"world_size", world_},
                       {"global_batch", world_ * config_.batch},
+                      {"steps", config_.steps},
+                      {"schedule_steps", config_.schedule_length()},
                       {"full_param_fnv1a64", absl::StrFormat("%016x", resumed_full_param_hash_)}});
     }
     if (rank_ == 0 && !config_.checkpoint_dir.empty()) {
@@ -185,6 +197,13 @@ class Trainer {
           absl::StrAppend(&options, " (saved at ", resumed_from_world_, " ranks)");
         }
         absl::StrAppendFormat(&options, ", full parameters %016x", resumed_full_param_hash_);
+        if (config_.steps > config_.schedule_length()) {
+          absl::StrAppendFormat(&options,
+                                ", extended from %d to %d steps (learning rate held at %g after "
+                                "step %d)",
+                                config_.schedule_length(), config_.steps,
+                                LearningRate(config_, config_.steps), config_.schedule_length());
+        }
       }
       std::printf("train_gpt: %d rank%s, %s, %s, %lld params, vocab %lld, %lld tokens/step%s\n",
                   world_, world_ == 1 ? "" : "s", ModeLabel().c_str(), config_.precision.c_str(),
@@ -450,40 +469,34 @@ class Trainer {
     if (config_.checkpoint_dir.empty()) {
       return absl::InvalidArgumentError("resume needs a checkpoint directory (--checkpoint_dir)");
     }
-    FS_ASSIGN_OR_RETURN(std::optional<CompleteCheckpoint> latest,
-                        FindLatestComplete(config_.checkpoint_dir));
+    const std::string& root = config_.checkpoint_dir;
+    absl::StatusOr<std::optional<CompleteCheckpoint>> found = FindLatestComplete(root);
+    if (!found.ok()) return WithOlderCheckpointHint(found.status(), root);
+    std::optional<CompleteCheckpoint> latest = *std::move(found);
     if (!latest) {
       if (config_.resume == ResumeMode::kAuto) return 0;
-      return absl::NotFoundError(absl::StrCat("resume: no complete checkpoint (a step_* directory "
-                                              "with ", kCompleteName, ") under ",
-                                              config_.checkpoint_dir));
+      return NoCheckpointError(root);
     }
     if (absl::Status st = model_->check_resume(latest->format, latest->world_size, world_);
         !st.ok()) {
       return absl::Status(st.code(), absl::StrCat("resume: checkpoint ", latest->dir, ": ",
                                                   st.message()));
     }
-    const nlohmann::json want = config_.ToJson();
-    // Checkpoints written before data_parallel existed are FSDP ones.
-    if (!latest->config.contains("data_parallel")) latest->config["data_parallel"] = "fsdp";
-    for (const auto& [key, value] : want.items()) {
-      if (!latest->config.contains(key) || latest->config[key] != value) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "resume: checkpoint ", latest->dir, " has ", key, " = ",
-            latest->config.contains(key) ? latest->config[key].dump() : "(missing)",
-            ", this run has ", value.dump()));
-      }
-    }
+    FS_ASSIGN_OR_RETURN(config_.schedule_steps,
+                        ResumeScheduleSteps(config_, latest->dir, latest->step, latest->config));
     // Every rank checks every file, so all ranks fail with the same message.
-    FS_RETURN_IF_ERROR(VerifyCheckpoint(*latest));
+    FS_RETURN_IF_ERROR(WithOlderCheckpointHint(VerifyCheckpoint(*latest), root));
     try {
       model_->load(latest->dir, latest->format);
     } catch (const c10::Error& e) {
-      return absl::DataLossError(absl::StrCat("resume: cannot load ", latest->dir, ": ",
-                                              e.what_without_backtrace()));
+      return WithOlderCheckpointHint(
+          absl::DataLossError(absl::StrCat("resume: cannot load ", latest->dir, ": ",
+                                           e.what_without_backtrace())),
+          root);
     } catch (const std::exception& e) {
-      return absl::DataLossError(
-          absl::StrCat("resume: cannot load ", latest->dir, ": ", e.what()));
+      return WithOlderCheckpointHint(
+          absl::DataLossError(absl::StrCat("resume: cannot load ", latest->dir, ": ", e.what())),
+          root);
     }
     // The full parameters (gathered) must be bitwise those the checkpoint was saved with, at
     // any world size; checkpoints written before the hash was recorded are not checked.
@@ -493,10 +506,12 @@ class Trainer {
     if (latest->trainer_state.contains("full_param_fnv1a64")) {
       const std::string saved = latest->trainer_state["full_param_fnv1a64"].get<std::string>();
       if (saved != absl::StrFormat("%016x", full[0])) {
-        return absl::DataLossError(absl::StrFormat(
-            "resume: checkpoint %s: the full parameters after loading hash to %016x (FNV-1a), "
-            "the run that saved them recorded %s",
-            latest->dir, full[0], saved));
+        return WithOlderCheckpointHint(
+            absl::DataLossError(absl::StrFormat(
+                "resume: checkpoint %s: the full parameters after loading hash to %016x "
+                "(FNV-1a), the run that saved them recorded %s",
+                latest->dir, full[0], saved)),
+            root);
       }
     }
     // A checkpoint written without --loss_scale has no scaler state: the scaler starts afresh.
@@ -656,14 +671,125 @@ nlohmann::json TrainConfig::ToJson() const {
   if (pipeline_stages > 1) j["pipeline_stages"] = pipeline_stages;
   if (pipeline_stages > 1 && pipeline_balance != "even") j["pipeline_balance"] = pipeline_balance;
   if (pipeline_virtual_stages > 1) j["pipeline_virtual_stages"] = pipeline_virtual_stages;
+  // Only in an extended run, so that other checkpoints keep their config.
+  if (schedule_length() != steps) j["schedule_steps"] = schedule_length();
   return j;
+}
+
+absl::StatusOr<int64_t> ResumeScheduleSteps(const TrainConfig& config,
+                                            const std::string& checkpoint_dir,
+                                            int64_t checkpoint_step,
+                                            const nlohmann::json& checkpoint_config) {
+  nlohmann::json saved = checkpoint_config;
+  // Checkpoints written before data_parallel existed are FSDP ones.
+  if (!saved.contains("data_parallel")) saved["data_parallel"] = "fsdp";
+  const nlohmann::json want = config.ToJson();
+  for (const auto& [key, value] : want.items()) {
+    if (key == "steps" || key == "schedule_steps") continue;  // a run may be extended
+    if (!saved.contains(key) || saved[key] != value) {
+      const std::string fix =
+          saved.contains(key)
+              ? absl::StrCat("--", key, "=",
+                             saved[key].is_string() ? saved[key].get<std::string>()
+                                                    : saved[key].dump())
+              : absl::StrCat("the --", key, " of the run that wrote it");
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: checkpoint ", checkpoint_dir, " has ", key, " = ",
+          saved.contains(key) ? saved[key].dump() : "(missing)", ", this run has ", value.dump(),
+          "; resume with ", fix, ", or start a new run in another --out_dir"));
+    }
+  }
+  if (config.steps < checkpoint_step) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "resume: checkpoint ", checkpoint_dir, " is at step ", checkpoint_step,
+        ", past --steps=", config.steps, "; pass --steps greater than ", checkpoint_step,
+        " to train longer from it"));
+  }
+  int64_t schedule = 0;
+  if (saved.contains("schedule_steps")) {
+    schedule = saved["schedule_steps"].get<int64_t>();
+  } else if (saved.contains("steps")) {
+    schedule = saved["steps"].get<int64_t>();
+  }
+  return schedule > 0 ? schedule : config.steps;
+}
+
+namespace {
+
+// Creates `dir` and checks that a file can be written in it.
+absl::Status CheckWritableDir(const std::string& dir, absl::string_view what) {
+  if (dir.empty()) return absl::OkStatus();
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, " (", what, "): ",
+                                                    ec.message(), "; choose a writable --out_dir"));
+  }
+  const std::string probe = absl::StrCat(dir, "/.train_gpt_write_test.", ::getpid());
+  std::FILE* f = std::fopen(probe.c_str(), "w");
+  if (f == nullptr) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot write in ", dir, " (", what, "): ",
+                                                    std::strerror(errno),
+                                                    "; choose a writable --out_dir"));
+  }
+  std::fclose(f);
+  std::remove(probe.c_str());
+  return absl::OkStatus();
+}
+
+std::string ParentDir(const std::string& path) {
+  return std::filesystem::path(path).parent_path().string();
+}
+
+}  // namespace
+
+absl::Status CheckBeforeLaunch(const TrainConfig& config, int world_size) {
+  FS_RETURN_IF_ERROR(config.Validate());
+  if (config.pipeline_stages > 1 && world_size % config.pipeline_stages != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline_stages ", config.pipeline_stages, " does not divide the rank count ",
+        world_size, " (each of ranks / pipeline_stages replicas runs the whole pipeline); use "
+        "--nproc_per_node=", config.pipeline_stages, " or a multiple of it"));
+  }
+  if (config.data_parallel == "fsdp" && config.pipeline_stages == 1 &&
+      absl::StartsWith(config.strategy, "hybrid_shard") && config.hybrid_shard_group_size > 0 &&
+      world_size % config.hybrid_shard_group_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hybrid_shard_group_size ", config.hybrid_shard_group_size,
+        " does not divide the rank count ", world_size,
+        "; use a divisor of it, or --nproc_per_node as a multiple of the group size"));
+  }
+  FS_RETURN_IF_ERROR(CheckWritableDir(ParentDir(config.metrics_path), "--metrics"));
+  FS_RETURN_IF_ERROR(CheckWritableDir(ParentDir(config.plot_path), "--plot"));
+  FS_RETURN_IF_ERROR(CheckWritableDir(config.checkpoint_dir, "--checkpoint_dir"));
+  if (!config.trace_path.empty()) {
+    FS_RETURN_IF_ERROR(CheckWritableDir(ParentDir(config.trace_path), "--trace"));
+  }
+  if (config.optimizer_offload == "disk") {
+    FS_RETURN_IF_ERROR(CheckWritableDir(config.offload_dir, "--offload_dir"));
+  }
+  if (config.resume == ResumeMode::kNever) return absl::OkStatus();
+  if (config.checkpoint_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "resume needs a checkpoint directory: drop --checkpoint_dir=none, or --resume");
+  }
+  absl::StatusOr<std::optional<CompleteCheckpoint>> latest =
+      FindLatestComplete(config.checkpoint_dir);
+  if (!latest.ok()) return WithOlderCheckpointHint(latest.status(), config.checkpoint_dir);
+  if (!latest->has_value()) {
+    return config.resume == ResumeMode::kRequired ? NoCheckpointError(config.checkpoint_dir)
+                                                  : absl::OkStatus();
+  }
+  const CompleteCheckpoint& c = **latest;
+  FS_RETURN_IF_ERROR(ResumeScheduleSteps(config, c.dir, c.step, c.config).status());
+  return WithOlderCheckpointHint(VerifyCheckpoint(c), config.checkpoint_dir);
 }
 
 double LearningRate(const TrainConfig& c, int64_t step) {
   if (c.warmup_steps > 0 && step <= c.warmup_steps) {
     return c.lr * static_cast<double>(step) / c.warmup_steps;
   }
-  const double span = std::max<int64_t>(1, c.steps - c.warmup_steps);
+  const double span = std::max<int64_t>(1, c.schedule_length() - c.warmup_steps);
   const double progress = std::min(1.0, (step - c.warmup_steps) / span);
   const double min_lr = c.lr * c.min_lr_ratio;
   return min_lr + 0.5 * (c.lr - min_lr) * (1 + std::cos(M_PI * progress));

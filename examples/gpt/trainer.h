@@ -38,7 +38,11 @@ enum class ResumeMode {
 
 struct TrainConfig {
   // Model and data.
-  int64_t steps = 400;  // total optimizer steps of the run (sets the schedule)
+  int64_t steps = 400;  // the step this run ends at (and, from step 0, the schedule's length)
+  // The learning-rate schedule's length: 0 = `steps`. A resume sets it to the checkpoint's
+  // (ResumeScheduleSteps): the schedule is the one of the run that started at step 0, so a run
+  // extended past it (--resume with a larger `steps`) holds the final learning rate.
+  int64_t schedule_steps = 0;
   int64_t batch = 16;   // sequences per rank per step
   int64_t seq = 64;     // tokens per sequence (= context length)
   int64_t width = 128;
@@ -151,6 +155,8 @@ struct TrainConfig {
 
   // Validates the values (kInvalidArgument naming the field).
   absl::Status Validate() const;
+  // The learning-rate schedule's length (schedule_steps, else steps).
+  int64_t schedule_length() const { return schedule_steps > 0 ? schedule_steps : steps; }
   // What a checkpoint records and a resume must match (model, data, schedule, FSDP). Settings
   // that do not change the numbers (checkpoint_activations, optimizer_offload, threads, outputs)
   // are left out.
@@ -177,7 +183,28 @@ struct TrainResult {
 absl::StatusOr<TrainResult> TrainRank(const TrainConfig& config,
                                       std::shared_ptr<comm::Communicator> comm);
 
-// Learning rate at `step` (1-based): linear warmup, then cosine to lr * min_lr_ratio.
+// The checks a launcher runs before starting `world_size` ranks of TrainRank(config), so that a
+// bad value stops the job before anything is launched, with one message: Validate(); the values
+// that depend on the world size (pipeline_stages, hybrid_shard_group_size); every output
+// directory can be created and written; with `resume`, a complete checkpoint exists (kNotFound
+// under ResumeMode::kRequired), matches the config (ResumeScheduleSteps) and is intact
+// (VerifyCheckpoint; kDataLoss pointing to an older intact one). Each message ends with what to
+// do. Creates the output directories.
+absl::Status CheckBeforeLaunch(const TrainConfig& config, int world_size);
+
+// Whether `config` may resume from the checkpoint (`checkpoint_dir`, at `checkpoint_step`, with
+// its recorded `checkpoint_config`) and with which schedule: every setting of ToJson() but the
+// steps must match (kFailedPrecondition naming the first that differs), and config.steps must
+// not be before the checkpoint's step (kInvalidArgument). Returns the learning-rate schedule's
+// length: the checkpoint's (its schedule_steps, else its steps), so that a run extended with a
+// larger `steps` keeps the schedule it was trained with and holds its final learning rate.
+absl::StatusOr<int64_t> ResumeScheduleSteps(const TrainConfig& config,
+                                            const std::string& checkpoint_dir,
+                                            int64_t checkpoint_step,
+                                            const nlohmann::json& checkpoint_config);
+
+// Learning rate at `step` (1-based): linear warmup, then cosine to lr * min_lr_ratio at
+// schedule_length(), held there after it.
 double LearningRate(const TrainConfig& config, int64_t step);
 
 // Peak resident set size of this process in bytes (VmHWM), 0 if unknown.

@@ -40,6 +40,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "base/flags.h"
 #include "base/subprocess.h"
 #include "comm/bench/harness.h"
 #include "comm/communicator.h"
@@ -435,8 +436,17 @@ int Main() {
 }  // namespace
 }  // namespace fairscale::fsdp::bench
 
+constexpr char kUsage[] =
+    "step time and peak memory of a GPT trained with each FSDP strategy against the\n"
+    "unwrapped model, ranks as processes over tcp (fsdp/bench/README.md).\n"
+    "\n"
+    "  OMP_NUM_THREADS=1 fsdp_bench --ranks=1,2,4\n"
+    "\n"
+    "Environment read: TEST_TMPDIR (where the ranks' directory goes, else /tmp);\n"
+    "FS_FSDP_BENCH_RANK, FS_FSDP_BENCH_SIZE, FS_FSDP_BENCH_DIR are set by the benchmark for its ranks.";
+
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  fairscale::base::ParseCommandLine(argc, argv, kUsage);
   if (auto me = fairscale::comm::bench::RankFromEnv("FS_FSDP_BENCH")) {
     return fairscale::fsdp::bench::RunRank(me->rank, me->size, me->dir);
   }

@@ -85,27 +85,40 @@ absl::StatusOr<HybridGroups> SplitByHost(const std::shared_ptr<comm::Communicato
 
 absl::StatusOr<HybridGroups> SharedHybridGroups(const std::shared_ptr<comm::Communicator>& world,
                                                 int group_size) {
+  // The cache holds the groups weakly. The pointers handed out share the ownership of both
+  // communicators (aliasing shared_ptrs into one owner), so the pair lives while any unit holds
+  // either and is destroyed, replicate then shard, each closing its connections in order
+  // (peers see an orderly shutdown, not a vanished rank), when the last unit goes: a leaked
+  // strong reference here outlived the job's units and its sockets were closed only by exit.
   struct Entry {
     std::weak_ptr<comm::Communicator> world;
-    HybridGroups groups;
+    std::weak_ptr<const HybridGroups> owner;
+  };
+  auto share = [](const std::shared_ptr<const HybridGroups>& owner) {
+    return HybridGroups{std::shared_ptr<comm::Communicator>(owner, owner->shard.get()),
+                        std::shared_ptr<comm::Communicator>(owner, owner->replicate.get())};
   };
   static std::mutex mu;
   static auto* cache = new std::map<std::pair<const comm::Communicator*, int>, Entry>();
   {
     std::lock_guard<std::mutex> lock(mu);
     for (auto it = cache->begin(); it != cache->end();) {
-      it = it->second.world.expired() ? cache->erase(it) : std::next(it);
+      it = it->second.world.expired() || it->second.owner.expired() ? cache->erase(it)
+                                                                     : std::next(it);
     }
     auto it = cache->find({world.get(), group_size});
-    if (it != cache->end() && it->second.world.lock() == world) return it->second.groups;
+    if (it != cache->end() && it->second.world.lock() == world) {
+      if (std::shared_ptr<const HybridGroups> owner = it->second.owner.lock()) return share(owner);
+    }
   }
   // Split outside the lock: it blocks until the other ranks (other threads in tests) arrive.
   absl::StatusOr<HybridGroups> made =
       group_size > 0 ? SplitBySize(world, group_size) : SplitByHost(world, ThisHost());
   if (!made.ok()) return made.status();
+  auto owner = std::make_shared<const HybridGroups>(*std::move(made));
   std::lock_guard<std::mutex> lock(mu);
-  (*cache)[{world.get(), group_size}] = Entry{world, *made};
-  return made;
+  (*cache)[{world.get(), group_size}] = Entry{world, owner};
+  return share(owner);
 }
 
 absl::Status CheckHybridGroups(const std::shared_ptr<comm::Communicator>& world,

@@ -33,7 +33,10 @@ absl::StatusOr<HybridGroups> SplitByHost(const std::shared_ptr<comm::Communicato
 std::string ThisHost();
 
 // SplitBySize (group_size > 0) or SplitByHost(ThisHost()) (group_size == 0), made once per live
-// `world` communicator and choice and then shared. Collective on first use.
+// `world` communicator and choice and shared while some caller holds either communicator;
+// when the last holder lets go, both are destroyed (an orderly close the peers see as such), and
+// a later call splits anew. Collective when it splits (ranks agree: they build and destroy
+// their units in the same order).
 absl::StatusOr<HybridGroups> SharedHybridGroups(const std::shared_ptr<comm::Communicator>& world,
                                                 int group_size);
 

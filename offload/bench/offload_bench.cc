@@ -27,6 +27,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
+#include "base/flags.h"
 #include "base/tracking_allocator.h"
 #include "examples/gpt/model.h"
 #include "offload/offload_model.h"
@@ -198,7 +199,15 @@ int Main() {
 
 }  // namespace fairscale::offload::bench
 
+constexpr char kUsage[] =
+    "step time, throughput and peak memory of a GPT trained in memory and offloaded\n"
+    "to the disk tier (--dir), in one process (offload/bench/README.md).\n"
+    "\n"
+    "  OMP_NUM_THREADS=1 offload_bench --dir=/tmp/offload_bench\n"
+    "\n"
+    "Environment read: none (OMP_NUM_THREADS by LibTorch).";
+
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  fairscale::base::ParseCommandLine(argc, argv, kUsage);
   return fairscale::offload::bench::Main();
 }

@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "base/flags.h"
 #include "base/subprocess.h"
 #include "comm/bench/harness.h"
 #include "comm/communicator.h"
@@ -266,8 +267,18 @@ int Main() {
 }  // namespace
 }  // namespace fairscale::oss::bench
 
+constexpr char kUsage[] =
+    "step time, peak memory and optimizer-state bytes of DDP-style Adam vs OSS (ZeRO-1)\n"
+    "and OSS + ShardedDataParallel (ZeRO-2) on the GPT model, ranks as processes over tcp\n"
+    "(oss/bench/README.md).\n"
+    "\n"
+    "  OMP_NUM_THREADS=1 oss_bench --ranks=1,2,4\n"
+    "\n"
+    "Environment read: TEST_TMPDIR (where the ranks' directory goes, else /tmp);\n"
+    "FS_OSS_BENCH_RANK, FS_OSS_BENCH_SIZE, FS_OSS_BENCH_DIR are set by the benchmark for its ranks.";
+
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  fairscale::base::ParseCommandLine(argc, argv, kUsage);
   if (auto me = fairscale::comm::bench::RankFromEnv("FS_OSS_BENCH")) {
     return fairscale::oss::bench::RunRank(me->rank, me->size, me->dir);
   }

@@ -30,6 +30,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "base/flags.h"
 #include "base/subprocess.h"
 #include "base/tracking_allocator.h"
 #include "comm/bench/harness.h"
@@ -331,8 +332,17 @@ int Main() {
 }  // namespace
 }  // namespace fairscale::pipe::bench
 
+constexpr char kUsage[] =
+    "pipeline throughput, bubble and per-stage activation memory against one process,\n"
+    "stages as processes over tcp (pipe/bench/README.md).\n"
+    "\n"
+    "  pipe_bench --stages=2,4 --chunks=1,4,8,16\n"
+    "\n"
+    "Environment read: TEST_TMPDIR (where the stages' directory goes, else /tmp);\n"
+    "FS_PIPE_BENCH_RANK, FS_PIPE_BENCH_SIZE, FS_PIPE_BENCH_DIR are set by the benchmark for its stages.";
+
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  fairscale::base::ParseCommandLine(argc, argv, kUsage);
   if (auto me = fairscale::comm::bench::RankFromEnv("FS_PIPE_BENCH")) {
     return fairscale::pipe::bench::RunStage(me->rank, me->size, me->dir);
   }

@@ -19,6 +19,11 @@ namespace {
 
 constexpr absl::Duration kFirstBackoff = absl::Milliseconds(10);
 constexpr absl::Duration kMaxBackoff = absl::Seconds(1);
+// A rank still waiting for the others says so after kFirstReport, then every kReportEvery: a
+// rank started alone (or with a wrong MASTER_ADDR / WORLD_SIZE) otherwise waits out the whole
+// timeout in silence.
+constexpr absl::Duration kFirstReport = absl::Seconds(5);
+constexpr absl::Duration kReportEvery = absl::Seconds(30);
 
 std::string AddressKey(int rank) { return absl::StrCat("addr/", rank); }
 
@@ -54,7 +59,9 @@ class MeshBuilder {
         rank_(rank),
         size_(size),
         options_(options),
-        deadline_(absl::Now() + options.timeout),
+        start_(absl::Now()),
+        deadline_(start_ + options.timeout),
+        next_report_(start_ + kFirstReport),
         peers_(size) {}
 
   absl::StatusOr<std::vector<MeshPeer>> Run();
@@ -79,12 +86,16 @@ class MeshBuilder {
   absl::Status OnReply(Conn& c);
   absl::Status AcceptAll();
   absl::Status DeadlineError() const;
+  // Logs who this rank is still waiting for, when next_report_ has passed.
+  void MaybeReportWaiting();
 
   Store& store_;
   const int rank_;
   const int size_;
   const MeshOptions options_;
+  const absl::Time start_;
   const absl::Time deadline_;
+  absl::Time next_report_;
   std::vector<MeshPeer> peers_;
   std::vector<std::unique_ptr<Conn>> conns_;
   Listener listener_;
@@ -104,8 +115,15 @@ absl::StatusOr<std::vector<MeshPeer>> MeshBuilder::Run() {
   }
   if (rank_ == size_ - 1) listener_.fd.Reset();  // nobody connects to the last rank
   for (int peer = 0; peer < rank_; ++peer) {
-    auto address = store_.Get(AddressKey(peer), std::max(deadline_ - absl::Now(),
-                                                         absl::ZeroDuration()));
+    // In slices up to the next progress report.
+    absl::StatusOr<std::string> address;
+    for (;;) {
+      const absl::Time now = absl::Now();
+      const absl::Time until = std::min(deadline_, next_report_);
+      address = store_.Get(AddressKey(peer), std::max(until - now, absl::ZeroDuration()));
+      if (!absl::IsDeadlineExceeded(address.status()) || absl::Now() >= deadline_) break;
+      MaybeReportWaiting();
+    }
     if (!address.ok()) {
       return Error(address.status().code(),
                    absl::StrCat("rank ", peer, " did not publish its address (store key '",
@@ -131,7 +149,8 @@ absl::StatusOr<std::vector<MeshPeer>> MeshBuilder::Run() {
   while (Connected() < size_ - 1) {
     absl::Time now = absl::Now();
     if (now >= deadline_) return DeadlineError();
-    absl::Time wake = deadline_;
+    MaybeReportWaiting();
+    absl::Time wake = std::min(deadline_, next_report_);
     for (auto& c : conns_) {
       if (c->state == State::kRetryWait) {
         if (c->retry_at <= now) {
@@ -187,6 +206,47 @@ absl::StatusOr<std::vector<MeshPeer>> MeshBuilder::Run() {
                     << " connection(s) that did not speak the fairscale tcp handshake";
   }
   return std::move(peers_);
+}
+
+void MeshBuilder::MaybeReportWaiting() {
+  const absl::Time now = absl::Now();
+  if (now < next_report_) return;
+  next_report_ = now + kReportEvery;
+  // Joined: published an address in the store (every rank does, first thing).
+  std::vector<int> missing;
+  for (int p = 0; p < size_; ++p) {
+    absl::StatusOr<bool> has = p == rank_ ? true : store_.Check(AddressKey(p));
+    if (!has.ok() || !*has) missing.push_back(p);
+  }
+  std::string waiting;
+  if (!missing.empty()) {
+    // The store's own answer for a missing key names the store ("TCPStore 127.0.0.1:29500:
+    // key ... not set ..."), whatever kind it is: its part before ": key".
+    absl::StatusOr<std::string> probe =
+        store_.Get(AddressKey(missing.front()), absl::Milliseconds(1));
+    std::string store = "?";
+    if (!probe.ok()) {
+      store = std::string(probe.status().message());
+      store = store.substr(0, store.find(": key "));
+    }
+    waiting = absl::StrCat(
+        "waiting for rank", missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", "),
+        " to join (", size_ - static_cast<int>(missing.size()), " of ", size_,
+        " joined) in the store ", store, "; started alone, or with another MASTER_ADDR / "
+        "MASTER_PORT / WORLD_SIZE than the others?");
+  } else {
+    std::vector<int> unconnected;
+    for (int p = 0; p < size_; ++p) {
+      if (p != rank_ && !peers_[p].fd.valid()) unconnected.push_back(p);
+    }
+    waiting = absl::StrCat("all ", size_, " ranks joined; waiting for the connection",
+                           unconnected.size() == 1 ? "" : "s", " with rank",
+                           unconnected.size() == 1 ? " " : "s ",
+                           absl::StrJoin(unconnected, ", "));
+  }
+  FS_LOG(INFO) << Prefix() << ": " << waiting << " (waited "
+               << absl::FormatDuration(absl::Trunc(now - start_, absl::Seconds(1)))
+               << ", giving up after " << absl::FormatDuration(options_.timeout) << ")";
 }
 
 void MeshBuilder::StartConnect(Conn& c) {

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -157,6 +158,28 @@ TEST(Mesh, MissingRankTimesOutNamingTheStoreKey) {
   auto rank0 = ConnectMesh(*store, 0, 2, Options(absl::Milliseconds(200)));
   EXPECT_THAT(rank0.status(), StatusIs(absl::StatusCode::kDeadlineExceeded,
                                        HasSubstr("rank 1 never completed a connection")));
+}
+
+// A rank started alone does not wait out its timeout in silence: after 5 s it says whom it
+// waits for, how many joined and which store it waits in. (Both paths: rank 1 waits for rank 0's
+// address in the store, rank 0 for rank 1's connection.)
+TEST(Mesh, LoneRankSaysWhomItWaitsFor) {
+  auto store = std::make_shared<HashStore>();
+  ::testing::internal::CaptureStderr();
+  auto rank1 = ConnectMesh(*store, 1, 2, Options(absl::Seconds(6)));
+  const std::string log1 = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(rank1.status(), StatusIs(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(log1, AllOf(HasSubstr("tcp rendezvous rank 1/2: waiting for rank 0 to join (1 of 2 "
+                                    "joined) in the store HashStore; started alone"),
+                          HasSubstr("giving up after 6s")));
+
+  auto store0 = std::make_shared<HashStore>();
+  ::testing::internal::CaptureStderr();
+  auto rank0 = ConnectMesh(*store0, 0, 2, Options(absl::Seconds(6)));
+  const std::string log0 = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(rank0.status(), StatusIs(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(log0, HasSubstr("tcp rendezvous rank 0/2: waiting for rank 1 to join (1 of 2 "
+                              "joined) in the store HashStore"));
 }
 
 TEST(Mesh, Ipv6Loopback) {
