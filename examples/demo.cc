@@ -187,9 +187,10 @@ constexpr char kUsage[] =
     "  demo [--nproc_per_node=4] [--count=1048576]\n"
     "  fs_launch --nproc_per_node=4 -- demo      (under a launcher: one rank each)\n"
     "\n"
-    "Environment read: RANK (set: run as that rank; unset: launch the ranks), WORLD_SIZE,\n"
-    "LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE, FS_STORE_TOKEN,\n"
-    "FS_STORE_PREFIX (or Open MPI / PMI / Slurm rank variables, launch/README.md),\n"
+    "Environment read: RANK, or Open MPI / PMI / Slurm rank variables (set: run as that rank;\n"
+    "unset: launch the ranks), WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,\n"
+    "TORCHELASTIC_USE_AGENT_STORE, FS_STORE_PROTOCOL, FS_STORE_TOKEN, FS_STORE_PREFIX\n"
+    "(launch/README.md),\n"
     "FS_COMM_BACKEND, FS_COMM_TIMEOUT_S (60 when self-launched).";
 
 }  // namespace
