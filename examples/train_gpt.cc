@@ -238,11 +238,7 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
 
 // A rank's error: with FS_ERROR_DIR (set by LaunchLocal) into <dir>/<attempt>.<rank> for the
 // launcher to print once per distinct message (ranks often fail the same way); else to stderr.
-void ReportRankError(int rank, int size, const absl::Status& status) {
-  absl::string_view message = status.message();
-  absl::ConsumePrefix(&message, absl::StrCat("rank ", rank, "/", size, ": "));
-  const std::string text =
-      absl::StrCat(absl::StatusCodeToString(status.code()), ": ", message);
+void ReportRankError(int rank, const std::string& text) {
   if (const char* dir = std::getenv("FS_ERROR_DIR"); dir != nullptr && rank >= 0) {
     const char* attempt = std::getenv("FS_RESTART_COUNT");
     const std::string path =
@@ -287,7 +283,8 @@ void PrintRankErrors(const std::string& dir, int n, bool job_succeeded) {
       std::string who;
       if (static_cast<int>(ranks.size()) == n && n > 1) {
         who = absl::StrCat("all ", n, " ranks");
-      } else if (ranks.size() > 2 && ranks.back() - ranks.front() + 1 == static_cast<int>(ranks.size())) {
+      } else if (ranks.size() > 2 &&
+                 ranks.back() - ranks.front() + 1 == static_cast<int>(ranks.size())) {
         who = absl::StrCat("ranks ", ranks.front(), "-", ranks.back(), " of ", n);
       } else {
         who = absl::StrCat(ranks.size() == 1 ? "rank " : "ranks ", absl::StrJoin(ranks, ", "),
@@ -307,32 +304,35 @@ int RunRank() {
   absl::StatusOr<gpt::TrainConfig> config = ConfigFromFlags();
   if (!config.ok()) {
     const char* rank = std::getenv("RANK");
-    ReportRankError(rank != nullptr ? std::atoi(rank) : -1, 0, config.status());
+    ReportRankError(rank != nullptr ? std::atoi(rank) : -1, std::string(config.status().message()));
     return 2;
   }
   absl::StatusOr<std::shared_ptr<comm::Communicator>> comm = comm::CreateCommunicatorFromEnv();
   if (!comm.ok()) {
     const char* rank = std::getenv("RANK");
-    ReportRankError(rank != nullptr ? std::atoi(rank) : -1, 0,
-                    absl::Status(comm.status().code(),
-                                 absl::StrCat("cannot create the communicator: ",
-                                              comm.status().message())));
+    ReportRankError(rank != nullptr ? std::atoi(rank) : -1,
+                    absl::StrCat("cannot create the communicator: ", comm.status().ToString()));
     return 1;
   }
   base::SetLogRank((*comm)->rank(), (*comm)->size());
   absl::StatusOr<gpt::TrainResult> result = gpt::TrainRank(*config, *comm);
   if (!result.ok()) {
-    ReportRankError((*comm)->rank(), (*comm)->size(), result.status());
+    // TrainRank's message opens with "rank r/N: ", which would make every rank's differ.
+    absl::string_view message = result.status().message();
+    absl::ConsumePrefix(&message,
+                        absl::StrCat("rank ", (*comm)->rank(), "/", (*comm)->size(), ": "));
+    ReportRankError((*comm)->rank(), absl::StrCat(absl::StatusCodeToString(result.status().code()),
+                                                  ": ", message));
     (*comm)->Abort(result.status());  // peers blocked on us fail now instead of timing out
     return 1;
   }
   return 0;
 }
 
-// The self-launcher: //launch's Launch() (what fs_launch runs) with --nproc ranks of this binary
-// on this machine, a free port and the ranks' output going straight to this terminal (only rank
-// 0 prints, and its progress line may redraw itself). Restarts resume from the newest complete
-// checkpoint (ConfigFromFlags turns --resume=never into auto when FS_RESTART_COUNT > 0).
+// The self-launcher: //launch's Launch() (what fs_launch runs) with --nproc_per_node ranks of
+// this binary on this machine, a free port and the ranks' output going straight to this terminal
+// (only rank 0 prints, and its progress line may redraw itself). Restarts resume from the newest
+// complete checkpoint (ConfigFromFlags turns --resume=never into auto when FS_RESTART_COUNT > 0).
 int LaunchLocal(const std::vector<std::string>& args) {
   const int nproc = absl::GetFlag(FLAGS_nproc);
   const int nproc_per_node = absl::GetFlag(FLAGS_nproc_per_node);

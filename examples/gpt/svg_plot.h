@@ -25,7 +25,8 @@ inline constexpr size_t kTitleLines = 3;
 
 // Axes with "nice" ticks covering every point, a polyline per series, a legend, the title
 // (wrapped at spaces onto up to kTitleLines lines that fit the canvas; longer titles end in
-// "...") and the axis labels. Series with one point are drawn as a dot. Empty input gives an empty chart.
+// "...") and the axis labels. Series with one point are drawn as a dot. Empty input gives an
+// empty chart.
 std::string LinePlotSvg(const std::vector<PlotSeries>& series, const std::string& title,
                         const std::string& x_label, const std::string& y_label);
 

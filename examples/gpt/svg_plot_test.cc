@@ -98,8 +98,8 @@ TEST(LinePlotSvgTest, TheLongestTitleOfTheJobFitsTheCanvas) {
   ExpectTitleFits("GPT 64x1024 on KJV Genesis+Exodus, 1056 ranks, pipe 66 stages (layers " +
                   balance + ") x 16 replicas (FSDP SHARD_GRAD_OP), 1f1b, 128 micro-batches, bf16");
   // The unpipelined title stays on one line, as before.
-  const std::string svg = LinePlotSvg({}, "GPT 4x128 on KJV Genesis+Exodus, 2 ranks, full_shard, bf16",
-                                      "step", "loss");
+  const std::string svg = LinePlotSvg(
+      {}, "GPT 4x128 on KJV Genesis+Exodus, 2 ranks, full_shard, bf16", "step", "loss");
   EXPECT_EQ(TitleLines(svg).size(), 1u);
   EXPECT_THAT(svg, HasSubstr("height=\"440\""));
 }

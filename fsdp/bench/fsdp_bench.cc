@@ -443,7 +443,8 @@ constexpr char kUsage[] =
     "  OMP_NUM_THREADS=1 fsdp_bench --ranks=1,2,4\n"
     "\n"
     "Environment read: TEST_TMPDIR (where the ranks' directory goes, else /tmp);\n"
-    "FS_FSDP_BENCH_RANK, FS_FSDP_BENCH_SIZE, FS_FSDP_BENCH_DIR are set by the benchmark for its ranks.";
+    "FS_FSDP_BENCH_RANK, FS_FSDP_BENCH_SIZE, FS_FSDP_BENCH_DIR are set by the\n"
+    "benchmark for its ranks.";
 
 int main(int argc, char** argv) {
   fairscale::base::ParseCommandLine(argc, argv, kUsage);

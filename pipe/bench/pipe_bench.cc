@@ -339,7 +339,8 @@ constexpr char kUsage[] =
     "  pipe_bench --stages=2,4 --chunks=1,4,8,16\n"
     "\n"
     "Environment read: TEST_TMPDIR (where the stages' directory goes, else /tmp);\n"
-    "FS_PIPE_BENCH_RANK, FS_PIPE_BENCH_SIZE, FS_PIPE_BENCH_DIR are set by the benchmark for its stages.";
+    "FS_PIPE_BENCH_RANK, FS_PIPE_BENCH_SIZE, FS_PIPE_BENCH_DIR are set by the\n"
+    "benchmark for its stages.";
 
 int main(int argc, char** argv) {
   fairscale::base::ParseCommandLine(argc, argv, kUsage);
