@@ -4,8 +4,24 @@
 #include "checkpoint/checkpoint.h"
 
 #include <ATen/autocast_mode.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/dropout.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/rand.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/relu.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/utils.h>
 
 #include <string>
 #include <vector>

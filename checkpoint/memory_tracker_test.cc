@@ -3,8 +3,16 @@
 // and the checkpoint suggestion for a budget.
 #include "checkpoint/memory_tracker.h"
 
+#include <ATen/core/Tensor.h>
+#include <ATen/core/Generator.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/randn.h>
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/utils.h>
 
 #include <string>
 #include <vector>
