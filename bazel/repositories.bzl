@@ -84,6 +84,16 @@ _ABSL_PACKAGES = [
     "types",
 ]
 
+# Debian libraries with one BUILD file each: (repository, marker path, package, BUILD file).
+_SYSTEM_LIBRARIES = [
+    ("com_google_googletest", "/usr/include/gmock", "libgmock-dev", "gtest.BUILD"),
+    ("com_github_google_benchmark", "/usr/include/benchmark", "libbenchmark-dev", "benchmark.BUILD"),
+    ("com_github_google_glog", "/usr/include/glog", "libgoogle-glog-dev", "glog.BUILD"),
+    ("nlohmann_json", "/usr/include/nlohmann", "nlohmann-json3-dev", "nlohmann_json.BUILD"),
+    ("fairscale_cpp_gloo", "/usr/include/gloo", "libgloo-dev", "gloo.BUILD"),
+    ("fairscale_cpp_ucx", "/usr/include/ucp", "libucx-dev", "ucx.BUILD"),
+]
+
 def _maybe(rule, name, **kwargs):
     if not native.existing_rule(name):
         rule(name = name, **kwargs)
@@ -109,48 +119,14 @@ def fairscale_cpp_dependencies(libtorch = None):
             for p in _ABSL_PACKAGES
         },
     )
-    _maybe(
-        system_repository,
-        "com_google_googletest",
-        marker = "/usr/include/gmock",
-        package = "libgmock-dev",
-        build_files = {_sys("gtest.BUILD"): "BUILD.bazel"},
-    )
-    _maybe(
-        system_repository,
-        "com_github_google_benchmark",
-        marker = "/usr/include/benchmark",
-        package = "libbenchmark-dev",
-        build_files = {_sys("benchmark.BUILD"): "BUILD.bazel"},
-    )
-    _maybe(
-        system_repository,
-        "com_github_google_glog",
-        marker = "/usr/include/glog",
-        package = "libgoogle-glog-dev",
-        build_files = {_sys("glog.BUILD"): "BUILD.bazel"},
-    )
-    _maybe(
-        system_repository,
-        "nlohmann_json",
-        marker = "/usr/include/nlohmann",
-        package = "nlohmann-json3-dev",
-        build_files = {_sys("nlohmann_json.BUILD"): "BUILD.bazel"},
-    )
-    _maybe(
-        system_repository,
-        "fairscale_cpp_gloo",
-        marker = "/usr/include/gloo",
-        package = "libgloo-dev",
-        build_files = {_sys("gloo.BUILD"): "BUILD.bazel"},
-    )
-    _maybe(
-        system_repository,
-        "fairscale_cpp_ucx",
-        marker = "/usr/include/ucp",
-        package = "libucx-dev",
-        build_files = {_sys("ucx.BUILD"): "BUILD.bazel"},
-    )
+    for name, marker, package, build_file in _SYSTEM_LIBRARIES:
+        _maybe(
+            system_repository,
+            name,
+            marker = marker,
+            package = package,
+            build_files = {_sys(build_file): "BUILD.bazel"},
+        )
     # CUDA + NCCL are not a Debian package; without /usr/local/cuda every target is
     # incompatible, so `bazel build //...` skips their dependents instead of failing.
     _maybe(

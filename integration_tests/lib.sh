@@ -39,6 +39,21 @@ losses() {
   jq -r 'select(.type == "train") | "\(.step) \(.loss)"' "$WORK/$1/metrics.jsonl"
 }
 
+# expect_same_losses GOT WANT STEPS: run GOT recorded exactly WANT's losses, step by step (the job
+# is deterministic per seed, step and rank), and STEPS of them.
+expect_same_losses() {
+  local got=$1 want=$2 steps=$3
+  [[ -s "$WORK/$got/metrics.jsonl" ]] || { cat "$WORK/$got.log"; fail "$got wrote no metrics"; }
+  [[ "$(losses "$got")" == "$(losses "$want")" ]] ||
+    { diff <(losses "$want") <(losses "$got") || true; fail "$got: losses differ from $want's"; }
+  [[ $(losses "$got" | wc -l) -eq $steps ]] || fail "$got: expected $steps steps"
+}
+
+# free_port: a 127.0.0.1 port that was free a moment ago (the OS picked it).
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
 # expect_resumed NAME STEP FROM TO: the run says it resumed at STEP from FROM ranks (log), its
 # resume record says STEP FROM TO, and the full-parameter hash it gathered after loading is the
 # one the checkpoint of STEP recorded at its save. Sets SAVED_HASH.

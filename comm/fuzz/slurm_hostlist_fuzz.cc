@@ -18,19 +18,12 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "base/fuzz_check.h"
 #include "comm/slurm_hostlist.h"
 
 namespace {
 
 constexpr size_t kFuzzMaxHosts = 4096;
-
-#define HOSTLIST_FUZZ_CHECK(cond)                                                  \
-  do {                                                                             \
-    if (!(cond)) {                                                                 \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                \
-    }                                                                              \
-  } while (0)
 
 bool IsOkOrInvalid(const absl::Status& s) {
   return s.ok() || s.code() == absl::StatusCode::kInvalidArgument;
@@ -42,27 +35,27 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::string_view list(reinterpret_cast<const char*>(data), size);
   auto hosts = fairscale::comm::ExpandSlurmHostList(list, kFuzzMaxHosts);
   auto first = fairscale::comm::FirstSlurmHost(list);
-  HOSTLIST_FUZZ_CHECK(IsOkOrInvalid(hosts.status()));
-  HOSTLIST_FUZZ_CHECK(IsOkOrInvalid(first.status()));
+  FS_FUZZ_CHECK(IsOkOrInvalid(hosts.status()));
+  FS_FUZZ_CHECK(IsOkOrInvalid(first.status()));
   if (!hosts.ok()) {
     // Only a valid list longer than the limit may still have a first host.
-    HOSTLIST_FUZZ_CHECK(!first.ok() || absl::string_view(hosts.status().message()).find(
+    FS_FUZZ_CHECK(!first.ok() || absl::string_view(hosts.status().message()).find(
                                            " names more than ") != absl::string_view::npos);
     return 0;
   }
-  HOSTLIST_FUZZ_CHECK(first.ok());
-  HOSTLIST_FUZZ_CHECK(!hosts->empty());
-  HOSTLIST_FUZZ_CHECK(hosts->size() <= kFuzzMaxHosts);
-  HOSTLIST_FUZZ_CHECK(*first == hosts->front());
+  FS_FUZZ_CHECK(first.ok());
+  FS_FUZZ_CHECK(!hosts->empty());
+  FS_FUZZ_CHECK(hosts->size() <= kFuzzMaxHosts);
+  FS_FUZZ_CHECK(*first == hosts->front());
   for (const std::string& h : *hosts) {
-    HOSTLIST_FUZZ_CHECK(!h.empty());
-    HOSTLIST_FUZZ_CHECK(h.find_first_of("[],") == std::string::npos);
+    FS_FUZZ_CHECK(!h.empty());
+    FS_FUZZ_CHECK(h.find_first_of("[],") == std::string::npos);
   }
   const std::string joined = absl::StrJoin(*hosts, ",");
   if (joined.size() <= fairscale::comm::kMaxHostListBytes) {
     auto again = fairscale::comm::ExpandSlurmHostList(joined, kFuzzMaxHosts);
-    HOSTLIST_FUZZ_CHECK(again.ok());
-    HOSTLIST_FUZZ_CHECK(*again == *hosts);
+    FS_FUZZ_CHECK(again.ok());
+    FS_FUZZ_CHECK(*again == *hosts);
   }
   return 0;
 }

@@ -35,6 +35,25 @@ bool LooksLikeTimeout(absl::string_view what) {
          absl::StrContains(what, "Resource temporarily unavailable");
 }
 
+// What an exception of c10d's client (c10d::TimeoutError, c10::Error, std::exception) says,
+// and whether it reports a timeout. Call only inside a catch block.
+struct Failure {
+  bool timed_out = false;
+  std::string what;
+};
+Failure CurrentFailure() {
+  try {
+    throw;
+  } catch (const c10d::TimeoutError& e) {
+    return {true, e.what()};
+  } catch (const c10::Error& e) {
+    std::string what = e.what_without_backtrace();
+    return {LooksLikeTimeout(what), what};
+  } catch (const std::exception& e) {
+    return {LooksLikeTimeout(e.what()), e.what()};
+  }
+}
+
 class C10dStoreClient : public Store {
  public:
   explicit C10dStoreClient(StoreClientOptions options) : options_(std::move(options)) {}
@@ -127,8 +146,7 @@ class C10dStoreClient : public Store {
   absl::Status Call(absl::string_view op, absl::string_view key, absl::Duration timeout, F f) {
     absl::MutexLock lock(&mu_);
     if (absl::Status s = EnsureConnected(op); !s.ok()) return s;
-    bool timed_out = false;
-    std::string what;
+    Failure failure;
     try {
       if (socket_timeout_ != timeout && op != "get" && op != "wait") {
         // Only wait() sets the socket's timeout: an empty one (one round trip) re-arms it.
@@ -139,19 +157,12 @@ class C10dStoreClient : public Store {
       }
       f(*store_);
       return absl::OkStatus();
-    } catch (const c10d::TimeoutError& e) {
-      timed_out = true;
-      what = e.what();
-    } catch (const c10::Error& e) {
-      what = e.what_without_backtrace();
-      timed_out = LooksLikeTimeout(what);
-    } catch (const std::exception& e) {
-      what = e.what();
-      timed_out = LooksLikeTimeout(what);
+    } catch (const std::exception&) {
+      failure = CurrentFailure();
     }
     // Replies may now be out of step with requests: the next call reconnects.
     store_.reset();
-    return Error(op, key, timeout, timed_out, what);
+    return Error(op, key, timeout, failure.timed_out, failure.what);
   }
 
   absl::Status EnsureConnected(absl::string_view op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -161,8 +172,7 @@ class C10dStoreClient : public Store {
     o.isServer = false;
     o.waitWorkers = false;
     o.timeout = Millis(options_.timeout);
-    bool timed_out = false;
-    std::string what;
+    Failure failure;
     try {
       auto store = std::make_unique<c10d::TCPStore>(options_.host, o);
       // c10d's client sends nothing on connect: an empty wait checks that a server answers
@@ -171,18 +181,11 @@ class C10dStoreClient : public Store {
       socket_timeout_ = options_.timeout;
       store_ = std::move(store);
       return absl::OkStatus();
-    } catch (const c10d::TimeoutError& e) {
-      timed_out = true;
-      what = e.what();
-    } catch (const c10::Error& e) {
-      what = e.what_without_backtrace();
-      timed_out = LooksLikeTimeout(what);
-    } catch (const std::exception& e) {
-      what = e.what();
-      timed_out = LooksLikeTimeout(what);
+    } catch (const std::exception&) {
+      failure = CurrentFailure();
     }
     return Error(op == "connect" ? "connect" : absl::StrCat("connect (for ", op, ")"), "",
-                 options_.timeout, timed_out, what);
+                 options_.timeout, failure.timed_out, failure.what);
   }
 
   const StoreClientOptions options_;

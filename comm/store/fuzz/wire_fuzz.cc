@@ -16,20 +16,13 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "base/fuzz_check.h"
 #include "comm/store/wire.h"
 
 namespace {
 
 using fairscale::comm::wire::Decoder;
 using fairscale::comm::wire::Message;
-
-#define WIRE_FUZZ_CHECK(cond)                                                      \
-  do {                                                                             \
-    if (!(cond)) {                                                                 \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                \
-    }                                                                              \
-  } while (0)
 
 struct Result {
   absl::Status status;
@@ -50,15 +43,15 @@ Result Decode(Decoder::Direction direction, absl::string_view input,
     r.status = decoder.Feed(input.substr(pos, n), &r.messages);
     pos += n;
     if (!r.status.ok()) break;
-    WIRE_FUZZ_CHECK(decoder.consumed() + decoder.buffered() == pos);
+    FS_FUZZ_CHECK(decoder.consumed() + decoder.buffered() == pos);
   }
   if (!r.status.ok()) {
-    WIRE_FUZZ_CHECK(r.status.code() == absl::StatusCode::kInvalidArgument);
+    FS_FUZZ_CHECK(r.status.code() == absl::StatusCode::kInvalidArgument);
     // Broken for good, with the same error.
     std::vector<Message> more;
-    WIRE_FUZZ_CHECK(decoder.Feed(input.substr(0, 1), &more) == r.status);
-    WIRE_FUZZ_CHECK(more.empty());
-    WIRE_FUZZ_CHECK(decoder.buffered() == 0);
+    FS_FUZZ_CHECK(decoder.Feed(input.substr(0, 1), &more) == r.status);
+    FS_FUZZ_CHECK(more.empty());
+    FS_FUZZ_CHECK(decoder.buffered() == 0);
   }
   r.consumed = decoder.consumed();
   return r;
@@ -71,16 +64,16 @@ void CheckDirection(Decoder::Direction direction, absl::string_view input) {
   if (!input.empty()) chunks.push_back(static_cast<uint8_t>(input[0]) % 64 + 1);
   const Result pieces = Decode(direction, input, chunks);
 
-  WIRE_FUZZ_CHECK(whole.status == pieces.status);
-  WIRE_FUZZ_CHECK(whole.messages == pieces.messages);
-  WIRE_FUZZ_CHECK(whole.consumed == pieces.consumed);
+  FS_FUZZ_CHECK(whole.status == pieces.status);
+  FS_FUZZ_CHECK(whole.messages == pieces.messages);
+  FS_FUZZ_CHECK(whole.consumed == pieces.consumed);
 
   std::string encoded;
   for (const Message& m : whole.messages) {
-    WIRE_FUZZ_CHECK(fairscale::comm::wire::Encode(m, &encoded).ok());
+    FS_FUZZ_CHECK(fairscale::comm::wire::Encode(m, &encoded).ok());
   }
-  WIRE_FUZZ_CHECK(encoded.size() == whole.consumed);
-  WIRE_FUZZ_CHECK(absl::string_view(encoded) == input.substr(0, whole.consumed));
+  FS_FUZZ_CHECK(encoded.size() == whole.consumed);
+  FS_FUZZ_CHECK(absl::string_view(encoded) == input.substr(0, whole.consumed));
 }
 
 }  // namespace
