@@ -185,6 +185,13 @@ absl::StatusOr<CompleteCheckpoint> ParseComplete(const std::string& dir) {
 
 }  // namespace
 
+absl::Status NoCompleteCheckpointError(const std::string& root) {
+  return absl::NotFoundError(absl::StrCat(
+      "resume: no complete checkpoint (a step_* directory with ", kCompleteName, ") under ", root,
+      "; run without --resume to start from step 0, or with --resume=auto to resume only when "
+      "there is one"));
+}
+
 absl::Status WithOlderCheckpointHint(const absl::Status& error, const std::string& root) {
   if (error.ok() || error.code() != absl::StatusCode::kDataLoss) return error;
   std::string newest;

@@ -94,6 +94,10 @@ absl::StatusOr<std::optional<CompleteCheckpoint>> FindLatestComplete(const std::
 // the first file that differs (kNotFound if missing).
 absl::Status VerifyCheckpoint(const CompleteCheckpoint& checkpoint);
 
+// kNotFound for --resume when `root` holds no complete checkpoint, saying how to start from
+// step 0 or resume only when there is one.
+absl::Status NoCompleteCheckpointError(const std::string& root);
+
 // `error` (about the newest complete checkpoint under `root`: damaged, unreadable) with what to do
 // appended: which older complete checkpoint is intact (it verifies) and how to resume from it
 // (move the damaged one aside), or that none is. Other errors come back unchanged.
