@@ -1,6 +1,5 @@
 // FullyShardedDataParallel's methods outside the training path: no_sync, clip_grad_norm_ and
-// summon_full_params (kept apart from fully_sharded_data_parallel.cc, which holds forward,
-// backward and their communication).
+// summon_full_params, over the units' engines (internal/unit.h).
 #include <ATen/ops/scalar_tensor.h>
 #include <c10/core/GradMode.h>
 
@@ -11,8 +10,9 @@
 
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/internal/errors.h"
+#include "fsdp/internal/coordinator.h"
 #include "fsdp/internal/flat_param.h"
-#include "fsdp/internal/root_state.h"
+#include "fsdp/internal/unit.h"
 
 namespace fairscale::fsdp {
 
@@ -20,48 +20,49 @@ using internal::FlatParam;
 using internal::ThrowIfError;
 
 FullyShardedDataParallelImpl::NoSyncGuard FullyShardedDataParallelImpl::no_sync() {
-  if (!state_) init_root();
+  if (!unit_->coordinator()) internal::Coordinator::MakeRoot(*unit_);
+  internal::Coordinator& c = *unit_->coordinator();
   TORCH_CHECK(is_root(), label(), ": no_sync() is for the root unit");
-  TORCH_CHECK(!state_->backward_active, label(), ": no_sync() inside backward");
-  const bool previous = state_->no_sync;
-  state_->no_sync = true;
+  TORCH_CHECK(!c.backward_active(), label(), ": no_sync() inside backward");
+  const bool previous = c.no_sync();
+  c.set_no_sync(true);
   return NoSyncGuard(this, previous);
 }
 
 FullyShardedDataParallelImpl::NoSyncGuard::~NoSyncGuard() {
-  if (root_->state_) root_->state_->no_sync = previous_;
+  if (const auto& c = root_->unit_->coordinator()) c->set_no_sync(previous_);
 }
 
 at::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double norm_type) {
-  if (!state_) init_root();
-  internal::RootState& st = *state_;
+  if (!unit_->coordinator()) internal::Coordinator::MakeRoot(*unit_);
+  const internal::Coordinator& c = *unit_->coordinator();
   TORCH_CHECK(is_root(), label(), ": clip_grad_norm_() is for the root unit");
-  TORCH_CHECK(!st.backward_active, label(), ": clip_grad_norm_() inside backward");
-  TORCH_CHECK(!st.no_sync, label(),
+  TORCH_CHECK(!c.backward_active(), label(), ": clip_grad_norm_() inside backward");
+  TORCH_CHECK(!c.no_sync(), label(),
               ": clip_grad_norm_() inside no_sync(): the gradients are not reduced yet");
   TORCH_CHECK(norm_type > 0, label(), ": clip_grad_norm_() needs norm_type > 0, got ", norm_type);
   const bool inf = std::isinf(norm_type);
   c10::NoGradGuard no_grad;
   double local = 0;
   std::vector<at::Tensor> grads;
-  for (FullyShardedDataParallelImpl* u : st.units) {
-    for (FlatParam& fp : u->flats_) {
+  for (const internal::Unit* u : c.units()) {
+    for (const FlatParam& fp : u->flats()) {
       if (!fp.requires_grad) continue;
       for (const at::Tensor& g : internal::ShardGrads(fp)) {
         grads.push_back(g);
         // Every element counted once over the world: an unsharded unit's gradient (the same on
         // every rank) on rank 0 only; a HYBRID_SHARD shard (the same in every shard group) in
         // the first group only, so the sum is the shard group's, not replicate-size times it.
-        if (!inf && (u->sharded() ? u->replicate_rank_ != 0 : rank_ != 0)) continue;
+        if (!inf && (u->sharded() ? u->groups().replicate_rank != 0 : rank() != 0)) continue;
         const double n = g.to(at::kDouble).norm(norm_type).item<double>();
         local = inf ? std::max(local, n) : local + std::pow(n, norm_type);
       }
     }
   }
   double total = local;
-  if (world_ > 1) {
+  if (world_size() > 1) {
     const std::string context = label() + ": clip_grad_norm_ all_reduce";
-    ThrowIfError(comm_
+    ThrowIfError(communicator()
                      ->AllReduce(comm::MakeConstBuffer(&local, 1), comm::MakeBuffer(&total, 1),
                                  inf ? comm::ReduceOp::kMax : comm::ReduceOp::kSum)
                      .Wait(),
@@ -78,58 +79,35 @@ at::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double
 FullyShardedDataParallelImpl::FullParamsGuard FullyShardedDataParallelImpl::summon_full_params(
     bool writeback) {
   std::vector<FullyShardedDataParallelImpl*> units = fsdp_units();
-  for (FullyShardedDataParallelImpl* u : units) {
-    TORCH_CHECK(!u->summoned_, u->label(), ": summon_full_params() is already active");
-    for (const FlatParam& fp : u->flats_) {
+  for (FullyShardedDataParallelImpl* impl : units) {
+    const internal::Unit& u = *impl->unit_;
+    TORCH_CHECK(!u.progress.summoned, u.label(), ": summon_full_params() is already active");
+    for (const FlatParam& fp : u.flats()) {
       // The full parameters are in the compute dtype: writing them back would round the master
       // copy silently.
-      TORCH_CHECK(!fp.mixed || !writeback, u->label(),
+      TORCH_CHECK(!fp.mixed || !writeback, u.label(),
                   ": summon_full_params(writeback=true) under mixed precision would round the "
                   "master parameters to the compute dtype; use writeback=false");
     }
-    TORCH_CHECK(!u->in_forward_ && !(u->state_ && u->state_->backward_active), u->label(),
-                ": summon_full_params() inside forward or backward");
+    TORCH_CHECK(!u.progress.in_forward && !(u.coordinator() && u.coordinator()->backward_active()),
+                u.label(), ": summon_full_params() inside forward or backward");
   }
-  for (FullyShardedDataParallelImpl* u : units) u->issue_gathers();
+  for (FullyShardedDataParallelImpl* impl : units) impl->unit_->IssueGathers();
   std::vector<at::Tensor> snapshots;
-  for (FullyShardedDataParallelImpl* u : units) {
-    u->wait_gathers();
-    u->set_param_views(true);
-    u->summoned_ = true;
-    for (FlatParam& fp : u->flats_) {
-      if (!u->sharded() && !fp.separate && !writeback) {
-        snapshots.push_back(fp.shard.detach().clone());
-      }
-    }
+  for (FullyShardedDataParallelImpl* impl : units) {
+    internal::Unit& u = *impl->unit_;
+    u.WaitGathers();
+    u.SetParamViews(true);
+    u.progress.summoned = true;
+    for (at::Tensor& t : u.SnapshotShards(writeback)) snapshots.push_back(std::move(t));
   }
   return FullParamsGuard(std::move(units), writeback, std::move(snapshots));
 }
 
 FullyShardedDataParallelImpl::FullParamsGuard::~FullParamsGuard() {
-  c10::NoGradGuard no_grad;
   size_t next_snapshot = 0;
-  for (FullyShardedDataParallelImpl* u : units_) {
-    for (FlatParam& fp : u->flats_) {
-      if (u->sharded()) {
-        if (writeback_ && fp.per_param) {
-          internal::WritebackDim0(fp);
-        } else if (writeback_) {
-          fp.shard.detach().copy_(fp.full.narrow(0, fp.shard_offset, fp.shard_numel));
-        }
-      } else if (fp.separate) {
-        // A copy on the compute device in the parameters' dtype is written back; a
-        // low-precision one is read-only: its changes are dropped.
-        if (writeback_ && !fp.mixed) {
-          fp.shard.detach().copy_(fp.full);
-        } else {
-          fp.stale = true;
-        }
-      } else if (!writeback_) {
-        fp.shard.detach().copy_(snapshots_[next_snapshot++]);
-      }
-    }
-    u->summoned_ = false;
-    u->reshard();
+  for (FullyShardedDataParallelImpl* impl : units_) {
+    impl->unit_->EndSummon(writeback_, snapshots_, next_snapshot);
   }
 }
 

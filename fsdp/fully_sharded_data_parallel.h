@@ -57,16 +57,14 @@
 
 #include "comm/communicator.h"
 #include "fsdp/fsdp_options.h"
-#include "fsdp/internal/flat_param.h"
+#include "fsdp/flat_param_info.h"
 
 namespace fairscale::fsdp {
 
 class FullyShardedDataParallelImpl;
 
 namespace internal {
-struct RootState;
-struct PendingReduce;
-class PostBackwardHook;
+class Unit;  // the engine of one unit (internal/unit.h)
 
 // The tensors of a forward's result, for the pre-backward hooks. Supported results: a Tensor, and
 // std::vector / std::tuple / std::pair of supported results.
@@ -100,33 +98,6 @@ void CollectTensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
   std::apply([&](const auto&... e) { (CollectTensors(e, out), ...); }, t);
 }
 }  // namespace internal
-
-// The layout of one flat parameter, for checkpoints, tests and debugging.
-struct FlatParamInfo {
-  struct Entry {
-    std::string name;  // relative to the root's wrapped module: "blocks.0.fc.weight"
-    std::vector<std::string> aliases;  // tied names of the same tensor
-    std::vector<int64_t> shape;
-    int64_t offset = 0;  // in the unsharded flat parameter
-    int64_t numel = 0;
-    // per_parameter: this parameter's rows in every rank's shard start at shard_offset there,
-    // rank_numel elements (ceil(rows / world) rows) per rank: rank q holds its flattened
-    // elements [q * rank_numel, min(numel, (q + 1) * rank_numel)).
-    int64_t shard_offset = 0;
-    int64_t rank_numel = 0;
-  };
-  std::string name;  // registered name: "flat_param" (trainable) or "flat_param_frozen"
-  bool requires_grad = false;
-  // FsdpOptions::flatten_parameters(false): each rank's shard is the concatenation of its rows
-  // of every parameter (see Entry::shard_offset), not a contiguous range of the flat parameter.
-  bool per_parameter = false;
-  int64_t numel = 0;         // sum of the entries
-  // Sharded over the shard group (the whole world, or the HYBRID_SHARD sub-group):
-  int64_t padded_numel = 0;  // shard group size * shard_numel (unsharded: numel)
-  int64_t shard_numel = 0;
-  int64_t shard_offset = 0;  // where this rank's shard starts in the padded flat parameter
-  std::vector<Entry> params;
-};
 
 // FairScale's local_state_dict(): what one rank holds, loadable only into an identically
 // wrapped model at the same world size and rank (the cheap, communication-free checkpoint; a
@@ -194,21 +165,19 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // parameters, buffers and children under their own names instead: named_parameters() then
   // lists the same tensors as module()->named_parameters(), nested units included.
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
-  const FsdpOptions& options() const { return options_; }
-  const std::shared_ptr<comm::Communicator>& communicator() const { return comm_; }
-  int rank() const { return rank_; }
-  int world_size() const { return world_; }
+  const FsdpOptions& options() const;
+  const std::shared_ptr<comm::Communicator>& communicator() const;
+  int rank() const;
+  int world_size() const;
   // The ranks that shard this unit's flat parameters: communicator() itself, or the HYBRID_SHARD
   // shard group. The replicate group (null unless hybrid with more than one group) joins the
   // ranks holding the same shard; replicate_rank() is 0 and replicate_world_size() 1 without.
-  const std::shared_ptr<comm::Communicator>& shard_communicator() const { return shard_comm_; }
-  const std::shared_ptr<comm::Communicator>& replicate_communicator() const {
-    return replicate_comm_;
-  }
-  int shard_rank() const { return shard_rank_; }
-  int shard_world_size() const { return shard_world_; }
-  int replicate_rank() const { return replicate_rank_; }
-  int replicate_world_size() const { return replicate_world_; }
+  const std::shared_ptr<comm::Communicator>& shard_communicator() const;
+  const std::shared_ptr<comm::Communicator>& replicate_communicator() const;
+  int shard_rank() const;
+  int shard_world_size() const;
+  int replicate_rank() const;
+  int replicate_world_size() const;
 
   // Gradient accumulation without communication, FairScale's no_sync(): while the returned
   // guard lives, backward passes accumulate full (unsharded) gradients on each rank and reduce
@@ -261,7 +230,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
 
   // This unit's position in the root's wrapped module, "" for the root, "blocks.0." for a unit
   // nested there (known once the root's first forward ran; "" before).
-  const std::string& prefix() const { return prefix_; }
+  const std::string& prefix() const;
   // This unit and every unit nested in it, parents before children.
   std::vector<FullyShardedDataParallelImpl*> fsdp_units();
   std::vector<FlatParamInfo> flat_param_info() const;
@@ -277,7 +246,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // set (initializes the root on first use, as forward would). Root only; no communication.
   std::vector<FullyShardedDataParallelImpl*> root_units();
   // Whether this unit keeps only a shard of its flat parameters (see sharded()).
-  bool is_sharded() const { return sharded(); }
+  bool is_sharded() const;
 
   // This rank's shards of every unit plus their layout and the model's buffers (root only,
   // outside forward/backward; no communication). See LocalStateDict, and local_checkpoint.h
@@ -290,15 +259,10 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   void load_local_state_dict(const LocalStateDict& state);
 
  private:
-  friend struct internal::RootState;
-  friend class internal::PostBackwardHook;
-
   struct Nested {
     std::string path;  // in module_: "blocks.0"
     std::shared_ptr<FullyShardedDataParallelImpl> unit;
   };
-
-  std::string label() const;  // "FSDP unit 'blocks.0.' (Block) rank 1/4"
 
   // Mixed precision: floating-point tensor arguments of forward go in the compute dtype.
   template <typename T>
@@ -311,90 +275,25 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   }
   at::Tensor cast_tensor(const at::Tensor& t) const;
   bool is_root() const;
-  // Whether this unit keeps only a shard of its parameters. With a shard group of one rank
-  // (world size 1, or HYBRID_SHARD groups of 1) there is nothing to shard: every strategy then
-  // runs as kNoShard (no gathers, no frees; gradients all-reduced over the world), as PyTorch
-  // FSDP does.
-  bool sharded() const {
-    return shard_world_ > 1 && options_.sharding_strategy() != ShardingStrategy::kNoShard;
-  }
-  // The shard and replicate groups from the options (constructor; collective when hybrid).
-  void init_groups();
-  void attach_grad_views(internal::FlatParam& fp);
-
-  void collect_and_shard();
-  // Per-parameter layout (per_param.cc): lays out `slots` in `fp` dim-0 sharded, points the
-  // parameters at their rows; registers the wrapped module's parameters, buffers and children
-  // on this wrapper under their own names; switches the parameters between their rows in the
-  // shard and their full values in `full` (keeping the shard-shaped .grad aside meanwhile).
-  void init_dim0(internal::FlatParam& fp, std::vector<internal::ParamSlot>& slots);
-  void register_original();
-  void set_param_views(bool full);
-  // Per-parameter layout: the shard layout's world size and this rank's index in it.
-  int dim0_world() const { return sharded() ? shard_world_ : 1; }
-  int dim0_rank() const { return sharded() ? shard_rank_ : 0; }
-  void broadcast_buffers(const std::vector<at::Tensor>& buffers);
-  void register_nested();
-  void init_root();
-
+  std::string label() const;  // "FSDP unit 'blocks.0.' (Block) rank 1/4"
+  // The engine's hooks around the wrapped forward (internal/coordinator.h).
   void pre_forward();
   void post_forward(const std::vector<at::Tensor>& outputs);
   void forward_failed();
-  void pre_backward();
-  void on_param_grad(size_t flat, size_t slot);
-  void begin_backward();     // root: queues finalize_backward on the autograd engine once
-  void finalize_backward();  // root: end of a backward pass
-
-  void issue_gathers();
-  void wait_gathers();
-  // Issues the gathers of `next` (a unit of this root that runs later) unless its backward
-  // already ran in this iteration.
-  void prefetch(FullyShardedDataParallelImpl* next, bool backward);
-  // How many of this unit's flat parameters issue_gathers would gather now.
-  int gathers_needed() const;
-  void reshard();
-  void issue_reduce(size_t flat);
-  void flush_bucket();  // reduce-scatters the model's gradient bucket, if it holds anything
-  // Waits for the oldest pending reductions until at most `keep` are in flight and adds their
-  // results to the shards' gradients, so that each full gradient is freed soon after its
-  // reduction instead of at the end of backward. Stops at a failed one (finalize_backward
-  // reports it).
-  void drain_reduces(size_t keep);
-  // Waits for `p`'s reduction; under HYBRID_SHARD then all-reduces its result across the shard
-  // groups (and waits for that too).
-  static absl::Status wait_reduce(internal::PendingReduce& p);
-  static void complete_reduce(const internal::PendingReduce& p);
+  // Checks that this unit can serve as a root outside forward/backward (making it the root on
+  // first use); `what` names the operation in the errors.
+  void check_root_idle(const char* what);
+  // The constructor's parts: find the parameters, buffers and nested units of module_, shard
+  // them, and register what the wrapper shows (the flat parameters and nested units, or the
+  // module's own parameters, buffers and children with flatten_parameters(false)).
+  void shard_module();
+  void register_nested();
+  void register_original();
 
   torch::nn::AnyModule module_any_;
   std::shared_ptr<torch::nn::Module> module_;
-  std::shared_ptr<comm::Communicator> comm_;
-  FsdpOptions options_;
-  int rank_ = 0;
-  int world_ = 1;
-  std::shared_ptr<comm::Communicator> shard_comm_;      // comm_ unless hybrid
-  std::shared_ptr<comm::Communicator> replicate_comm_;  // null unless hybrid with > 1 group
-  int shard_rank_ = 0;
-  int shard_world_ = 1;
-  int replicate_rank_ = 0;
-  int replicate_world_ = 1;
-  std::string prefix_;
-
-  std::vector<internal::FlatParam> flats_;
+  std::shared_ptr<internal::Unit> unit_;
   std::vector<Nested> nested_;
-  // Every parameter this unit and its nested units own (tied-weight check of a parent).
-  std::vector<std::pair<const c10::TensorImpl*, std::string>> owned_params_;
-
-  // Shared by the root and every nested unit once the root's first forward ran.
-  std::shared_ptr<internal::RootState> state_;
-  // Hooks hold a weak reference: they do nothing once this unit is destroyed.
-  std::shared_ptr<FullyShardedDataParallelImpl*> alive_;
-
-  int forward_index_ = -1;   // position in the recorded forward order
-  int backward_index_ = -1;  // position in the recorded backward order
-  bool forwarded_ = false;   // ran a forward whose backward is still to come
-  bool pre_backward_done_ = false;
-  bool summoned_ = false;  // inside summon_full_params
-  bool in_forward_ = false;
 };
 
 // The ModuleHolder, as TORCH_MODULE would write it, plus a call operator: ModuleHolder's own

@@ -13,7 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/internal/flat_param.h"
-#include "fsdp/internal/root_state.h"
+#include "fsdp/internal/unit.h"
 #include "fsdp/local_checkpoint.h"
 
 namespace fairscale::fsdp {
@@ -56,37 +56,33 @@ constexpr const char *kFormat = "fairscale.fsdp.local_state_dict.v1";
 }  // namespace
 
 LocalStateDict FullyShardedDataParallelImpl::local_state_dict() {
-  if (!state_) init_root();
-  TORCH_CHECK(is_root(), label(), ": local_state_dict() is for the root unit");
-  TORCH_CHECK(!state_->backward_active && !in_forward_, label(),
-              ": local_state_dict() inside forward or backward");
+  check_root_idle("local_state_dict()");
   c10::NoGradGuard no_grad;
   LocalStateDict out;
-  out.rank = rank_;
-  out.world_size = world_;
-  for (FullyShardedDataParallelImpl *u : state_->units) {
+  out.rank = rank();
+  out.world_size = world_size();
+  for (FullyShardedDataParallelImpl *u : fsdp_units()) {
     const std::vector<FlatParamInfo> infos = u->flat_param_info();
-    for (size_t f = 0; f < u->flats_.size(); ++f) {
-      out.shards.push_back({u->prefix_, u->options_.sharding_strategy(), infos[f],
-                            u->flats_[f].shard.detach().clone()});
+    const std::vector<FlatShard> shards = u->flat_shards();
+    for (size_t f = 0; f < shards.size(); ++f) {
+      out.shards.push_back({u->prefix(), u->options().sharding_strategy(), infos[f],
+                            shards[f].shard.detach().clone()});
     }
-    CollectBuffers(u->module_, u->prefix_, out.buffers);
+    CollectBuffers(u->module(), u->prefix(), out.buffers);
   }
   for (auto &b : out.buffers) b.second = b.second.detach().clone();
   return out;
 }
 
 void FullyShardedDataParallelImpl::load_local_state_dict(const LocalStateDict &state) {
-  if (!state_) init_root();
+  check_root_idle("load_local_state_dict");
   const std::string what = label() + ": load_local_state_dict";
-  TORCH_CHECK(is_root(), what, ": is for the root unit");
-  TORCH_CHECK(!state_->backward_active && !in_forward_, what, ": inside forward or backward");
-  TORCH_CHECK(state.world_size == world_, what, ": the state dict was saved at world size ",
-              state.world_size, ", this model runs at world size ", world_,
+  TORCH_CHECK(state.world_size == world_size(), what, ": the state dict was saved at world size ",
+              state.world_size, ", this model runs at world size ", world_size(),
               "; a local (sharded) state dict loads only at the world size it "
               "was saved at");
-  TORCH_CHECK(state.rank == rank_, what, ": the state dict holds the shards of rank ", state.rank,
-              ", this is rank ", rank_, "; each rank loads its own");
+  TORCH_CHECK(state.rank == rank(), what, ": the state dict holds the shards of rank ",
+              state.rank, ", this is rank ", rank(), "; each rank loads its own");
 
   // Validate everything before touching the model.
   struct Target {
@@ -95,9 +91,10 @@ void FullyShardedDataParallelImpl::load_local_state_dict(const LocalStateDict &s
   };
   std::vector<Target> targets;
   std::vector<std::string> here_units;
-  for (FullyShardedDataParallelImpl *u : state_->units) {
-    here_units.push_back(absl::StrCat("'", u->prefix_, "'"));
-    for (size_t f = 0; f < u->flats_.size(); ++f) targets.push_back({u, f});
+  const std::vector<FullyShardedDataParallelImpl *> units = fsdp_units();
+  for (FullyShardedDataParallelImpl *u : units) {
+    here_units.push_back(absl::StrCat("'", u->prefix(), "'"));
+    for (size_t f = 0; f < u->unit_->flats().size(); ++f) targets.push_back({u, f});
   }
   std::vector<std::string> saved_units;
   for (const auto &s : state.shards) {
@@ -112,14 +109,14 @@ void FullyShardedDataParallelImpl::load_local_state_dict(const LocalStateDict &s
     const LocalStateDict::Shard &s = state.shards[i];
     FullyShardedDataParallelImpl *u = targets[i].unit;
     const FlatParamInfo here = u->flat_param_info()[targets[i].flat];
-    const std::string where = absl::StrCat(what, ": unit '", u->prefix_, "' ", here.name);
-    TORCH_CHECK(s.unit == u->prefix_ && s.info.name == here.name, what,
+    const std::string where = absl::StrCat(what, ": unit '", u->prefix(), "' ", here.name);
+    TORCH_CHECK(s.unit == u->prefix() && s.info.name == here.name, what,
                 ": the model is wrapped differently: flat parameter #", i, " is ", s.info.name,
                 " of unit '", s.unit, "' in the state dict but ", here.name, " of unit '",
-                u->prefix_, "' here");
-    TORCH_CHECK(s.sharding_strategy == u->options_.sharding_strategy(), where,
+                u->prefix(), "' here");
+    TORCH_CHECK(s.sharding_strategy == u->options().sharding_strategy(), where,
                 ": saved with sharding strategy ", ShardingStrategyName(s.sharding_strategy),
-                ", this unit uses ", ShardingStrategyName(u->options_.sharding_strategy()));
+                ", this unit uses ", ShardingStrategyName(u->options().sharding_strategy()));
     TORCH_CHECK(s.info.per_parameter == here.per_parameter, where, ": saved with ",
                 s.info.per_parameter ? "flatten_parameters(false)" : "flatten_parameters(true)",
                 ", this unit uses ",
@@ -150,8 +147,7 @@ void FullyShardedDataParallelImpl::load_local_state_dict(const LocalStateDict &s
                 " elements, expected ", here.shard_numel);
   }
   std::vector<std::pair<std::string, at::Tensor>> buffers;
-  for (FullyShardedDataParallelImpl *u : state_->units)
-    CollectBuffers(u->module_, u->prefix_, buffers);
+  for (FullyShardedDataParallelImpl *u : units) CollectBuffers(u->module(), u->prefix(), buffers);
   std::vector<const at::Tensor *> sources;
   for (const auto &[name, b] : buffers) {
     const at::Tensor *found = nullptr;
@@ -169,16 +165,11 @@ void FullyShardedDataParallelImpl::load_local_state_dict(const LocalStateDict &s
 
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < targets.size(); ++i) {
-    FullyShardedDataParallelImpl *u = targets[i].unit;
-    internal::FlatParam &fp = u->flats_[targets[i].flat];
-    fp.shard.detach().copy_(state.shards[i].tensor);
-    // An unsharded separate copy (low precision, or on the compute device) must be refreshed
-    // from the new master values.
-    fp.stale = fp.separate && !u->sharded();
+    targets[i].unit->unit_->LoadShard(targets[i].flat, state.shards[i].tensor);
   }
   for (size_t i = 0; i < buffers.size(); ++i) buffers[i].second.copy_(*sources[i]);
   // Full parameters gathered from the old shards are stale now.
-  for (FullyShardedDataParallelImpl *u : state_->units) u->reshard();
+  for (FullyShardedDataParallelImpl *u : units) u->unit_->Reshard();
 }
 
 // ---- archives and files --------------------------------------------------------------------

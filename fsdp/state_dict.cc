@@ -14,7 +14,6 @@
 #include "comm/torch/tensor_buffer.h"
 #include "fsdp/internal/errors.h"
 #include "fsdp/internal/optim_state.h"
-#include "fsdp/internal/root_state.h"
 #include "fsdp/internal/shard_file.h"
 #include "fsdp/internal/state_layout.h"
 
@@ -24,14 +23,6 @@ using internal::ModelLayout;
 using internal::ShapeString;
 using internal::ThrowIfError;
 using internal::ValueOrThrow;
-
-std::vector<FullyShardedDataParallelImpl*> FullyShardedDataParallelImpl::root_units() {
-  if (!state_) init_root();
-  TORCH_CHECK(is_root(), label(), ": the state dicts are taken from the root unit");
-  TORCH_CHECK(!state_->backward_active && !in_forward_, label(),
-              ": state dicts are not available inside forward or backward");
-  return state_->units;
-}
 
 namespace {
 

@@ -7,7 +7,7 @@
 // at their slice of `full` with set_data, so gathering or freeing the full parameter only
 // changes what `full`'s storage holds: the parameters keep their identity, shape and autograd
 // accumulator, and tensors autograd saved in forward see the re-gathered data in backward.
-// Used by fully_sharded_data_parallel.cc only.
+// Owned by a Unit (unit.h); the per-parameter layout's functions are in per_param.cc.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -109,7 +109,15 @@ void FreeStorage(const at::Tensor& t);
 // Re-allocates the storage (uninitialized) at the size `t` needs.
 void AllocateStorage(const at::Tensor& t);
 
-// The per-parameter layout's data movement (per_param.cc), over a shard world of `world` ranks:
+// The per-parameter layout (per_param.cc), over a shard world of `world` ranks. LayoutDim0 lays
+// out `slots` in `fp` dim-0 sharded (this rank's rows in `shard`, `full` in the `compute` dtype,
+// allocated only when unsharded or until the caller frees it) and points the parameters at
+// `full`; SetDim0Views switches the parameters between their rows in `shard` and their full
+// values in `full` (keeping the shard-shaped .grad aside meanwhile).
+void LayoutDim0(FlatParam& fp, std::vector<ParamSlot>& slots, int world, int rank,
+                at::ScalarType compute, bool sharded);
+void SetDim0Views(FlatParam& fp, bool full);
+// The per-parameter layout's data movement:
 // copies the all-gathered `gather_buf` (rank-major) into `full` (parameters back to back) and
 // releases it; adds one parameter's full gradient into the rank-major `full_grad` (allocated);
 // adds this rank's reduced block `recv` into the parameters' shard-shaped gradients; copies

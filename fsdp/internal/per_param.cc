@@ -1,4 +1,4 @@
-// FullyShardedDataParallelImpl's per-parameter layout
+// The per-parameter layout
 // (FsdpOptions::flatten_parameters(false), PyTorch FSDP2's shape): each
 // parameter is sharded on dim 0 and the wrapped module's own parameter tensors
 // are what the wrapper registers and the optimizer steps. The engine (gathers,
@@ -21,12 +21,10 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/internal/flat_param.h"
 #include "fsdp/internal/param_ranges.h"
 
-namespace fairscale::fsdp {
-namespace internal {
+namespace fairscale::fsdp::internal {
 namespace {
 
 // Elements of `slot` that rank `rank` holds (unpadded).
@@ -113,14 +111,8 @@ std::vector<at::Tensor> ShardGrads(const FlatParam& fp) {
   return out;
 }
 
-}  // namespace internal
-
-using internal::FlatParam;
-using internal::ParamSlot;
-
-void FullyShardedDataParallelImpl::init_dim0(FlatParam& fp, std::vector<ParamSlot>& slots) {
-  const int world = dim0_world();
-  const int rank = dim0_rank();
+void LayoutDim0(FlatParam& fp, std::vector<ParamSlot>& slots, int world, int rank,
+                at::ScalarType compute, bool sharded) {
   c10::NoGradGuard no_grad;
   fp.per_param = true;
   fp.grad_views = false;
@@ -130,10 +122,10 @@ void FullyShardedDataParallelImpl::init_dim0(FlatParam& fp, std::vector<ParamSlo
     const int64_t rows = slot.shape.empty() ? 1 : slot.shape[0];
     int64_t row_numel = 1;
     for (size_t d = 1; d < slot.shape.size(); ++d) row_numel *= slot.shape[d];
-    slot.rank_numel = internal::Dim0RankNumel(rows, row_numel, world);
+    slot.rank_numel = Dim0RankNumel(rows, row_numel, world);
     slot.shard_offset = shard_numel;
     shard_numel += slot.rank_numel;
-    const int64_t rows_per_rank = internal::ShardNumel(rows, world);
+    const int64_t rows_per_rank = ShardNumel(rows, world);
     const int64_t local_rows = std::clamp<int64_t>(rows - rank * rows_per_rank, 0, rows_per_rank);
     slot.local_shape = slot.shape;
     if (world > 1) {
@@ -147,19 +139,17 @@ void FullyShardedDataParallelImpl::init_dim0(FlatParam& fp, std::vector<ParamSlo
   const at::Tensor& first = slots.front().param;
   fp.shard = at::zeros({shard_numel}, first.options().requires_grad(false));
   for (const ParamSlot& slot : slots) {
-    const int64_t n = internal::LocalNumel(slot, rank);
+    const int64_t n = LocalNumel(slot, rank);
     fp.shard.narrow(0, slot.shard_offset, n)
-        .copy_(slot.param.detach().reshape({-1}).narrow(0, internal::Begin(slot, rank), n));
+        .copy_(slot.param.detach().reshape({-1}).narrow(0, Begin(slot, rank), n));
   }
-  const at::ScalarType compute =
-      fp.mixed ? *options_.mixed_precision().param_dtype() : first.scalar_type();
-  if (sharded()) {
+  if (sharded) {
     fp.full = at::empty({fp.numel}, fp.shard.options().dtype(compute));
   } else {  // one rank's shard is the whole layout
     fp.full = fp.mixed ? fp.shard.to(compute) : fp.shard;
   }
   // The parameters view `full` while the AccumulateGrad nodes are made (their
-  // metadata is the full shape, what backward produces); collect_and_shard
+  // metadata is the full shape, what backward produces); Unit::FinishSharding
   // switches them to their rows after.
   for (ParamSlot& slot : slots) {
     slot.param.set_data(fp.full.narrow(0, slot.offset, slot.numel).view(slot.shape));
@@ -168,50 +158,27 @@ void FullyShardedDataParallelImpl::init_dim0(FlatParam& fp, std::vector<ParamSlo
   fp.full_views = true;
 }
 
-void FullyShardedDataParallelImpl::register_original() {
-  for (const auto& item : module_->named_parameters(/*recurse=*/false)) {
-    register_parameter(item.key(), item.value(), item.value().requires_grad());
-  }
-  for (const auto& item : module_->named_buffers(/*recurse=*/false)) {
-    register_buffer(item.key(), item.value());
-  }
-  for (const auto& item : module_->named_children()) register_module(item.key(), item.value());
-}
-
-void FullyShardedDataParallelImpl::set_param_views(bool full) {
-  for (FlatParam& fp : flats_) {
-    if (!fp.per_param || fp.full_views == full) continue;
-    fp.full_views = full;
-    for (ParamSlot& slot : fp.slots) {
-      at::Tensor& p = slot.param;
-      if (full) {
-        slot.shard_grad = p.grad();
-        p.mutable_grad() = at::Tensor();
-        p.set_data(fp.full.narrow(0, slot.offset, slot.numel).view(slot.shape));
-        // set_data to another dtype (mixed precision) drops the parameter's
-        // link to its AccumulateGrad node; the node (made for the full shape,
-        // carrying the post-backward hook) is the one autograd must keep using.
-        if (slot.grad_accumulator) {
-          torch::autograd::impl::get_autograd_meta(p)->grad_accumulator_ = slot.grad_accumulator;
-        }
-      } else {
-        p.set_data(internal::ShardView(fp, slot));
-        p.mutable_grad() = slot.shard_grad;
-        slot.shard_grad = at::Tensor();
+void SetDim0Views(FlatParam& fp, bool full) {
+  if (!fp.per_param || fp.full_views == full) return;
+  fp.full_views = full;
+  for (ParamSlot& slot : fp.slots) {
+    at::Tensor& p = slot.param;
+    if (full) {
+      slot.shard_grad = p.grad();
+      p.mutable_grad() = at::Tensor();
+      p.set_data(fp.full.narrow(0, slot.offset, slot.numel).view(slot.shape));
+      // set_data to another dtype (mixed precision) drops the parameter's
+      // link to its AccumulateGrad node; the node (made for the full shape,
+      // carrying the post-backward hook) is the one autograd must keep using.
+      if (slot.grad_accumulator) {
+        torch::autograd::impl::get_autograd_meta(p)->grad_accumulator_ = slot.grad_accumulator;
       }
+    } else {
+      p.set_data(ShardView(fp, slot));
+      p.mutable_grad() = slot.shard_grad;
+      slot.shard_grad = at::Tensor();
     }
   }
 }
 
-std::vector<FullyShardedDataParallelImpl::FlatShard> FullyShardedDataParallelImpl::flat_shards()
-    const {
-  std::vector<FlatShard> out;
-  for (const FlatParam& fp : flats_) {
-    FlatShard s{fp.shard, {}};
-    for (const ParamSlot& slot : fp.slots) s.params.push_back(slot.param);
-    out.push_back(std::move(s));
-  }
-  return out;
-}
-
-}  // namespace fairscale::fsdp
+}  // namespace fairscale::fsdp::internal
