@@ -204,6 +204,11 @@ TEST(FsdpEdgeCases, BuffersAreBroadcastFromRankZero) {
                     world,
                     [](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
                       WithBuffer m;
+                      // The same parameters on every rank (FSDP checks that), other buffers.
+                      {
+                        c10::NoGradGuard no_grad;
+                        for (auto& p : m->parameters()) p.fill_(0.5);
+                      }
                       m->stat_.fill_(rank + 1.0);
                       FullyShardedDataParallel model(m, comm);
                       return Check(m->stat_.eq(1.0).all().item<bool>(),

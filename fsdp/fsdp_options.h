@@ -96,6 +96,17 @@ struct FsdpOptions {
   TORCH_ARG(double, gradient_predivide_factor) = 0.0;
   TORCH_ARG(double, gradient_postdivide_factor) = 0.0;
 
+  // Every rank must start from the same parameters (each rank then trains the same model).
+  // Construction checks that: it hashes each parameter of the unit (shape and bytes) and
+  // compares the hashes across ranks (one all-gather of 16 bytes per parameter), and raises
+  // c10::Error naming the first parameter that differs and the ranks that disagree, on every
+  // rank, before anything is sharded. sync_module_states(true) (PyTorch's
+  // sync_module_states=True) broadcasts rank 0's parameters instead, for ranks that initialize
+  // differently (different seeds, or only rank 0 loads a checkpoint). Shapes must agree either
+  // way. Buffers are always broadcast from rank 0 (FairScale's behaviour), so they cannot
+  // differ.
+  TORCH_ARG(bool, sync_module_states) = false;
+
   // Overlap communication with compute: while one unit computes, the all-gather of the unit
   // that comes next (in the order recorded during the first iteration) is already running.
   // Both assume every rank runs the same units in the same order, as all collectives do.

@@ -51,6 +51,69 @@ ShardingStrategy StrategyFromName(const std::string &name) {
   return ShardingStrategy::kFullShard;
 }
 
+// Raises unless saved shard #i `s` fits flat parameter `here` of the unit at `prefix` using
+// `strategy` (names, shapes, offsets, layout and the shard's size).
+void CheckShard(const LocalStateDict::Shard &s, const FlatParamInfo &here, size_t i,
+                const std::string &prefix, ShardingStrategy strategy, const std::string &what) {
+  const std::string where = absl::StrCat(what, ": unit '", prefix, "' ", here.name);
+  TORCH_CHECK(s.unit == prefix && s.info.name == here.name, what,
+              ": the model is wrapped differently: flat parameter #", i, " is ", s.info.name,
+              " of unit '", s.unit, "' in the state dict but ", here.name, " of unit '",
+              prefix, "' here");
+  TORCH_CHECK(s.sharding_strategy == strategy, where,
+              ": saved with sharding strategy ", ShardingStrategyName(s.sharding_strategy),
+              ", this unit uses ", ShardingStrategyName(strategy));
+  TORCH_CHECK(s.info.per_parameter == here.per_parameter, where, ": saved with ",
+              s.info.per_parameter ? "flatten_parameters(false)" : "flatten_parameters(true)",
+              ", this unit uses ",
+              here.per_parameter ? "flatten_parameters(false)" : "flatten_parameters(true)",
+              "; a full state dict or sharded checkpoint loads across layouts");
+  TORCH_CHECK(s.info.params.size() == here.params.size(), where,
+              ": holds different parameters: state dict ", Names(s.info), ", here ", Names(here));
+  for (size_t p = 0; p < here.params.size(); ++p) {
+    const auto &a = s.info.params[p];
+    const auto &b = here.params[p];
+    TORCH_CHECK(a.name == b.name, where, ": holds different parameters: state dict ",
+                Names(s.info), ", here ", Names(here));
+    TORCH_CHECK(a.shape == b.shape && a.offset == b.offset && a.numel == b.numel &&
+                    a.shard_offset == b.shard_offset && a.rank_numel == b.rank_numel,
+                where,
+                ": parameter '", b.name, "' has shape ", Shape(a.shape), " at offset ", a.offset,
+                " in the state dict but shape ", Shape(b.shape), " at offset ", b.offset,
+                " here");
+  }
+  TORCH_CHECK(
+      s.info.numel == here.numel && s.info.padded_numel == here.padded_numel &&
+          s.info.shard_numel == here.shard_numel && s.info.shard_offset == here.shard_offset,
+      where, ": layout differs: state dict numel ", s.info.numel, " padded ", s.info.padded_numel,
+      " shard ", s.info.shard_numel, " at ", s.info.shard_offset, ", here numel ", here.numel,
+      " padded ", here.padded_numel, " shard ", here.shard_numel, " at ", here.shard_offset);
+  TORCH_CHECK(s.tensor.defined() && s.tensor.dim() == 1 && s.tensor.numel() == here.shard_numel,
+              where, ": the saved shard has ", s.tensor.defined() ? s.tensor.numel() : 0,
+              " elements, expected ", here.shard_numel);
+}
+
+// For each buffer of `buffers`, the saved tensor of the same name and shape in `saved`.
+std::vector<const at::Tensor *> MatchBuffers(
+    const std::vector<std::pair<std::string, at::Tensor>> &buffers,
+    const std::vector<std::pair<std::string, at::Tensor>> &saved, const std::string &what) {
+  std::vector<const at::Tensor *> sources;
+  for (const auto &[name, b] : buffers) {
+    const at::Tensor *found = nullptr;
+    for (const auto &[saved_name, t] : saved) {
+      if (saved_name == name) found = &t;
+    }
+    TORCH_CHECK(found != nullptr, what, ": buffer '", name, "' is missing from the state dict");
+    TORCH_CHECK(found->sizes() == b.sizes(), what, ": buffer '", name, "' has shape ",
+                Shape(found->sizes().vec()), " in the state dict but ", Shape(b.sizes().vec()),
+                " here");
+    sources.push_back(found);
+  }
+  TORCH_CHECK(saved.size() == buffers.size(), what, ": the state dict has ", saved.size(),
+              " buffers, this model ", buffers.size());
+  return sources;
+}
+
 constexpr const char *kFormat = "fairscale.fsdp.local_state_dict.v1";
 
 }  // namespace
@@ -106,62 +169,13 @@ void FullyShardedDataParallelImpl::load_local_state_dict(const LocalStateDict &s
               " flat parameters in units [", absl::StrJoin(saved_units, ", "), "], this model ",
               targets.size(), " in units [", absl::StrJoin(here_units, ", "), "]");
   for (size_t i = 0; i < targets.size(); ++i) {
-    const LocalStateDict::Shard &s = state.shards[i];
     FullyShardedDataParallelImpl *u = targets[i].unit;
-    const FlatParamInfo here = u->flat_param_info()[targets[i].flat];
-    const std::string where = absl::StrCat(what, ": unit '", u->prefix(), "' ", here.name);
-    TORCH_CHECK(s.unit == u->prefix() && s.info.name == here.name, what,
-                ": the model is wrapped differently: flat parameter #", i, " is ", s.info.name,
-                " of unit '", s.unit, "' in the state dict but ", here.name, " of unit '",
-                u->prefix(), "' here");
-    TORCH_CHECK(s.sharding_strategy == u->options().sharding_strategy(), where,
-                ": saved with sharding strategy ", ShardingStrategyName(s.sharding_strategy),
-                ", this unit uses ", ShardingStrategyName(u->options().sharding_strategy()));
-    TORCH_CHECK(s.info.per_parameter == here.per_parameter, where, ": saved with ",
-                s.info.per_parameter ? "flatten_parameters(false)" : "flatten_parameters(true)",
-                ", this unit uses ",
-                here.per_parameter ? "flatten_parameters(false)" : "flatten_parameters(true)",
-                "; a full state dict or sharded checkpoint loads across layouts");
-    TORCH_CHECK(s.info.params.size() == here.params.size(), where,
-                ": holds different parameters: state dict ", Names(s.info), ", here ", Names(here));
-    for (size_t p = 0; p < here.params.size(); ++p) {
-      const auto &a = s.info.params[p];
-      const auto &b = here.params[p];
-      TORCH_CHECK(a.name == b.name, where, ": holds different parameters: state dict ",
-                  Names(s.info), ", here ", Names(here));
-      TORCH_CHECK(a.shape == b.shape && a.offset == b.offset && a.numel == b.numel &&
-                      a.shard_offset == b.shard_offset && a.rank_numel == b.rank_numel,
-                  where,
-                  ": parameter '", b.name, "' has shape ", Shape(a.shape), " at offset ", a.offset,
-                  " in the state dict but shape ", Shape(b.shape), " at offset ", b.offset,
-                  " here");
-    }
-    TORCH_CHECK(
-        s.info.numel == here.numel && s.info.padded_numel == here.padded_numel &&
-            s.info.shard_numel == here.shard_numel && s.info.shard_offset == here.shard_offset,
-        where, ": layout differs: state dict numel ", s.info.numel, " padded ", s.info.padded_numel,
-        " shard ", s.info.shard_numel, " at ", s.info.shard_offset, ", here numel ", here.numel,
-        " padded ", here.padded_numel, " shard ", here.shard_numel, " at ", here.shard_offset);
-    TORCH_CHECK(s.tensor.defined() && s.tensor.dim() == 1 && s.tensor.numel() == here.shard_numel,
-                where, ": the saved shard has ", s.tensor.defined() ? s.tensor.numel() : 0,
-                " elements, expected ", here.shard_numel);
+    CheckShard(state.shards[i], u->flat_param_info()[targets[i].flat], i, u->prefix(),
+               u->options().sharding_strategy(), what);
   }
   std::vector<std::pair<std::string, at::Tensor>> buffers;
   for (FullyShardedDataParallelImpl *u : units) CollectBuffers(u->module(), u->prefix(), buffers);
-  std::vector<const at::Tensor *> sources;
-  for (const auto &[name, b] : buffers) {
-    const at::Tensor *found = nullptr;
-    for (const auto &[saved_name, t] : state.buffers) {
-      if (saved_name == name) found = &t;
-    }
-    TORCH_CHECK(found != nullptr, what, ": buffer '", name, "' is missing from the state dict");
-    TORCH_CHECK(found->sizes() == b.sizes(), what, ": buffer '", name, "' has shape ",
-                Shape(found->sizes().vec()), " in the state dict but ", Shape(b.sizes().vec()),
-                " here");
-    sources.push_back(found);
-  }
-  TORCH_CHECK(state.buffers.size() == buffers.size(), what, ": the state dict has ",
-              state.buffers.size(), " buffers, this model ", buffers.size());
+  const std::vector<const at::Tensor *> sources = MatchBuffers(buffers, state.buffers, what);
 
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < targets.size(); ++i) {

@@ -336,6 +336,74 @@ int RunWorld(int n, WorldResult* result) {
 
 double MiB(int64_t b) { return b / 1048576.0; }
 
+// The peak-memory bound of `row` (see README.md): params + grads + Adam's two moments = 4 P;
+// sharded strategies divide it by N. FULL_SHARD then holds one full unit at a time (the issue's
+// bound); SHARD_GRAD_OP keeps every full parameter from forward to backward; NO_SHARD and
+// unwrapped hold everything. `p`: parameter bytes, `a`: activation bytes.
+int64_t BoundBytes(const Row& row, int64_t p, int64_t a, int64_t unit_bytes) {
+  if (row.config == "unwrapped") return 4 * p + a;
+  switch (StrategyOf(row.config)) {
+    case ShardingStrategy::kFullShard:
+      return 4 * p / row.n + unit_bytes + a;
+    case ShardingStrategy::kShardGradOp:
+      return 4 * p / row.n + p + a;
+    case ShardingStrategy::kHybridShard:  // sharded over g
+      return 4 * p / HybridGroupOf(row.config) + unit_bytes + a;
+    case ShardingStrategy::kHybridShardZero2:
+      return 4 * p / HybridGroupOf(row.config) + p + a;
+    default:
+      return 4 * p + a;
+  }
+}
+
+// The step time of configuration `config` in `w` (0 if it did not run).
+double StepOf(const WorldResult& w, const std::string& config) {
+  for (const Row& row : w.rows) {
+    if (row.config == config) return row.step_s;
+  }
+  return 0;
+}
+
+// The lines under the table for one world size: overhead at 1 rank, per-parameter vs flat,
+// FULL_SHARD vs NO_SHARD at 2 ranks.
+std::string Summary(const WorldResult& w) {
+  std::string summary;
+  const double unwrapped_s = StepOf(w, "unwrapped");
+  double unwrapped_peak = 0;
+  for (const Row& row : w.rows) {
+    if (row.config == "unwrapped") unwrapped_peak = static_cast<double>(row.peak_bytes);
+  }
+  const int n = w.rows.front().n;
+  if (n == 1) {
+    for (const Row& row : w.rows) {
+      if (row.config == "unwrapped") continue;
+      absl::StrAppend(&summary,
+                      absl::StrFormat("overhead at 1 rank, %s: %+.1f%% (target <= 5%%)\n",
+                                      row.config, (row.step_s / unwrapped_s - 1) * 100));
+    }
+  }
+  for (const Row& row : w.rows) {
+    if (!PerParam(row.config)) continue;
+    for (const Row& flat : w.rows) {
+      if (flat.config != FlatConfig(row.config)) continue;
+      absl::StrAppend(&summary,
+                      absl::StrFormat("%s vs %s at %d ranks: step time %.3f, peak %.3f; vs "
+                                      "unwrapped: step time %.3f, peak %.3f\n",
+                                      row.config, flat.config, n, row.step_s / flat.step_s,
+                                      static_cast<double>(row.peak_bytes) / flat.peak_bytes,
+                                      row.step_s / unwrapped_s,
+                                      static_cast<double>(row.peak_bytes) / unwrapped_peak));
+    }
+  }
+  const double full_s = StepOf(w, "FULL_SHARD"), no_s = StepOf(w, "NO_SHARD");
+  if (n == 2 && full_s > 0 && no_s > 0) {
+    absl::StrAppend(&summary,
+                    absl::StrFormat("FULL_SHARD / NO_SHARD at 2 ranks: %.3f (target <= 1.15)\n",
+                                    full_s / no_s));
+  }
+  return summary;
+}
+
 int Main() {
   const Shape s = FlagShape();
   std::vector<WorldResult> worlds;
@@ -365,30 +433,9 @@ int Main() {
   std::string summary;
   for (const WorldResult& w : worlds) {
     const int64_t p = w.param_bytes, a = w.activation_bytes;
-    double unwrapped_s = 0, full_s = 0, no_s = 0, unwrapped_peak = 0;
+    const double unwrapped_s = StepOf(w, "unwrapped");
     for (const Row& row : w.rows) {
-      if (row.config == "unwrapped") unwrapped_s = row.step_s;
-      if (row.config == "unwrapped") unwrapped_peak = static_cast<double>(row.peak_bytes);
-      if (row.config == "FULL_SHARD") full_s = row.step_s;
-      if (row.config == "NO_SHARD") no_s = row.step_s;
-    }
-    for (const Row& row : w.rows) {
-      // params + grads + Adam's two moments = 4 P; sharded strategies divide it by N. FULL_SHARD
-      // then holds one full unit at a time (the bound); SHARD_GRAD_OP keeps every full
-      // parameter from forward to backward; NO_SHARD and unwrapped hold everything.
-      int64_t bound = 0;
-      if (row.config == "unwrapped")
-        bound = 4 * p + a;
-      else if (StrategyOf(row.config) == ShardingStrategy::kFullShard)
-        bound = 4 * p / row.n + unit_bytes + a;
-      else if (StrategyOf(row.config) == ShardingStrategy::kShardGradOp)
-        bound = 4 * p / row.n + p + a;
-      else if (StrategyOf(row.config) == ShardingStrategy::kHybridShard)  // sharded over g
-        bound = 4 * p / HybridGroupOf(row.config) + unit_bytes + a;
-      else if (StrategyOf(row.config) == ShardingStrategy::kHybridShardZero2)
-        bound = 4 * p / HybridGroupOf(row.config) + p + a;
-      else
-        bound = 4 * p + a;
+      const int64_t bound = BoundBytes(row, p, a, unit_bytes);
       const double tokens = static_cast<double>(row.n) * s.batch * s.seq;
       absl::StrAppend(
           &table,
@@ -399,33 +446,7 @@ int Main() {
                           static_cast<double>(row.peak_bytes) / bound, MiB(row.phase_peak[0]),
                           MiB(row.phase_peak[1]), MiB(row.phase_peak[2])));
     }
-    const int n = w.rows.front().n;
-    if (n == 1) {
-      for (const Row& row : w.rows) {
-        if (row.config == "unwrapped") continue;
-        absl::StrAppend(&summary,
-                        absl::StrFormat("overhead at 1 rank, %s: %+.1f%% (target <= 5%%)\n",
-                                        row.config, (row.step_s / unwrapped_s - 1) * 100));
-      }
-    }
-    for (const Row& row : w.rows) {
-      if (!PerParam(row.config)) continue;
-      for (const Row& flat : w.rows) {
-        if (flat.config != FlatConfig(row.config)) continue;
-        absl::StrAppend(&summary,
-                        absl::StrFormat("%s vs %s at %d ranks: step time %.3f, peak %.3f; vs "
-                                        "unwrapped: step time %.3f, peak %.3f\n",
-                                        row.config, flat.config, n, row.step_s / flat.step_s,
-                                        static_cast<double>(row.peak_bytes) / flat.peak_bytes,
-                                        row.step_s / unwrapped_s,
-                                        static_cast<double>(row.peak_bytes) / unwrapped_peak));
-      }
-    }
-    if (n == 2 && full_s > 0 && no_s > 0) {
-      absl::StrAppend(&summary,
-                      absl::StrFormat("FULL_SHARD / NO_SHARD at 2 ranks: %.3f (target <= 1.15)\n",
-                                      full_s / no_s));
-    }
+    absl::StrAppend(&summary, Summary(w));
   }
   table += "\n" + summary;
   std::fputs(table.c_str(), stdout);

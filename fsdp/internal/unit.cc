@@ -16,6 +16,7 @@
 #include "fsdp/internal/errors.h"
 #include "fsdp/internal/hybrid_groups.h"
 #include "fsdp/internal/param_ranges.h"
+#include "fsdp/internal/param_sync.h"
 
 namespace fairscale::fsdp::internal {
 
@@ -192,6 +193,11 @@ void Unit::Shard(const std::vector<std::pair<std::string, at::Tensor>>& params,
     }
   }
   auto [trainable, frozen] = MakeSlots(params, nested_owned, label());
+  std::vector<const ParamSlot*> all;
+  for (const auto* list : {&trainable, &frozen}) {
+    for (const ParamSlot& slot : *list) all.push_back(&slot);
+  }
+  CheckOrBroadcastParams(*groups_.world, all, options_.sync_module_states(), label());
   c10::NoGradGuard no_grad;
   for (int kind = 0; kind < 2; ++kind) {
     std::vector<ParamSlot>& slots = kind == 0 ? trainable : frozen;
