@@ -1,0 +1,65 @@
+"""The supported API of fairscale-cpp: every target another repository may depend on.
+
+These targets, and no others, have `visibility = ["//visibility:public"]`. Every package defaults
+to private; helpers shared inside this repository are visible to `//:__subpackages__` (which,
+written in our BUILD files, means this repository's packages, also when it is consumed as
+@fairscale_cpp), and may change or go away at any time.
+
+tools/check_public_api.sh (run by .ci/run) fails when
+`bazel query 'attr(visibility, "//visibility:public", //...)'` finds other targets than these
+(making a target public, or private, is a decision recorded here), or when the table in README.md
+("What your repository may depend on") names others.
+"""
+
+# The training libraries (LibTorch idioms: ModuleHolders, options with chained setters). They
+# take a Communicator; none links a backend.
+FEATURE_LIBRARIES = [
+    "//fsdp",  # FullyShardedDataParallel, wrap policies, state dicts, sharded checkpoints
+    "//oss",  # OSS (optimizer state sharding), ShardedDataParallel
+    "//amp",  # GradScaler, ShardedGradScaler, Autocast
+    "//checkpoint",  # activation checkpointing: checkpoint(), CheckpointWrapper
+    "//checkpoint:memory_tracker",  # per-module memory tracer, where to checkpoint for a budget
+    "//base:tracking_allocator",  # TrackingCpuAllocator, which MemoryTracker counts with
+    "//offload",  # OffloadedAdam, OffloadModel
+    "//pipe",  # Pipe, PipeGrid, balancing
+    "//pipe:fsdp_stage",  # FSDP inside each pipeline stage
+    "//trace",  # Chrome traces, TracingCommunicator, the compute/communication profile
+    "//launch:launcher",  # what fs_launch does, as a library (a job that launches itself)
+]
+
+# The communication layer (Google style: absl::Status). Backend-free as well.
+COMM = [
+    "//comm:interface",  # Communicator, Work, types: all a feature library needs
+    "//comm:config",  # CommConfig
+    "//comm:registry",  # CreateCommunicator / CreateCommunicatorFromEnv: binaries and tests
+    "//comm/torch",  # at::Tensor <-> Buffer
+    "//comm/torch:c10d_store",  # the "c10d" store client (torchrun's agent store); links a registration
+    "//comm/store",  # the Store interface
+    "//comm/store:file_store",
+    "//comm/store:hash_store",
+    "//comm/store:prefix_store",
+    "//comm/store:tcp_store",
+]
+
+# The backends: a binary (or test) chooses its network by linking one, or all.
+BACKENDS = [
+    "//comm/tcp",
+    "//comm/ucx",
+    "//comm/nccl",  # registers "nccl" under --config=cuda only
+    "//comm/inproc",  # ranks as threads of one process
+    "//comm:all_backends",
+]
+
+BINARIES = [
+    "//launch:fs_launch",  # the torchrun-like launcher
+    "//fsdp:consolidate_checkpoint",  # sharded checkpoint -> one state dict file
+]
+
+# Build settings: the repositories fairscale_cpp_dependencies() generates mark absent libraries
+# with //bazel:incompatible; if_cuda() and REQUIRES_CUDA (bazel/defs.bzl) select on //bazel:cuda.
+BUILD_SETTINGS = [
+    "//bazel:cuda",
+    "//bazel:incompatible",
+]
+
+PUBLIC_API = FEATURE_LIBRARIES + COMM + BACKENDS + BINARIES + BUILD_SETTINGS
