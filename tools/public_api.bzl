@@ -9,6 +9,10 @@ tools/check_public_api.sh (run by .ci/run) fails when
 `bazel query 'attr(visibility, "//visibility:public", //...)'` finds other targets than these
 (making a target public, or private, is a decision recorded here), or when the table in README.md
 ("What your repository may depend on") names others.
+
+//tools:deps_test derives its feature targets from this list with a query: every cc_library in it
+except BACKENDS and whatever registers itself at static-init time (alwayslink). None of them may
+reach a backend.
 """
 
 # The training libraries (LibTorch idioms: ModuleHolders, options with chained setters). They
