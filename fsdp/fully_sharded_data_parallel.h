@@ -10,8 +10,9 @@
 //   loss.backward();                      // gradients are reduced into the shards' .grad()
 //   opt.step();
 //
-// Every rank must construct the same model with the same initial parameters and call forward and
-// backward on the same units in the same order (like every collective). See fsdp_options.h for
+// Every rank must construct the same model with the same initial parameters (checked at
+// construction; FsdpOptions::sync_module_states(true) broadcasts rank 0's instead) and call
+// forward and backward on the same units in the same order (like every collective). See fsdp_options.h for
 // the strategies. Nested wrapping: construct the inner FullyShardedDataParallel modules first and
 // register them in their parent module as usual; the outer one shards only what is left and
 // drives the nested ones (one root per model: the outermost wrapper whose forward is called).
