@@ -4,8 +4,8 @@
 
 #include <utility>
 
-#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/torch_error.h"
 #include "comm/torch/tensor_buffer.h"
 
 namespace fairscale::amp {
@@ -27,14 +27,13 @@ void ShardedGradScaler::sync_found_inf(at::Tensor& flags, c10::Device grads_devi
   if (!comm_->SupportsDevice(comm::Device::Cpu()) && grads_device.is_cuda()) {
     buffer = flags.to(grads_device);
   }
-  absl::StatusOr<comm::Buffer> view = comm::ToBuffer(buffer);
-  TORCH_CHECK(view.ok(), name(), ": found-inf flags: ", view.status().ToString());
-  const absl::Status status =
-      comm_->AllReduce(comm::ConstBuffer(*view), *view, comm::ReduceOp::kMax).Wait();
-  TORCH_CHECK(status.ok(), name(),
-              ": the all_reduce of the found-inf flags failed, so no rank can decide whether "
-              "to step: ",
-              status.ToString());
+  const comm::Buffer view =
+      base::ValueOrThrow(comm::ToBuffer(buffer), name() + ": found-inf flags");
+  base::ThrowIfError(
+      comm_->AllReduce(comm::ConstBuffer(view), view, comm::ReduceOp::kMax).Wait(),
+      name() +
+          ": the all_reduce of the found-inf flags failed, so no rank can decide whether "
+          "to step");
   if (!buffer.is_same(flags)) flags.copy_(buffer);
 }
 

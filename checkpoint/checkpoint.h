@@ -18,6 +18,9 @@
 // requires grad (a hidden zero-size input that requires grad keeps the outputs differentiable,
 // FairScale's "dummy tensor").
 //
+// Errors (an empty fn or module, an undefined output, a recompute that differs from the forward)
+// raise c10::Error, like every user API of this repository; an exception fn throws propagates.
+//
 //   auto block = checkpoint::CheckpointWrapper(Block(64));      // any module with a forward
 //   torch::Tensor y = block(x);                                // forward_any<R>(args...) too
 //   auto outs = checkpoint::checkpoint(

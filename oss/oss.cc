@@ -19,8 +19,8 @@
 #include <string>
 #include <utility>
 
+#include "base/torch_error.h"
 #include "comm/torch/tensor_buffer.h"
-#include "oss/internal/errors.h"
 
 namespace fairscale::oss {
 namespace {
@@ -284,8 +284,8 @@ void OSS::exchange_parameters() {
           } else {
             buffer = at::empty({numel}, shards_[bucket[0]].param.options().dtype(dtype));
           }
-          comm::Work work = comm_->Broadcast(
-              internal::ValueOrThrow(comm::ToBuffer(buffer), label("step")), r);
+          comm::Work work =
+              comm_->Broadcast(base::ValueOrThrow(comm::ToBuffer(buffer), label("step")), r);
           return {std::move(work), buffer, bucket, 0, 0, 0, at::Tensor()};
         });
         bucket.clear();
@@ -331,16 +331,16 @@ void OSS::exchange_parameters() {
         jobs.push_back([this, n, g, off, len, per_rank, mine]() -> Pending {
           at::Tensor send = mine.narrow(0, off, len);
           at::Tensor recv = at::empty({n * len}, mine.options());
-          comm::Work work = comm_->AllGather(
-              internal::ValueOrThrow(comm::ToConstBuffer(send), label("step")),
-              internal::ValueOrThrow(comm::ToBuffer(recv), label("step")));
+          comm::Work work =
+              comm_->AllGather(base::ValueOrThrow(comm::ToConstBuffer(send), label("step")),
+                               base::ValueOrThrow(comm::ToBuffer(recv), label("step")));
           return {std::move(work), recv, {}, g, off, per_rank, mine};
         });
       }
     }
   }
   auto finish = [&](Pending& p) {
-    internal::ThrowIfError(p.work.Wait(), label("step"));
+    base::ThrowIfError(p.work.Wait(), label("step"));
     if (options_.partition() == PartitionMode::kGreedy) {
       if (shards_[p.shards[0]].rank == me) return;  // the owner keeps its exact values
       int64_t off = 0;
@@ -407,8 +407,8 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
   }
   at::Tensor t = at::empty({1}, at::TensorOptions(at::kDouble).device(device()));
   t.fill_(local);
-  comm::Buffer b = internal::ValueOrThrow(comm::ToBuffer(t), label("clip_grad_norm"));
-  internal::ThrowIfError(
+  comm::Buffer b = base::ValueOrThrow(comm::ToBuffer(t), label("clip_grad_norm"));
+  base::ThrowIfError(
       comm_->AllReduce(b, b, inf ? comm::ReduceOp::kMax : comm::ReduceOp::kSum).Wait(),
       label("clip_grad_norm"));
   const double total = inf ? t.item<double>() : std::pow(t.item<double>(), 1.0 / norm_type);
@@ -451,13 +451,11 @@ void OSS::consolidate_state_dict(int recipient_rank) {
     at::Tensor data = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
     std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
     data = data.to(device());
-    internal::ThrowIfError(
-        comm_->Send(internal::ValueOrThrow(comm::ToConstBuffer(size), context), recipient_rank)
-            .Wait(),
+    base::ThrowIfError(
+        comm_->Send(base::ValueOrThrow(comm::ToConstBuffer(size), context), recipient_rank).Wait(),
         context);
-    internal::ThrowIfError(
-        comm_->Send(internal::ValueOrThrow(comm::ToConstBuffer(data), context), recipient_rank)
-            .Wait(),
+    base::ThrowIfError(
+        comm_->Send(base::ValueOrThrow(comm::ToConstBuffer(data), context), recipient_rank).Wait(),
         context);
     return;
   }
@@ -466,12 +464,12 @@ void OSS::consolidate_state_dict(int recipient_rank) {
   for (int r = 0; r < n; ++r) {
     if (r == me) continue;
     at::Tensor size = at::empty({1}, at::TensorOptions(at::kLong).device(device()));
-    internal::ThrowIfError(
-        comm_->Recv(internal::ValueOrThrow(comm::ToBuffer(size), context), r).Wait(), context);
+    base::ThrowIfError(comm_->Recv(base::ValueOrThrow(comm::ToBuffer(size), context), r).Wait(),
+                       context);
     at::Tensor data =
         at::empty({size.item<int64_t>()}, at::TensorOptions(at::kByte).device(device()));
-    internal::ThrowIfError(
-        comm_->Recv(internal::ValueOrThrow(comm::ToBuffer(data), context), r).Wait(), context);
+    base::ThrowIfError(comm_->Recv(base::ValueOrThrow(comm::ToBuffer(data), context), r).Wait(),
+                       context);
     data = data.cpu();
     all[r].assign(static_cast<const char*>(data.data_ptr()), data.numel());
   }

@@ -38,6 +38,10 @@
 // would write, and consolidated() is that unsharded optimizer. load(archive) (torch::load) reads
 // such an archive on any number of ranks, each keeping its own part: a checkpoint saved at 4 ranks
 // loads at 2 or 3, and into a plain torch::optim optimizer.
+//
+// Errors raise c10::Error. A communicator failure carries its absl::Status through
+// //base:torch_error, naming the operation and the rank:
+//   "oss::OSS::step rank 1/4: UNAVAILABLE: all_gather #12 rank 1/4 [tcp]: peer 3 closed ..."
 #pragma once
 
 #include <torch/arg.h>

@@ -12,8 +12,8 @@
 #include <set>
 #include <string>
 
+#include "base/torch_error.h"
 #include "comm/torch/tensor_buffer.h"
-#include "oss/internal/errors.h"
 
 namespace fairscale::oss {
 namespace {
@@ -64,9 +64,9 @@ ShardedDataParallelImpl::ShardedDataParallelImpl(torch::nn::AnyModule module,
     for (const at::Tensor& p : module_.ptr()->parameters()) {
       at::Tensor t = p.detach().contiguous();
       works.emplace_back(
-          comm_->Broadcast(internal::ValueOrThrow(comm::ToBuffer(t), label("construct")), 0), t);
+          comm_->Broadcast(base::ValueOrThrow(comm::ToBuffer(t), label("construct")), 0), t);
     }
-    for (auto& [work, t] : works) internal::ThrowIfError(work.Wait(), label("construct"));
+    for (auto& [work, t] : works) base::ThrowIfError(work.Wait(), label("construct"));
     size_t i = 0;
     for (const at::Tensor& p : module_.ptr()->parameters()) {
       if (!works[i].second.is_same(p)) p.detach().copy_(works[i].second);
@@ -166,9 +166,9 @@ void ShardedDataParallelImpl::sync_buffers() {
   for (const at::Tensor& b : buffers) {
     at::Tensor t = b.contiguous();
     works.emplace_back(
-        comm_->Broadcast(internal::ValueOrThrow(comm::ToBuffer(t), label("sync_buffers")), 0), t);
+        comm_->Broadcast(base::ValueOrThrow(comm::ToBuffer(t), label("sync_buffers")), 0), t);
   }
-  for (auto& [work, t] : works) internal::ThrowIfError(work.Wait(), label("sync_buffers"));
+  for (auto& [work, t] : works) base::ThrowIfError(work.Wait(), label("sync_buffers"));
   for (size_t i = 0; i < buffers.size(); ++i) {
     if (!works[i].second.is_same(buffers[i])) buffers[i].copy_(works[i].second);
   }
@@ -215,7 +215,7 @@ void ShardedDataParallelImpl::issue(Bucket& bucket) {
     off += s.numel;
   }
   const std::string context = label("reduce");
-  comm::Buffer buf = internal::ValueOrThrow(comm::ToBuffer(bucket.buffer), context);
+  comm::Buffer buf = base::ValueOrThrow(comm::ToBuffer(bucket.buffer), context);
   bucket.work = comm_->Reduce(buf, bucket.owner == comm_->rank() ? buf : comm::Buffer{},
                               comm::ReduceOp::kSum, bucket.owner);
   bucket.issued = true;
@@ -255,7 +255,7 @@ void ShardedDataParallelImpl::finalize() {
   next_bucket_ = 0;
   const std::string context = label("reduce");
   for (Bucket& b : buckets_) {
-    internal::ThrowIfError(b.work.Wait(), context);
+    base::ThrowIfError(b.work.Wait(), context);
     b.ready = 0;
     b.issued = false;
   }

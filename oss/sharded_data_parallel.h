@@ -16,13 +16,16 @@
 // order its hooks fire in. A non-owner drops a gradient it owns nothing of as soon as its bucket
 // is packed, and a bucket buffer once its reduce is done. A callback queued on the autograd engine
 // waits for the rest at the end of backward (a parameter unused in this backward counts as a zero
-// gradient), then writes the owner's gradients and frees the others. With kFlat a parameter may be split between ranks: each
-// owner gets its range, and the rest of that gradient is zero.
+// gradient), then writes the owner's gradients and frees the others. With kFlat a parameter may be
+// split between ranks: each owner gets its range, and the rest of that gradient is zero.
 //
 // Every rank must call forward and backward the same number of times. One synchronised backward
 // per optimizer step; backwards inside a no_sync() guard only accumulate locally (gradient
 // accumulation) and the next synchronised backward reduces the sum. If requires_grad flags change,
 // forward notices and re-hooks (refresh_trainable); all ranks must change them alike.
+//
+// Errors raise c10::Error; a failed reduce carries the communicator's absl::Status
+// ("oss::ShardedDataParallel::reduce rank 1/4: DEADLINE_EXCEEDED: ...", //base:torch_error).
 #pragma once
 
 #include <torch/arg.h>
