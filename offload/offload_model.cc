@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/torch_error.h"
 #include "checkpoint/checkpoint.h"
 #include "offload/disk_tier.h"
 #include "offload/internal/io_worker.h"
@@ -39,10 +40,6 @@ struct OffloadModelImpl::Pass : torch::CustomClassHolder {
 };
 
 namespace {
-
-void Check(const absl::Status& s, const char* what) {
-  TORCH_CHECK(s.ok(), "OffloadModel::", what, ": ", s.ToString());
-}
 
 class OffloadFunction : public torch::autograd::Function<OffloadFunction> {
  public:
@@ -142,13 +139,14 @@ void OffloadModelImpl::Init(torch::nn::Sequential model, AdamOpts adam) {
   std::filesystem::create_directories(options_.dir(), ec);
   TORCH_CHECK(!ec, "OffloadModel: cannot create the offload directory ", options_.dir(), ": ",
               ec.message());
-  absl::StatusOr<std::unique_ptr<DiskTier>> tier =
-      DiskTier::Create(absl::StrCat(options_.dir(), "/", options_.name(), ".fso"),
-                       std::move(specs), std::max<int64_t>(1, options_.chunk_bytes() / 4), false);
-  Check(tier.status(), "create");
-  tier_ = *std::move(tier);
-  for (const Param& q : params_) Check(tier_->WriteTensor(q.value, q.tensor.data_ptr()), "create");
-  Check(tier_->Commit(), "create");
+  tier_ = base::ValueOrThrow(
+      DiskTier::Create(absl::StrCat(options_.dir(), "/", options_.name(), ".fso"), std::move(specs),
+                       std::max<int64_t>(1, options_.chunk_bytes() / 4), false),
+      "OffloadModel::create");
+  for (const Param& q : params_) {
+    base::ThrowIfError(tier_->WriteTensor(q.value, q.tensor.data_ptr()), "OffloadModel::create");
+  }
+  base::ThrowIfError(tier_->Commit(), "OffloadModel::create");
 
   // One param group per slice, so step() can update a slice while it is resident.
   std::vector<torch::optim::OptimizerParamGroup> groups;
@@ -157,13 +155,11 @@ void OffloadModelImpl::Init(torch::nn::Sequential model, AdamOpts adam) {
     for (size_t i : slice.params) ps.push_back(params_[i].tensor);
     groups.emplace_back(ps);
   }
-  auto opt = OffloadedAdam::Create(std::move(groups), adam,
-                                   OffloadOptions(options_.dir())
-                                       .name(options_.name() + "_optimizer")
-                                       .chunk_bytes(options_.chunk_bytes())
-                                       .prefetch(options_.prefetch()));
-  Check(opt.status(), "create");
-  adam_ = *std::move(opt);
+  adam_ = std::make_unique<OffloadedAdam>(std::move(groups), adam,
+                                          OffloadOptions(options_.dir())
+                                              .name(options_.name() + "_optimizer")
+                                              .chunk_bytes(options_.chunk_bytes())
+                                              .prefetch(options_.prefetch()));
   io_ = std::make_unique<internal::IoWorker>();
   for (Slice& slice : slices_) slice.resident = true;
   for (int64_t s = 0; s < num_slices(); ++s) Evict(s);
@@ -275,7 +271,7 @@ at::Tensor OffloadModelImpl::forward(const at::Tensor& x) {
   if (!c10::GradMode::is_enabled()) {  // inference: slice by slice, nothing kept
     at::Tensor y = x;
     for (int64_t s = 0; s < num_slices(); ++s) {
-      Check(Ensure(s, 1), "forward");
+      base::ThrowIfError(Ensure(s, 1), "OffloadModel::forward");
       y = RunSlice(s, y);
     }
     return y;
@@ -296,7 +292,7 @@ at::Tensor OffloadModelImpl::ForwardPass(Pass& pass, const at::Tensor& x) {
   pass.outputs.assign(slices_.size(), std::vector<at::Tensor>(mbs));
   at::AutoGradMode grad(true);
   for (int64_t s = 0; s < num_slices(); ++s) {
-    Check(Ensure(s, 1), "forward");
+    base::ThrowIfError(Ensure(s, 1), "OffloadModel::forward");
     for (size_t b = 0; b < mbs; ++b) {
       at::Tensor in = acts[b].detach();
       if (at::isFloatingType(in.scalar_type()) && (s > 0 || pass.input_requires_grad)) {
@@ -321,7 +317,7 @@ at::Tensor OffloadModelImpl::BackwardPass(Pass& pass, const at::Tensor& grad) {
   const size_t mbs = pass.outputs[0].size();
   std::vector<at::Tensor> grads = grad.split_with_sizes(pass.split, 0);
   for (int64_t s = num_slices() - 1; s >= 0; --s) {
-    Check(Ensure(s, -1), "backward");
+    base::ThrowIfError(Ensure(s, -1), "OffloadModel::backward");
     for (size_t b = 0; b < mbs; ++b) {
       at::Tensor& out = pass.outputs[s][b];
       at::Tensor& in = pass.inputs[s][b];
@@ -332,7 +328,7 @@ at::Tensor OffloadModelImpl::BackwardPass(Pass& pass, const at::Tensor& grad) {
       out = at::Tensor();  // frees the slice's activations
       in = at::Tensor();
     }
-    Check(FlushGrads(s), "backward");
+    base::ThrowIfError(FlushGrads(s), "OffloadModel::backward");
   }
   pass.outputs.clear();
   pass.inputs.clear();
@@ -352,22 +348,22 @@ void OffloadModelImpl::zero_grad(bool /*set_to_none*/) {
 
 void OffloadModelImpl::step() {
   for (int64_t s = 0; s < num_slices(); ++s) {
-    Check(Ensure(s, 1), "step");
+    base::ThrowIfError(Ensure(s, 1), "OffloadModel::step");
     const Slice& slice = slices_[static_cast<size_t>(s)];
     for (size_t i : slice.params) {
       Param& q = params_[i];
       if (!q.grad_valid) continue;
       at::Tensor g = at::empty(q.sizes, q.tensor.options());
-      Check(tier_->ReadTensor(q.grad, g.data_ptr()), "step");
+      base::ThrowIfError(tier_->ReadTensor(q.grad, g.data_ptr()), "OffloadModel::step");
       q.tensor.mutable_grad() = g;
     }
-    Check(adam_->StepGroup(static_cast<size_t>(s)), "step");
+    adam_->step_group(static_cast<size_t>(s));
     for (size_t i : slice.params) {
       Param& q = params_[i];
-      Check(tier_->WriteTensor(q.value, q.tensor.data_ptr()), "step");
+      base::ThrowIfError(tier_->WriteTensor(q.value, q.tensor.data_ptr()), "OffloadModel::step");
       if (q.tensor.grad().defined()) q.tensor.mutable_grad().reset();
     }
-    Check(tier_->Commit(), "step");
+    base::ThrowIfError(tier_->Commit(), "OffloadModel::step");
   }
 }
 
@@ -394,13 +390,17 @@ void SaveCopies(const torch::nn::Module& m, torch::serialize::OutputArchive& arc
 
 void OffloadModelImpl::save(torch::serialize::OutputArchive& archive) const {
   auto* self = const_cast<OffloadModelImpl*>(this);
-  for (int64_t s = 0; s < num_slices(); ++s) Check(self->Ensure(s, 0, false), "save");
+  for (int64_t s = 0; s < num_slices(); ++s) {
+    base::ThrowIfError(self->Ensure(s, 0, false), "OffloadModel::save");
+  }
   SaveCopies(*seq_, archive);
   for (int64_t s = 0; s < num_slices(); ++s) self->Evict(s);
 }
 
 void OffloadModelImpl::load(torch::serialize::InputArchive& archive) {
-  for (int64_t s = 0; s < num_slices(); ++s) Check(Ensure(s, 0, false), "load");
+  for (int64_t s = 0; s < num_slices(); ++s) {
+    base::ThrowIfError(Ensure(s, 0, false), "OffloadModel::load");
+  }
   seq_->load(archive);
   at::NoGradGuard no_grad;
   // The archive's tensors may have replaced the parameters' storage: the values go to the tier
@@ -411,7 +411,7 @@ void OffloadModelImpl::load(torch::serialize::InputArchive& archive) {
                     v.scalar_type() == q.tensor.scalar_type(),
                 "OffloadModel::load: parameter ", q.name, " has another shape or dtype in the "
                 "archive");
-    Check(tier_->WriteTensor(q.value, v.data_ptr()), "load");
+    base::ThrowIfError(tier_->WriteTensor(q.value, v.data_ptr()), "OffloadModel::load");
     c10::DataPtr data = c10::GetAllocator(c10::kCPU)->allocate(q.nbytes);
     std::memcpy(data.get(), v.data_ptr(), q.nbytes);
     q.storage->set_data_ptr_noswap(std::move(data));
@@ -420,7 +420,7 @@ void OffloadModelImpl::load(torch::serialize::InputArchive& archive) {
     view.set_(c10::Storage(q.storage), 0, q.sizes, q.strides);
     q.tensor.set_data(view);
   }
-  Check(tier_->Commit(), "load");
+  base::ThrowIfError(tier_->Commit(), "OffloadModel::load");
   zero_grad();
   for (int64_t s = 0; s < num_slices(); ++s) Evict(s);
 }
@@ -429,7 +429,8 @@ std::vector<std::pair<std::string, at::Tensor>> OffloadModelImpl::parameters_sna
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const Param& q : params_) {
     at::Tensor t = at::empty(q.sizes, q.tensor.options().requires_grad(false));
-    Check(tier_->ReadTensor(q.value, t.data_ptr()), "parameters_snapshot");
+    base::ThrowIfError(tier_->ReadTensor(q.value, t.data_ptr()),
+                       "OffloadModel::parameters_snapshot");
     out.emplace_back(q.name, t);
   }
   return out;

@@ -31,8 +31,9 @@
 // memory. Outside forward/backward/step() a slice's parameters are empty (0 elements) unless it
 // is resident: read values with parameters_snapshot(), train with step() (not a torch optimizer
 // over parameters()). The wrapped Sequential must not be used on its own afterwards.
-// Errors (bad options, tier failures) raise c10::Error whose message carries the absl::Status
-// (the file, tensor and chunk for tier errors).
+// Errors (bad options, tier failures) raise c10::Error, "OffloadModel::<step>: <CODE>: <message>"
+// for tier errors (naming the file, tensor and chunk; //base:torch_error), OffloadedAdam's own
+// for the optimizer's (offloaded_optimizer.h).
 #pragma once
 
 #include <torch/arg.h>

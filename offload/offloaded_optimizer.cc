@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/torch_error.h"
 #include "offload/disk_tier.h"
 #include "offload/internal/adam_math.h"
 #include "offload/internal/io_worker.h"
@@ -49,21 +50,21 @@ absl::StatusOr<AdamHyper> GroupHyper(const torch::optim::OptimizerParamGroup& gr
   if (!decoupled) {
     const auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&o);
     if (a == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "OffloadedAdam: param group ", index, " has options that are not AdamOptions"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("param group ", index, " has options that are not AdamOptions"));
     }
     copy(*a);
   } else {
     const auto* a = dynamic_cast<const torch::optim::AdamWOptions*>(&o);
     if (a == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "OffloadedAdam (AdamW): param group ", index, " has options that are not AdamWOptions"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("param group ", index, " has options that are not AdamWOptions (AdamW)"));
     }
     copy(*a);
   }
   if (h.amsgrad) {
     return absl::InvalidArgumentError(
-        absl::StrCat("OffloadedAdam: param group ", index, ": amsgrad is not supported"));
+        absl::StrCat("param group ", index, ": amsgrad is not supported"));
   }
   return h;
 }
@@ -99,53 +100,49 @@ OffloadedAdam::~OffloadedAdam() = default;
 
 const std::string& OffloadedAdam::path() const { return tier_->name(); }
 
-absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
-    std::vector<torch::optim::OptimizerParamGroup> param_groups,
-    torch::optim::AdamOptions defaults, OffloadOptions options) {
-  return Init(std::unique_ptr<OffloadedAdam>(new OffloadedAdam(
-      std::move(param_groups), std::make_unique<torch::optim::AdamOptions>(defaults), false,
-      std::move(options))));
+OffloadedAdam::OffloadedAdam(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                             torch::optim::AdamOptions defaults, OffloadOptions options)
+    : OffloadedAdam(std::move(param_groups), std::make_unique<torch::optim::AdamOptions>(defaults),
+                    false, std::move(options)) {
+  base::ThrowIfError(Init(), "OffloadedAdam");
 }
 
-absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
-    std::vector<torch::optim::OptimizerParamGroup> param_groups,
-    torch::optim::AdamWOptions defaults, OffloadOptions options) {
-  return Init(std::unique_ptr<OffloadedAdam>(new OffloadedAdam(
-      std::move(param_groups), std::make_unique<torch::optim::AdamWOptions>(defaults), true,
-      std::move(options))));
+OffloadedAdam::OffloadedAdam(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                             torch::optim::AdamWOptions defaults, OffloadOptions options)
+    : OffloadedAdam(std::move(param_groups), std::make_unique<torch::optim::AdamWOptions>(defaults),
+                    true, std::move(options)) {
+  base::ThrowIfError(Init(), "OffloadedAdam");
 }
 
-absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Init(
-    std::unique_ptr<OffloadedAdam> opt) {
-  const OffloadOptions& o = opt->options_;
-  if (o.dir().empty()) return absl::InvalidArgumentError("OffloadedAdam: OffloadOptions.dir is empty");
+absl::Status OffloadedAdam::Init() {
+  const OffloadOptions& o = options_;
+  if (o.dir().empty()) return absl::InvalidArgumentError("OffloadOptions.dir is empty");
   std::error_code ec;
   std::filesystem::create_directories(o.dir(), ec);
   if (ec) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "OffloadedAdam: cannot create the offload directory ", o.dir(), ": ", ec.message()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create the offload directory ", o.dir(), ": ", ec.message()));
   }
   std::vector<TensorSpec> specs;
   std::set<const void*> seen;
-  for (size_t g = 0; g < opt->param_groups_.size(); ++g) {
-    absl::StatusOr<AdamHyper> h = GroupHyper(opt->param_groups_[g], opt->decoupled_, g);
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    absl::StatusOr<AdamHyper> h = GroupHyper(param_groups_[g], decoupled_, g);
     if (!h.ok()) return h.status();
-    opt->group_begin_.push_back(opt->params_.size());
-    for (const at::Tensor& p : opt->param_groups_[g].params()) {
-      const size_t i = opt->params_.size();
+    group_begin_.push_back(params_.size());
+    for (const at::Tensor& p : param_groups_[g].params()) {
+      const size_t i = params_.size();
       if (!p.defined() || !p.device().is_cpu() || !p.is_contiguous()) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "OffloadedAdam: parameter ", i, " (group ", g, ") must be a defined, contiguous CPU tensor"));
+            "parameter ", i, " (group ", g, ") must be a defined, contiguous CPU tensor"));
       }
       const c10::ScalarType t = p.scalar_type();
       if (t != c10::kFloat && t != c10::kBFloat16 && t != c10::kHalf) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "OffloadedAdam: parameter ", i, " has dtype ", c10::toString(t),
-            "; supported: Float, BFloat16, Half"));
+        return absl::InvalidArgumentError(absl::StrCat("parameter ", i, " has dtype ",
+                                                       c10::toString(t),
+                                                       "; supported: Float, BFloat16, Half"));
       }
       if (!seen.insert(p.unsafeGetTensorImpl()).second) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("OffloadedAdam: parameter ", i, " appears twice"));
+        return absl::InvalidArgumentError(absl::StrCat("parameter ", i, " appears twice"));
       }
       Param q;
       q.tensor = p;
@@ -159,36 +156,35 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Init(
         q.master = static_cast<int64_t>(specs.size());
         specs.push_back({absl::StrCat("p", i, ".master"), c10::kFloat, shape});
       }
-      opt->params_.push_back(std::move(q));
+      params_.push_back(std::move(q));
     }
   }
-  opt->group_begin_.push_back(opt->params_.size());
-  opt->steps_.assign(opt->params_.size(), 0);
-  specs.push_back({kSteps, c10::kLong, {static_cast<int64_t>(opt->params_.size())}});
-  specs.push_back({kHyper, c10::kDouble, {static_cast<int64_t>(opt->param_groups_.size()), 5}});
+  group_begin_.push_back(params_.size());
+  steps_.assign(params_.size(), 0);
+  specs.push_back({kSteps, c10::kLong, {static_cast<int64_t>(params_.size())}});
+  specs.push_back({kHyper, c10::kDouble, {static_cast<int64_t>(param_groups_.size()), 5}});
   const int64_t chunk_elems = std::max<int64_t>(1, o.chunk_bytes() / 4);
   absl::StatusOr<std::unique_ptr<DiskTier>> tier =
       DiskTier::Create(absl::StrCat(o.dir(), "/", o.name(), ".fso"), std::move(specs),
                        chunk_elems, o.sync());
   if (!tier.ok()) return tier.status();
-  opt->tier_ = *std::move(tier);
+  tier_ = *std::move(tier);
   // The f32 masters start as the parameters, converted chunk by chunk (bounded memory).
   at::NoGradGuard no_grad;
-  for (const Param& q : opt->params_) {
+  for (const Param& q : params_) {
     if (q.master < 0) continue;
     const at::Tensor flat = q.tensor.detach().view(-1);
-    for (int64_t c = 0; c < opt->tier_->num_chunks(q.master); ++c) {
-      at::Tensor chunk = flat.narrow(0, opt->tier_->chunk_begin(c),
-                                     opt->tier_->chunk_count(q.master, c))
-                             .to(c10::kFloat);
-      absl::Status s = opt->tier_->WriteChunk(q.master, c, chunk.data_ptr());
+    for (int64_t c = 0; c < tier_->num_chunks(q.master); ++c) {
+      at::Tensor chunk =
+          flat.narrow(0, tier_->chunk_begin(c), tier_->chunk_count(q.master, c)).to(c10::kFloat);
+      absl::Status s = tier_->WriteChunk(q.master, c, chunk.data_ptr());
       if (!s.ok()) return s;
     }
   }
-  absl::Status s = opt->StepGroups({});  // records steps + hyper-parameters, commits
+  absl::Status s = StepGroups({});  // records steps + hyper-parameters, commits
   if (!s.ok()) return s;
-  opt->io_ = std::make_unique<internal::IoWorker>();
-  return opt;
+  io_ = std::make_unique<internal::IoWorker>();
+  return absl::OkStatus();
 }
 
 absl::Status OffloadedAdam::CheckParam(size_t index) const {
@@ -199,16 +195,17 @@ absl::Status OffloadedAdam::CheckParam(size_t index) const {
       p.sizes() != c10::IntArrayRef(spec.shape) ||
       (q.master < 0) != (p.scalar_type() == c10::kFloat)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "OffloadedAdam: parameter ", index, " changed since Create: now ",
-        p.defined() ? absl::StrCat(c10::toString(p.scalar_type()), "[",
-                                   absl::StrJoin(p.sizes(), ", "), "]", p.is_contiguous() ? "" : " non-contiguous")
-                    : "undefined",
+        "parameter ", index, " changed since the optimizer was created: now ",
+        p.defined()
+            ? absl::StrCat(c10::toString(p.scalar_type()), "[", absl::StrJoin(p.sizes(), ", "), "]",
+                           p.is_contiguous() ? "" : " non-contiguous")
+            : "undefined",
         ", the state is for ", DescribeSpec(spec)));
   }
   const at::Tensor& g = p.grad();
   if (g.sizes() != p.sizes() || !g.device().is_cpu()) {
-    return absl::InvalidArgumentError(absl::StrCat("OffloadedAdam: parameter ", index,
-                                                   " has a gradient of another shape or device"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter ", index, " has a gradient of another shape or device"));
   }
   return absl::OkStatus();
 }
@@ -219,23 +216,19 @@ torch::Tensor OffloadedAdam::step(LossClosure closure) {
     at::AutoGradMode grad(true);
     loss = closure();
   }
-  absl::Status s = Step();
-  TORCH_CHECK(s.ok(), "OffloadedAdam::step: ", s.ToString());
+  std::vector<size_t> groups(param_groups_.size());
+  for (size_t g = 0; g < groups.size(); ++g) groups[g] = g;
+  base::ThrowIfError(StepGroups(groups), "OffloadedAdam::step");
   return loss;
 }
 
-absl::Status OffloadedAdam::Step() {
-  std::vector<size_t> groups(param_groups_.size());
-  for (size_t g = 0; g < groups.size(); ++g) groups[g] = g;
-  return StepGroups(groups);
-}
-
-absl::Status OffloadedAdam::StepGroup(size_t group) {
+void OffloadedAdam::step_group(size_t group) {
   if (group >= param_groups_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("OffloadedAdam: no param group ", group,
-                                                   " (have ", param_groups_.size(), ")"));
+    base::ThrowIfError(absl::InvalidArgumentError(absl::StrCat("no param group ", group, " (have ",
+                                                               param_groups_.size(), ")")),
+                       "OffloadedAdam::step_group");
   }
-  return StepGroups({group});
+  base::ThrowIfError(StepGroups({group}), "OffloadedAdam::step_group");
 }
 
 absl::Status OffloadedAdam::StepGroups(const std::vector<size_t>& groups) {
@@ -374,7 +367,15 @@ absl::Status OffloadedAdam::WriteStepsAndHyper(Tier& tier) const {
   return tier.WriteTensor(hyper_i, hv.data());
 }
 
-absl::Status OffloadedAdam::Save(const std::string& path) const {
+void OffloadedAdam::save(const std::string& path) const {
+  base::ThrowIfError(SaveTier(path), "OffloadedAdam::save");
+}
+
+void OffloadedAdam::load(const std::string& path) {
+  base::ThrowIfError(LoadTier(path), "OffloadedAdam::load");
+}
+
+absl::Status OffloadedAdam::SaveTier(const std::string& path) const {
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
   absl::StatusOr<std::unique_ptr<DiskTier>> out =
       DiskTier::Create(tmp, tier_->specs(), tier_->chunk_elems(), /*sync=*/true);
@@ -387,8 +388,8 @@ absl::Status OffloadedAdam::Save(const std::string& path) const {
   if (s.ok()) s = (*out)->Commit();
   if (s.ok()) s = (*out)->Close();
   if (s.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) {
-    s = absl::DataLossError(absl::StrCat("OffloadedAdam::Save: cannot rename ", tmp, " to ",
-                                         path, ": ", std::strerror(errno)));
+    s = absl::DataLossError(
+        absl::StrCat("cannot rename ", tmp, " to ", path, ": ", std::strerror(errno)));
   }
   if (!s.ok()) {
     std::remove(tmp.c_str());
@@ -397,7 +398,7 @@ absl::Status OffloadedAdam::Save(const std::string& path) const {
   return SyncDir(std::filesystem::path(path).parent_path().string());
 }
 
-absl::Status OffloadedAdam::Load(const std::string& path) {
+absl::Status OffloadedAdam::LoadTier(const std::string& path) {
   absl::StatusOr<std::unique_ptr<DiskTier>> in =
       DiskTier::Open(path, tier_->specs(), {.expected_session = 0, .verify_all = true});
   if (!in.ok()) return in.status();

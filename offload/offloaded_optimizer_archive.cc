@@ -6,6 +6,7 @@
 #include <torch/optim/serialize.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/torch_error.h"
 #include "offload/offloaded_optimizer.h"
 #include "offload/tier.h"
 
@@ -34,10 +35,8 @@ void OffloadedAdam::save(torch::serialize::OutputArchive& archive) const {
     at::Tensor v = at::zeros(q.tensor.sizes(), at::kFloat);
     absl::Status s = tier_->ReadTensor(q.exp_avg, m.data_ptr());
     if (s.ok()) s = tier_->ReadTensor(q.exp_avg_sq, v.data_ptr());
-    if (!s.ok()) {
-      state.clear();
-      TORCH_CHECK(false, "OffloadedAdam::save: ", s.ToString());
-    }
+    if (!s.ok()) state.clear();
+    base::ThrowIfError(s, "OffloadedAdam::save");
     const std::string key = c10::guts::to_string(q.tensor.unsafeGetTensorImpl());
     if (decoupled_) {
       state[key] = MakeState<torch::optim::AdamWParamState>(steps_[i], m, v);
@@ -107,7 +106,7 @@ void OffloadedAdam::load(torch::serialize::InputArchive& archive) {
   }
   state_.clear();
   if (s.ok()) s = StepGroups({});  // records steps + hyper-parameters, commits
-  TORCH_CHECK(s.ok(), "OffloadedAdam::load: ", s.ToString());
+  base::ThrowIfError(s, "OffloadedAdam::load");
 }
 
 }  // namespace fairscale::offload

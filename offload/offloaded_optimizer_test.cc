@@ -4,6 +4,7 @@
 // checkpoints both ways.
 #include "offload/offloaded_optimizer.h"
 
+#include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adam.h>
@@ -12,19 +13,17 @@
 #include <torch/serialize/output-archive.h>
 
 #include <cstdlib>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "base/status_matchers.h"
-
 namespace fairscale::offload {
 namespace {
 
-using ::fairscale::base::testing::IsOk;
-using ::fairscale::base::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
 
 std::string TmpDir(const std::string& name) {
   const char* dir = std::getenv("TEST_TMPDIR");
@@ -102,11 +101,10 @@ std::unique_ptr<torch::optim::Optimizer> Reference(const std::vector<at::Tensor>
 
 std::unique_ptr<OffloadedAdam> Offloaded(const std::vector<at::Tensor>& ps, bool adamw,
                                          OffloadOptions o) {
-  absl::StatusOr<std::unique_ptr<OffloadedAdam>> opt =
-      adamw ? OffloadedAdam::Create(Groups(ps, true), torch::optim::AdamWOptions(), o)
-            : OffloadedAdam::Create(Groups(ps, false), torch::optim::AdamOptions(), o);
-  EXPECT_THAT(opt.status(), IsOk());
-  return opt.ok() ? *std::move(opt) : nullptr;
+  if (adamw) {
+    return std::make_unique<OffloadedAdam>(Groups(ps, true), torch::optim::AdamWOptions(), o);
+  }
+  return std::make_unique<OffloadedAdam>(Groups(ps, false), torch::optim::AdamOptions(), o);
 }
 
 struct Case {
@@ -120,10 +118,9 @@ TEST_P(MatchesTorchTest, TenStepsEqualInMemoryOptimizer) {
   const Case c = GetParam();
   std::vector<at::Tensor> ref = MakeParams(), off = Clone(ref, c10::kFloat);
   auto ref_opt = Reference(ref, c.adamw);
-  auto off_opt = Offloaded(
-      off, c.adamw,
-      OffloadOptions(TmpDir(c.adamw ? "w" : "a")).chunk_bytes(64).prefetch(c.prefetch));
-  ASSERT_NE(off_opt, nullptr);
+  auto off_opt =
+      Offloaded(off, c.adamw,
+                OffloadOptions(TmpDir(c.adamw ? "w" : "a")).chunk_bytes(64).prefetch(c.prefetch));
   for (int step = 0; step < 10; ++step) {
     if (step == 5) {  // an LR scheduler changes the group lr between steps
       SetLr(*ref_opt, 1, 0.02, c.adamw);
@@ -150,7 +147,6 @@ TEST(OffloadedAdamTest, Bf16ParamsWithF32MasterMatchF32Reference) {
     auto ref_opt = Reference(ref, adamw);
     auto off_opt =
         Offloaded(off, adamw, OffloadOptions(TmpDir(adamw ? "bf16w" : "bf16")).chunk_bytes(40));
-    ASSERT_NE(off_opt, nullptr);
     for (int step = 0; step < 10; ++step) {
       SetGrads(off, step, c10::kBFloat16);  // bf16 gradients ...
       SetGrads(ref, step, c10::kBFloat16);  // ... and the same values in f32
@@ -176,12 +172,12 @@ TEST(OffloadedAdamTest, SaveLoadRoundTripContinuesIdentically) {
   SetLr(*a_opt, 0, 0.05, false);
   SetLr(*ref_opt, 0, 0.05, false);
   const std::string ckpt = TmpDir("rt_ckpt.fso");
-  ASSERT_OK(a_opt->Save(ckpt));
+  a_opt->save(ckpt);
   // A new optimizer (new parameters with the saved values, default lr) resumes from the file.
   // ... with another chunk size than the file's.
   std::vector<at::Tensor> b = Clone(a, c10::kBFloat16);
   auto b_opt = Offloaded(b, false, OffloadOptions(TmpDir("rt_b")).chunk_bytes(36));
-  ASSERT_OK(b_opt->Load(ckpt));
+  b_opt->load(ckpt);
   EXPECT_EQ(static_cast<torch::optim::AdamOptions&>(b_opt->param_groups()[0].options()).lr(),
             0.05);
   EXPECT_EQ(b_opt->step_count(4), 5);
@@ -198,19 +194,21 @@ TEST(OffloadedAdamTest, LoadRejectsBadFiles) {
   std::vector<at::Tensor> a = MakeParams();
   auto a_opt = Offloaded(a, false, OffloadOptions(TmpDir("bad_a")).chunk_bytes(64));
   const std::string ckpt = TmpDir("bad_ckpt.fso");
-  ASSERT_OK(a_opt->Save(ckpt));
-  // Another layout (one parameter fewer): kInvalidArgument naming the file and tensor.
+  a_opt->save(ckpt);
+  // Another layout (one parameter fewer): INVALID_ARGUMENT naming the file and tensor.
   std::vector<at::Tensor> fewer(a.begin(), a.end() - 1);
-  auto f_opt = *OffloadedAdam::Create({torch::optim::OptimizerParamGroup(Clone(fewer, c10::kFloat))},
-                                      torch::optim::AdamOptions(),
-                                      OffloadOptions(TmpDir("bad_f")).chunk_bytes(64));
-  EXPECT_THAT(f_opt->Load(ckpt),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(ckpt)));
-  // Truncated: kDataLoss.
+  OffloadedAdam f_opt({torch::optim::OptimizerParamGroup(Clone(fewer, c10::kFloat))},
+                      torch::optim::AdamOptions(), OffloadOptions(TmpDir("bad_f")).chunk_bytes(64));
+  EXPECT_THAT([&] { f_opt.load(ckpt); },
+              ThrowsMessage<c10::Error>(
+                  AllOf(HasSubstr("OffloadedAdam::load: INVALID_ARGUMENT"), HasSubstr(ckpt))));
+  // Truncated: DATA_LOSS.
   ASSERT_EQ(::truncate(ckpt.c_str(), 5000), 0);
-  EXPECT_THAT(a_opt->Load(ckpt),
-              StatusIs(absl::StatusCode::kDataLoss, AllOf(HasSubstr(ckpt), HasSubstr("truncated"))));
-  EXPECT_THAT(a_opt->Load(TmpDir("missing.fso")), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT([&] { a_opt->load(ckpt); },
+              ThrowsMessage<c10::Error>(AllOf(HasSubstr("OffloadedAdam::load: DATA_LOSS"),
+                                              HasSubstr(ckpt), HasSubstr("truncated"))));
+  EXPECT_THAT([&] { a_opt->load(TmpDir("missing.fso")); },
+              ThrowsMessage<c10::Error>(HasSubstr("OffloadedAdam::load: NOT_FOUND")));
 }
 
 TEST(OffloadedAdamTest, ArchiveLayoutIsTorchAdams) {
@@ -271,41 +269,42 @@ TEST(OffloadedAdamTest, ArchiveLayoutIsTorchAdams) {
 
 TEST(OffloadedAdamTest, Errors) {
   std::vector<at::Tensor> ps = MakeParams();
-  EXPECT_THAT(OffloadedAdam::Create({torch::optim::OptimizerParamGroup(ps)},
-                                    torch::optim::AdamOptions().amsgrad(true),
-                                    OffloadOptions(TmpDir("e1")))
-                  .status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("amsgrad")));
-  EXPECT_THAT(OffloadedAdam::Create({torch::optim::OptimizerParamGroup(ps)},
-                                    torch::optim::AdamOptions(), OffloadOptions(""))
-                  .status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dir")));
+  auto create = [](std::vector<at::Tensor> params, torch::optim::AdamOptions adam,
+                   OffloadOptions options) {
+    OffloadedAdam({torch::optim::OptimizerParamGroup(std::move(params))}, adam, options);
+  };
+  EXPECT_THAT([&] { create(ps, torch::optim::AdamOptions().amsgrad(true), TmpDir("e1")); },
+              ThrowsMessage<c10::Error>(
+                  AllOf(HasSubstr("OffloadedAdam: INVALID_ARGUMENT"), HasSubstr("amsgrad"))));
+  EXPECT_THAT([&] { create(ps, torch::optim::AdamOptions(), OffloadOptions("")); },
+              ThrowsMessage<c10::Error>(
+                  AllOf(HasSubstr("OffloadedAdam: INVALID_ARGUMENT"), HasSubstr("dir"))));
   std::vector<at::Tensor> dbl = {torch::zeros({3}, at::kDouble).requires_grad_(true)};
-  EXPECT_THAT(OffloadedAdam::Create({torch::optim::OptimizerParamGroup(dbl)},
-                                    torch::optim::AdamOptions(), OffloadOptions(TmpDir("e2")))
-                  .status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("Double")));
+  EXPECT_THAT([&] { create(dbl, torch::optim::AdamOptions(), TmpDir("e2")); },
+              ThrowsMessage<c10::Error>(
+                  AllOf(HasSubstr("OffloadedAdam: INVALID_ARGUMENT"), HasSubstr("Double"))));
   auto first = Offloaded(ps, false, OffloadOptions(TmpDir("e3")));
   // The same file twice: the second is refused while the first holds it.
-  EXPECT_THAT(OffloadedAdam::Create({torch::optim::OptimizerParamGroup(Clone(ps, c10::kFloat))},
-                                    torch::optim::AdamOptions(), OffloadOptions(TmpDir("e3")))
-                  .status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("in use")));
-  // A parameter whose shape changed since Create.
+  EXPECT_THAT([&] { create(Clone(ps, c10::kFloat), torch::optim::AdamOptions(), TmpDir("e3")); },
+              ThrowsMessage<c10::Error>(
+                  AllOf(HasSubstr("OffloadedAdam: FAILED_PRECONDITION"), HasSubstr("in use"))));
+  // A parameter whose shape changed since the optimizer was created.
   SetGrads(ps, 0, c10::kFloat);
   ps[3].set_data(torch::zeros({5, 3}));
   ps[3].mutable_grad() = torch::zeros({5, 3});
-  EXPECT_THAT(first->Step(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       AllOf(HasSubstr("parameter 3"), HasSubstr("Float[5, 3]"))));
-  EXPECT_THROW(first->step(), c10::Error);
+  EXPECT_THAT([&] { first->step(); },
+              ThrowsMessage<c10::Error>(AllOf(HasSubstr("OffloadedAdam::step: INVALID_ARGUMENT"),
+                                              HasSubstr("parameter 3"), HasSubstr("Float[5, 3]"))));
+  EXPECT_THAT([&] { first->step_group(2); },
+              ThrowsMessage<c10::Error>(
+                  HasSubstr("OffloadedAdam::step_group: INVALID_ARGUMENT: no param group 2")));
 }
 
 TEST(OffloadedAdamTest, CorruptStateFileFailsTheStep) {
   std::vector<at::Tensor> ps = MakeParams();
   auto opt = Offloaded(ps, false, OffloadOptions(TmpDir("corrupt")).chunk_bytes(64));
   SetGrads(ps, 0, c10::kFloat);
-  ASSERT_OK(opt->Step());
+  opt->step();
   // Overwrite the tail of the data region (the last tensors' chunks) behind the optimizer's back.
   {
     FILE* f = std::fopen(opt->path().c_str(), "r+b");
@@ -316,19 +315,21 @@ TEST(OffloadedAdamTest, CorruptStateFileFailsTheStep) {
     std::fclose(f);
   }
   SetGrads(ps, 1, c10::kFloat);
-  EXPECT_THAT(opt->Step(), StatusIs(absl::StatusCode::kDataLoss,
-                                    AllOf(HasSubstr(opt->path()), HasSubstr("checksum mismatch"))));
+  EXPECT_THAT([&] { opt->step(); }, ThrowsMessage<c10::Error>(AllOf(
+                                        HasSubstr("OffloadedAdam::step: DATA_LOSS"),
+                                        HasSubstr(opt->path()), HasSubstr("checksum mismatch"))));
 }
 
 TEST(OffloadedAdamTest, ReplacedStateFileFailsTheStep) {
   std::vector<at::Tensor> ps = MakeParams();
   auto opt = Offloaded(ps, false, OffloadOptions(TmpDir("replaced")));
   const std::string other = TmpDir("replaced_other.fso");
-  ASSERT_OK(opt->Save(other));
+  opt->save(other);
   ASSERT_EQ(std::rename(other.c_str(), opt->path().c_str()), 0);
   SetGrads(ps, 0, c10::kFloat);
-  EXPECT_THAT(opt->Step(), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                    AllOf(HasSubstr(opt->path()), HasSubstr("replaced"))));
+  EXPECT_THAT([&] { opt->step(); },
+              ThrowsMessage<c10::Error>(AllOf(HasSubstr("OffloadedAdam::step: FAILED_PRECONDITION"),
+                                              HasSubstr(opt->path()), HasSubstr("replaced"))));
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "base/torch_error.h"
 #include "examples/gpt/checkpoint_dir.h"
 #include "examples/gpt/parallel_model_internal.h"
 #include "fsdp/fully_sharded_data_parallel.h"
@@ -92,7 +93,7 @@ double AllReduceSum(comm::Communicator& comm, double value, const char* what) {
   const absl::Status st = comm.AllReduce(comm::MakeConstBuffer(&value, 1),
                                          comm::MakeBuffer(&total, 1), comm::ReduceOp::kSum)
                               .Wait();
-  TORCH_CHECK(st.ok(), what, ": ", st.ToString());
+  base::ThrowIfError(st, what);
   return total;
 }
 
@@ -407,16 +408,17 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (config.optimizer_offload == "disk") {
     // The state of this rank's f32 shards on the disk tier, one file per rank.
-    absl::StatusOr<std::unique_ptr<offload::OffloadedAdam>> offloaded = offload::OffloadedAdam::Create(
-        {torch::optim::OptimizerParamGroup(model->parameters())}, adam,
-        offload::OffloadOptions(config.offload_dir)
-            .name(absl::StrCat("rank", comm->rank()))
-            .chunk_bytes(config.offload_chunk_bytes));
-    if (!offloaded.ok()) {
-      return absl::Status(offloaded.status().code(),
-                          absl::StrCat("optimizer_offload disk: ", offloaded.status().message()));
+    try {
+      opt = std::make_unique<offload::OffloadedAdam>(
+          std::vector{torch::optim::OptimizerParamGroup(model->parameters())}, adam,
+          offload::OffloadOptions(config.offload_dir)
+              .name(absl::StrCat("rank", comm->rank()))
+              .chunk_bytes(config.offload_chunk_bytes));
+    } catch (const c10::Error& e) {
+      // kUnknown: the code is the one in the message ("OffloadedAdam: FAILED_PRECONDITION: ...").
+      return absl::UnknownError(
+          absl::StrCat("optimizer_offload disk: ", e.what_without_backtrace()));
     }
-    opt = std::move(*offloaded);
   } else {
     opt = std::make_unique<torch::optim::Adam>(model->parameters(), adam);
   }

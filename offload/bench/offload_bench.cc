@@ -116,8 +116,8 @@ int Main() {
                      }});
   configs.push_back({"in memory, OffloadedAdam (state on disk tier)", [dir, chunk] {
                        auto model = MakeGpt();
-                       std::shared_ptr<OffloadedAdam> opt = *OffloadedAdam::Create(
-                           {torch::optim::OptimizerParamGroup(model->parameters())},
+                       auto opt = std::make_shared<OffloadedAdam>(
+                           std::vector{torch::optim::OptimizerParamGroup(model->parameters())},
                            torch::optim::AdamOptions(1e-3),
                            OffloadOptions(dir).name("bench_adam").chunk_bytes(chunk));
                        return [model, opt](const at::Tensor& x, const at::Tensor& y) mutable {
