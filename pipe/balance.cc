@@ -8,8 +8,10 @@
 #include <limits>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/torch_error.h"
 
 namespace fairscale::pipe {
 namespace {
@@ -27,28 +29,28 @@ int64_t Bytes(const std::vector<at::Tensor>& ts) {
 }
 
 absl::Status CheckArgs(int64_t partitions, const torch::nn::Sequential& model,
-                       const at::Tensor& sample, const char* fn) {
+                       const at::Tensor& sample) {
   if (model.is_empty() || model->size() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(fn, ": the model has no layers"));
+    return absl::InvalidArgumentError("the model has no layers");
   }
   if (!sample.defined() || sample.dim() == 0 || sample.size(0) == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(fn, ": the sample needs at least one row"));
+    return absl::InvalidArgumentError("the sample needs at least one row");
   }
   if (partitions < 1 || partitions > static_cast<int64_t>(model->size())) {
-    return absl::InvalidArgumentError(absl::StrCat(fn, ": ", partitions, " partitions for ",
-                                                   model->size(), " layers"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(partitions, " partitions for ", model->size(), " layers"));
   }
   return absl::OkStatus();
 }
 
 }  // namespace
 
-absl::StatusOr<std::vector<int64_t>> balance_by_cost(int64_t partitions,
-                                                     const std::vector<double>& costs) {
+std::vector<int64_t> balance_by_cost(int64_t partitions, const std::vector<double>& costs) {
   const int64_t n = static_cast<int64_t>(costs.size());
   if (partitions < 1 || partitions > n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("balance_by_cost: ", partitions, " partitions for ", n, " layers"));
+    base::ThrowIfError(
+        absl::InvalidArgumentError(absl::StrCat(partitions, " partitions for ", n, " layers")),
+        "pipe::balance_by_cost");
   }
   std::vector<double> prefix(n + 1, 0.0);
   for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
@@ -79,13 +81,12 @@ absl::StatusOr<std::vector<int64_t>> balance_by_cost(int64_t partitions,
   return balance;
 }
 
-absl::StatusOr<std::vector<int64_t>> balance_by_size(int64_t partitions,
-                                                     torch::nn::Sequential model,
-                                                     const at::Tensor& sample, int64_t chunks,
-                                                     double param_scale) {
-  absl::Status s = CheckArgs(partitions, model, sample, "balance_by_size");
-  if (!s.ok()) return s;
-  if (chunks < 1) return absl::InvalidArgumentError("balance_by_size: chunks must be >= 1");
+std::vector<int64_t> balance_by_size(int64_t partitions, torch::nn::Sequential model,
+                                     const at::Tensor& sample, int64_t chunks, double param_scale) {
+  base::ThrowIfError(CheckArgs(partitions, model, sample), "pipe::balance_by_size");
+  if (chunks < 1) {
+    base::ThrowIfError(absl::InvalidArgumentError("chunks must be >= 1"), "pipe::balance_by_size");
+  }
   const int64_t rows = (sample.size(0) + chunks - 1) / chunks;
   c10::NoGradGuard no_grad;
   torch::nn::AnyValue v(sample.narrow(0, 0, std::min(rows, sample.size(0))));
@@ -101,12 +102,9 @@ absl::StatusOr<std::vector<int64_t>> balance_by_size(int64_t partitions,
   return balance_by_cost(partitions, costs);
 }
 
-absl::StatusOr<std::vector<int64_t>> balance_by_time(int64_t partitions,
-                                                     torch::nn::Sequential model,
-                                                     const at::Tensor& sample,
-                                                     int64_t repetitions) {
-  absl::Status s = CheckArgs(partitions, model, sample, "balance_by_time");
-  if (!s.ok()) return s;
+std::vector<int64_t> balance_by_time(int64_t partitions, torch::nn::Sequential model,
+                                     const at::Tensor& sample, int64_t repetitions) {
+  base::ThrowIfError(CheckArgs(partitions, model, sample), "pipe::balance_by_time");
   c10::AutoGradMode grad_mode(true);
   std::vector<double> costs(model->size(), std::numeric_limits<double>::infinity());
   for (int64_t r = 0; r < std::max<int64_t>(repetitions, 1); ++r) {

@@ -1,7 +1,7 @@
 // Failures: a stage that throws (in forward, in backward, in the loss) or gets a bad batch makes
-// every rank's train_step fail with an error naming that stage, never a hang; the pipe stays
+// every rank's train_step raise a c10::Error naming that stage, never a hang; the pipe stays
 // failed afterwards (also with interleaved 1F1B, naming the virtual stage); bad configurations
-// are kInvalidArgument from Create.
+// raise INVALID_ARGUMENT from Create.
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/activation.h>
@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "base/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "pipe/pipe.h"
@@ -22,8 +22,7 @@
 namespace fairscale::pipe {
 namespace {
 
-using base::testing::IsOk;
-using base::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -68,36 +67,47 @@ struct Case {
 };
 
 // Runs case `c` on `world` ranks with `options` (timeout 20 s): every rank's train_step must
-// fail with an error naming "pipe stage <failing_stage>/<world>" and c.what, and a second
-// train_step must then say the pipe failed earlier (kFailedPrecondition).
+// raise "pipe::Pipe::train_step: ..." naming "pipe stage <failing_stage>/<world>" and c.what
+// (what error() then returns), and a second train_step must then say the pipe failed earlier
+// (FAILED_PRECONDITION).
 void ExpectEveryRankNamesTheFailure(const Case& c, int world, const PipeOptions& options,
                                     const std::string& at) {
   const std::string stage_name = absl::StrCat("pipe stage ", c.failing_stage, "/", world);
   std::vector<absl::Status> statuses = testing::RunInproc(
       world,
       [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-        absl::StatusOr<std::unique_ptr<Pipe>> pipe =
+        std::unique_ptr<Pipe> pipe =
             Pipe::Create(MakeModel(c.boom), comm, PipeOptions(options).timeout(absl::Seconds(20)));
-        if (!pipe.ok()) return pipe.status();
         LossFn loss = [&](const at::Tensor& out, const at::Tensor& y) {
           TORCH_CHECK(!c.loss_throws, "bad loss");
           return testing::Mse(out, y);
         };
-        absl::StatusOr<at::Tensor> first = (*pipe)->train_step(
-            testing::Inputs(c.input_rows, 1), testing::Targets(12, 2), loss);
-        if (first.ok()) return absl::InternalError("train_step succeeded");
-        // A failed pipe stays failed.
-        absl::StatusOr<at::Tensor> again = (*pipe)->train_step(
-            testing::Inputs(12, 1), testing::Targets(12, 2), testing::Mse);
-        if (again.status().code() != absl::StatusCode::kFailedPrecondition) {
-          return absl::InternalError(
-              absl::StrCat("second train_step: ", again.status().ToString()));
+        // The c10::Errors train_step raises, as Statuses carrying their messages.
+        const absl::Status first = testing::CatchErrors([&] {
+          pipe->train_step(testing::Inputs(c.input_rows, 1), testing::Targets(12, 2), loss);
+          return absl::InternalError("train_step succeeded");
+        });
+        if (!pipe->failed() ||
+            first.message() != absl::StrCat("pipe::Pipe::train_step: ", pipe->error())) {
+          return absl::InternalError(absl::StrCat("first train_step raised '", first.message(),
+                                                  "', error() is '", pipe->error(), "'"));
         }
-        return first.status();
+        // A failed pipe stays failed.
+        const absl::Status again = testing::CatchErrors([&] {
+          pipe->train_step(testing::Inputs(12, 1), testing::Targets(12, 2), testing::Mse);
+          return absl::OkStatus();
+        });
+        if (!absl::StrContains(again.message(), "pipe::Pipe::train_step: FAILED_PRECONDITION: ") ||
+            !absl::StrContains(again.message(), "the pipe failed earlier")) {
+          return absl::InternalError(absl::StrCat("second train_step: ", again.ToString()));
+        }
+        return first;
       },
       absl::Seconds(20));
   for (int r = 0; r < world; ++r) {
     EXPECT_FALSE(statuses[r].ok()) << at << " rank " << r;
+    EXPECT_THAT(std::string(statuses[r].message()), HasSubstr("pipe::Pipe::train_step: "))
+        << at << " rank " << r;
     EXPECT_THAT(std::string(statuses[r].message()), HasSubstr(stage_name)) << at << " rank " << r;
     EXPECT_THAT(std::string(statuses[r].message()), HasSubstr(c.what)) << at << " rank " << r;
     EXPECT_THAT(statuses[r].message(), Not(HasSubstr("train_step succeeded"))) << at;
@@ -144,6 +154,7 @@ TEST(FailureTest, InterleavedEveryRankNamesTheFailingStage) {
   }
 }
 
+// Create raises INVALID_ARGUMENT naming the function and the rank, on every rank.
 TEST(FailureTest, BadConfigurationIsInvalidArgument) {
   struct Config {
     int world;
@@ -161,13 +172,16 @@ TEST(FailureTest, BadConfigurationIsInvalidArgument) {
   for (const Config& config : configs) {
     std::vector<absl::Status> statuses = testing::RunInproc(
         config.world, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-          return Pipe::Create(MakeModel(Boom::kNone), comm,
-                              PipeOptions().balance(config.balance).chunks(config.chunks))
-              .status();
+          Pipe::Create(MakeModel(Boom::kNone), comm,
+                       PipeOptions().balance(config.balance).chunks(config.chunks));
+          return absl::OkStatus();
         });
     for (int r = 0; r < config.world; ++r) {
-      EXPECT_THAT(statuses[r], StatusIs(absl::StatusCode::kInvalidArgument,
-                                        HasSubstr(config.message)))
+      EXPECT_FALSE(statuses[r].ok()) << config.message << " rank " << r;
+      EXPECT_THAT(std::string(statuses[r].message()),
+                  AllOf(HasSubstr(absl::StrCat("pipe::Pipe::Create (rank ", r, "/", config.world,
+                                               "): INVALID_ARGUMENT: ")),
+                        HasSubstr(config.message)))
           << config.message << " rank " << r;
     }
   }

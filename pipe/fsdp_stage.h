@@ -2,11 +2,11 @@
 // On a PipeGrid (grid.h) the ranks that hold the same stage (grid.data) shard that stage's
 // parameters with fsdp::FullyShardedDataParallel instead of all-reducing full gradients:
 //
-//   auto grid = MakePipeGrid(world, /*stages=*/2);                 // 4 ranks: a 2 x 2 grid
-//   auto pipe = Pipe::Create(model, grid->pipe, PipeOptions().chunks(4).wrap_stage(
-//       fsdp_stage(grid->data, fsdp::FsdpOptions().sharding_strategy(kFullShard))));
-//   torch::optim::Adam opt((*pipe)->parameters(), 1e-3);           // this rank's shards
-//   (*pipe)->train_step(my_rows_x, my_rows_y, loss_fn);             // no all_reduce_gradients:
+//   PipeGrid grid = MakePipeGrid(world, /*stages=*/2);             // 4 ranks: a 2 x 2 grid
+//   auto pipe = Pipe::Create(model, grid.pipe, PipeOptions().chunks(4).wrap_stage(
+//       fsdp_stage(grid.data, fsdp::FsdpOptions().sharding_strategy(kFullShard))));
+//   torch::optim::Adam opt(pipe->parameters(), 1e-3);               // this rank's shards
+//   pipe->train_step(my_rows_x, my_rows_y, loss_fn);                // no all_reduce_gradients:
 //   opt.step();                                                     // FSDP reduced them
 //
 // The stage is one FSDP unit (its flat parameter is every parameter of the stage). Each

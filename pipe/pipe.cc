@@ -5,6 +5,7 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/torch_error.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/torch/tensor_buffer.h"
 #include "pipe/internal/wire.h"
@@ -101,6 +103,19 @@ namespace {
 using internal::Boundary;
 using internal::Orphans;
 
+// "pipe::Pipe::Create (rank 1/4)": the context of the c10::Error Create and CreateForStage raise.
+std::string Where(const char* function, const comm::Communicator* comm) {
+  return comm ? absl::StrCat(function, " (rank ", comm->rank(), "/", comm->size(), ")") : function;
+}
+
+// An exception's message without c10's backtrace (it travels to the other stages).
+std::string WhatOf(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    return c10_error->what_without_backtrace();
+  }
+  return e.what();
+}
+
 absl::Status Annotate(const absl::Status& s, const std::string& context) {
   if (s.ok()) return s;
   return absl::Status(s.code(), absl::StrCat(context, ": ", s.message()));
@@ -146,19 +161,30 @@ std::vector<internal::TensorLayout> Layouts(const std::vector<at::Tensor>& ts) {
 
 Pipe::~Pipe() = default;
 
-absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Create(torch::nn::Sequential model,
-                                                   std::shared_ptr<comm::Communicator> comm,
-                                                   PipeOptions options) {
-  const std::string where =
-      comm ? absl::StrCat("pipe::Pipe::Create (rank ", comm->rank(), "/", comm->size(), ")")
-           : "pipe::Pipe::Create";
-  if (!comm) return absl::InvalidArgumentError(absl::StrCat(where, ": null communicator"));
+std::unique_ptr<Pipe> Pipe::Create(torch::nn::Sequential model,
+                                   std::shared_ptr<comm::Communicator> comm, PipeOptions options) {
+  const std::string where = Where("pipe::Pipe::Create", comm.get());
+  return base::ValueOrThrow(Build(std::move(model), std::move(comm), std::move(options)), where);
+}
+
+std::unique_ptr<Pipe> Pipe::CreateForStage(torch::nn::Sequential stage_layers,
+                                           std::shared_ptr<comm::Communicator> comm,
+                                           PipeOptions options) {
+  const std::string where = Where("pipe::Pipe::CreateForStage", comm.get());
+  return base::ValueOrThrow(
+      BuildForStage(std::move(stage_layers), std::move(comm), std::move(options)), where);
+}
+
+absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Build(torch::nn::Sequential model,
+                                                  std::shared_ptr<comm::Communicator> comm,
+                                                  PipeOptions options) {
+  if (!comm) return absl::InvalidArgumentError("null communicator");
   if (model.is_empty() || model->size() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": the model has no layers"));
+    return absl::InvalidArgumentError("the model has no layers");
   }
   if (options.virtual_stages() < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": virtual stages must be >= 1, got ",
-                                                   options.virtual_stages()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("virtual stages must be >= 1, got ", options.virtual_stages()));
   }
   const int64_t ranks = comm->size();
   const int64_t v = options.virtual_stages();
@@ -168,8 +194,7 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Create(torch::nn::Sequential model,
       v == 1 ? absl::StrCat(stages, " stages (one per rank)")
              : absl::StrCat(stages, " virtual stages (", ranks, " ranks x ", v, ")");
   if (stages > layers) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", stages_text,
-                                                   " but the model has only ", layers,
+    return absl::InvalidArgumentError(absl::StrCat(stages_text, " but the model has only ", layers,
                                                    " layers; every stage needs at least one"));
   }
   std::vector<int64_t> balance = options.balance();
@@ -178,22 +203,22 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Create(torch::nn::Sequential model,
   }
   if (static_cast<int64_t>(balance.size()) != stages) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, ": balance {", absl::StrJoin(balance, ", "), "} has ", balance.size(),
+        "balance {", absl::StrJoin(balance, ", "), "} has ", balance.size(),
         " entries but the communicator has ", ranks, " ranks (",
         v == 1 ? std::string("one stage per rank") : absl::StrCat(v, " virtual stages per rank"),
         ")"));
   }
   for (size_t s = 0; s < balance.size(); ++s) {
     if (balance[s] < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": balance[", s, "] = ", balance[s], "; every stage needs at least one layer"));
+      return absl::InvalidArgumentError(absl::StrCat("balance[", s, "] = ", balance[s],
+                                                     "; every stage needs at least one layer"));
     }
   }
   const int64_t sum = std::accumulate(balance.begin(), balance.end(), int64_t{0});
   if (sum != layers) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": balance {",
-                                                   absl::StrJoin(balance, ", "), "} sums to ", sum,
-                                                   " but the model has ", layers, " layers"));
+    return absl::InvalidArgumentError(absl::StrCat("balance {", absl::StrJoin(balance, ", "),
+                                                   "} sums to ", sum, " but the model has ", layers,
+                                                   " layers"));
   }
   const auto children = model->named_children();
   std::vector<torch::nn::Sequential> chunks;
@@ -211,22 +236,19 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Create(torch::nn::Sequential model,
               std::move(balance));
 }
 
-absl::StatusOr<std::unique_ptr<Pipe>> Pipe::CreateForStage(
-    torch::nn::Sequential stage_layers, std::shared_ptr<comm::Communicator> comm,
-    PipeOptions options) {
-  const std::string where =
-      comm ? absl::StrCat("pipe::Pipe::CreateForStage (rank ", comm->rank(), "/", comm->size(), ")")
-           : "pipe::Pipe::CreateForStage";
-  if (!comm) return absl::InvalidArgumentError(absl::StrCat(where, ": null communicator"));
+absl::StatusOr<std::unique_ptr<Pipe>> Pipe::BuildForStage(torch::nn::Sequential stage_layers,
+                                                          std::shared_ptr<comm::Communicator> comm,
+                                                          PipeOptions options) {
+  if (!comm) return absl::InvalidArgumentError("null communicator");
   if (stage_layers.is_empty() || stage_layers->size() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": the stage has no layers"));
+    return absl::InvalidArgumentError("the stage has no layers");
   }
   const std::vector<int64_t>& balance = options.balance();
   const int64_t v = options.virtual_stages();
   if (balance.empty()) {
     if (v != 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": virtual stages = ", v, " needs a balance (layers per virtual stage)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("virtual stages = ", v, " needs a balance (layers per virtual stage)"));
     }
     return Make({std::move(stage_layers)}, {0}, comm, options, {});
   }
@@ -237,10 +259,10 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::CreateForStage(
   }
   if (v < 1 || static_cast<int64_t>(balance.size()) != ranks * v ||
       mine != static_cast<int64_t>(stage_layers->size())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": balance {", absl::StrJoin(balance, ", "), "} must have one entry per rank x ",
-        "virtual stage (", ranks, " x ", v, ") and the entries of rank ", comm->rank(),
-        " must sum to this stage's layer count ", stage_layers->size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("balance {", absl::StrJoin(balance, ", "), "} must have one entry per rank x ",
+                     "virtual stage (", ranks, " x ", v, ") and the entries of rank ", comm->rank(),
+                     " must sum to this stage's layer count ", stage_layers->size()));
   }
   std::vector<torch::nn::Sequential> chunks;
   std::vector<int64_t> firsts;
@@ -262,19 +284,16 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(std::vector<torch::nn::Sequenti
                                                  std::shared_ptr<comm::Communicator> comm,
                                                  PipeOptions options,
                                                  std::vector<int64_t> balance) {
-  const std::string where =
-      absl::StrCat("pipe::Pipe (rank ", comm->rank(), "/", comm->size(), ")");
   if (options.chunks() < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": chunks must be >= 1, got ", options.chunks()));
+    return absl::InvalidArgumentError(absl::StrCat("chunks must be >= 1, got ", options.chunks()));
   }
   const std::string invalid = ValidateSchedule(options.schedule(), comm->size(), options.chunks(),
                                                options.virtual_stages());
-  if (!invalid.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", invalid));
+  if (!invalid.empty()) return absl::InvalidArgumentError(invalid);
   if (options.wrap_stage() && options.virtual_stages() > 1) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, ": wrap_stage wraps one stage per rank; with virtual_stages = ",
-        options.virtual_stages(), " a rank runs several chunks (not supported yet)"));
+        "wrap_stage wraps one stage per rank; with virtual_stages = ", options.virtual_stages(),
+        " a rank runs several chunks (not supported yet)"));
   }
   std::unique_ptr<Pipe> pipe(new Pipe());
   pipe->stage_ = comm->rank();
@@ -310,14 +329,13 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(std::vector<torch::nn::Sequenti
     try {
       WrappedStage wrapped = pipe->options_.wrap_stage()(pipe->chunk_stages_[0]);
       if (!wrapped.module || !wrapped.forward) {
-        return absl::InvalidArgumentError(
-            pipe->Name() + ": wrap_stage returned no module or no forward function");
+        return absl::InvalidArgumentError("wrap_stage returned no module or no forward function");
       }
       pipe->module_ = std::move(wrapped.module);
       pipe->forwards_[0] = std::move(wrapped.forward);
       pipe->before_backward_ = std::move(wrapped.before_backward);
     } catch (const std::exception& e) {
-      return absl::InvalidArgumentError(absl::StrCat(pipe->Name(), ": wrap_stage: ", e.what()));
+      return absl::InvalidArgumentError(absl::StrCat("wrap_stage: ", WhatOf(e)));
     }
   }
   return pipe;
@@ -327,7 +345,7 @@ absl::Status Pipe::Connect(const comm::OpOptions& op) {
   const int rank = static_cast<int>(stage_);
   const int p = static_cast<int>(num_stages_);
   absl::StatusOr<std::shared_ptr<comm::Communicator>> ctl = comm_->Split(0, rank, op);
-  if (!ctl.ok()) return Annotate(ctl.status(), Name() + ": splitting the communicator");
+  if (!ctl.ok()) return Annotate(ctl.status(), "splitting the communicator");
   ctl_ = *std::move(ctl);
   links_ = std::make_unique<Links>();
   // Link l joins rank l (key 0) to rank (l + 1) % p (key 1); the wrap-around link p - 1 -> 0
@@ -341,7 +359,7 @@ absl::Status Pipe::Connect(const comm::OpOptions& op) {
       absl::StatusOr<std::shared_ptr<comm::Communicator>> split =
           comm_->Split(in_link ? 0 : comm::kNoColor, rank == l ? 0 : 1, op);
       if (!split.ok()) {
-        return Annotate(split.status(), absl::StrCat(Name(), ": splitting link ", l, " -> ", to));
+        return Annotate(split.status(), absl::StrCat("splitting link ", l, " -> ", to));
       }
       c = *std::move(split);
       if (c) links_->all.push_back(c);
@@ -358,7 +376,7 @@ absl::Status Pipe::Connect(const comm::OpOptions& op) {
   // Every rank has all its communicators before any uses them: a rank that failed its first
   // step at once must not tear its communicators down while a peer is still creating its own.
   absl::Status ready = ctl_->Barrier(op).Wait(timeout_);
-  if (!ready.ok()) return Annotate(ready, Name() + ": waiting for the other stages");
+  if (!ready.ok()) return Annotate(ready, "waiting for the other stages");
   return absl::OkStatus();
 }
 
@@ -379,24 +397,24 @@ absl::Status Pipe::Fail(absl::Status status) {
   return status;
 }
 
-absl::StatusOr<at::Tensor> Pipe::train_step(const at::Tensor& input, const at::Tensor& target,
-                                            const LossFn& loss_fn) {
-  return Step({input}, false, target, loss_fn, true);
+at::Tensor Pipe::train_step(const at::Tensor& input, const at::Tensor& target,
+                            const LossFn& loss_fn) {
+  return base::ValueOrThrow(Step({input}, false, target, loss_fn, true), "pipe::Pipe::train_step");
 }
 
-absl::StatusOr<at::Tensor> Pipe::train_step(const std::vector<at::Tensor>& inputs,
-                                            const at::Tensor& target, const LossFn& loss_fn) {
-  return Step(inputs, true, target, loss_fn, true);
+at::Tensor Pipe::train_step(const std::vector<at::Tensor>& inputs, const at::Tensor& target,
+                            const LossFn& loss_fn) {
+  return base::ValueOrThrow(Step(inputs, true, target, loss_fn, true), "pipe::Pipe::train_step");
 }
 
-absl::StatusOr<at::Tensor> Pipe::eval_step(const at::Tensor& input, const at::Tensor& target,
-                                           const LossFn& loss_fn) {
-  return Step({input}, false, target, loss_fn, false);
+at::Tensor Pipe::eval_step(const at::Tensor& input, const at::Tensor& target,
+                           const LossFn& loss_fn) {
+  return base::ValueOrThrow(Step({input}, false, target, loss_fn, false), "pipe::Pipe::eval_step");
 }
 
-absl::StatusOr<at::Tensor> Pipe::eval_step(const std::vector<at::Tensor>& inputs,
-                                           const at::Tensor& target, const LossFn& loss_fn) {
-  return Step(inputs, true, target, loss_fn, false);
+at::Tensor Pipe::eval_step(const std::vector<at::Tensor>& inputs, const at::Tensor& target,
+                           const LossFn& loss_fn) {
+  return base::ValueOrThrow(Step(inputs, true, target, loss_fn, false), "pipe::Pipe::eval_step");
 }
 
 absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, bool is_list,
@@ -461,7 +479,7 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
       status = st.pending.WaitAll(timeout_);
     }
   } catch (const std::exception& e) {
-    status = absl::InternalError(e.what());
+    status = absl::InternalError(WhatOf(e));
   }
   if (!status.ok()) return Fail(Annotate(status, absl::StrCat(Name(), ": ", doing_)));
 

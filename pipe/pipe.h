@@ -10,11 +10,11 @@
 // the caller passes, and leaves the gradients accumulated in each stage's parameters (call your
 // optimizer's zero_grad()/step() on parameters() as usual).
 //
-//   auto pipe = Pipe::Create(model, comm, PipeOptions().balance({2, 3}).chunks(8));
-//   if (!pipe.ok()) ...;
-//   auto opt = torch::optim::Adam((*pipe)->parameters(), 1e-3);
+//   std::unique_ptr<Pipe> pipe =
+//       Pipe::Create(model, comm, PipeOptions().balance({2, 3}).chunks(8));
+//   auto opt = torch::optim::Adam(pipe->parameters(), 1e-3);
 //   opt.zero_grad();
-//   absl::StatusOr<at::Tensor> loss = (*pipe)->train_step(x, y, [](auto& out, auto& y) {
+//   at::Tensor loss = pipe->train_step(x, y, [](auto& out, auto& y) {
 //     return torch::mse_loss(out, y);
 //   });   // x is read on stage 0, y on the last stage; every rank gets the mean loss
 //   opt.step();
@@ -37,12 +37,16 @@
 // link between neighbouring ranks has its own two-rank communicators per direction, so a send
 // never waits behind a receive and the order in schedule.h cannot deadlock.
 //
-// Errors. train_step() is collective over the communicator. A stage that fails (a layer or the
-// loss throws, a bad input, a comm error) aborts the pipe's communicators with
+// Errors raise c10::Error, "<function>: <CODE>: <message>" (//base:torch_error; the code is
+// absl's name, e.g. INVALID_ARGUMENT). train_step() is collective over the communicator. A stage
+// that fails (a layer or the loss throws, a bad input, a comm error) aborts the pipe's
+// communicators with
 //   "pipe stage 1/4 (rank 1): forward of micro-batch 3: <what happened>"
-// and every other rank's train_step() returns an error containing that message within the
-// timeout instead of hanging. A failed Pipe stays failed (kFailedPrecondition afterwards).
-// Configuration errors are kInvalidArgument from Create().
+// and raises e.g. "pipe::Pipe::train_step: INTERNAL: pipe stage 1/4 (rank 1): ..."; every other
+// rank's train_step() raises an error containing that message within the timeout instead of
+// hanging. A failed Pipe stays failed: later steps raise FAILED_PRECONDITION ("the pipe failed
+// earlier: ..."), and failed() / error() say so. Configuration errors raise INVALID_ARGUMENT
+// from Create() / CreateForStage() ("pipe::Pipe::Create (rank 0/2): INVALID_ARGUMENT: ...").
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -138,7 +142,7 @@ struct PipeOptions {
   // Called once by Create / CreateForStage with this rank's stage (after the split, before any
   // step) to wrap it, e.g. in FSDP over the ranks that hold the same stage (fsdp_stage.h).
   // Unset: the pipe runs the layers itself and parameters() are theirs.
-  // Only with virtual_stages == 1 (kInvalidArgument otherwise).
+  // Only with virtual_stages == 1 (INVALID_ARGUMENT otherwise).
   TORCH_ARG(WrapStageFn, wrap_stage) = nullptr;
 };
 
@@ -159,17 +163,18 @@ class Pipe {
  public:
   // `model` is the whole model (the same on every rank); this rank keeps its stage's layers,
   // registered under their names in `model` (so stage_module()->named_parameters() uses the
-  // full model's names). Collective (splits `comm` into the pipe's own communicators).
-  static absl::StatusOr<std::unique_ptr<Pipe>> Create(torch::nn::Sequential model,
-                                                      std::shared_ptr<comm::Communicator> comm,
-                                                      PipeOptions options = {});
+  // full model's names). Collective (splits `comm` into the pipe's own communicators). Raises
+  // c10::Error on a bad configuration (on every rank) or a failed split.
+  static std::unique_ptr<Pipe> Create(torch::nn::Sequential model,
+                                      std::shared_ptr<comm::Communicator> comm,
+                                      PipeOptions options = {});
   // For models too large to build whole on every rank: `stage_layers` are this rank's layers
   // only (with virtual stages, those of its chunks in chunk order; a balance is then required).
   // With a balance, this rank's entries must sum to their count and the layers are renamed to
   // their global indices ("5", "6", ...); without one they keep their names.
-  static absl::StatusOr<std::unique_ptr<Pipe>> CreateForStage(
-      torch::nn::Sequential stage_layers, std::shared_ptr<comm::Communicator> comm,
-      PipeOptions options = {});
+  static std::unique_ptr<Pipe> CreateForStage(torch::nn::Sequential stage_layers,
+                                              std::shared_ptr<comm::Communicator> comm,
+                                              PipeOptions options = {});
 
   ~Pipe();
   Pipe(const Pipe&) = delete;
@@ -179,20 +184,18 @@ class Pipe {
   // (ignored elsewhere; pass an undefined tensor; it is used detached: no gradient flows back
   // into it), `target` on the last stage. Returns the mean
   // micro-batch loss (detached, 0-dim, the loss's dtype converted through double) on every
-  // rank. Gradients accumulate into parameters().
-  absl::StatusOr<at::Tensor> train_step(const at::Tensor& input, const at::Tensor& target,
-                                        const LossFn& loss_fn);
+  // rank. Gradients accumulate into parameters(). Raises c10::Error (see Errors above).
+  at::Tensor train_step(const at::Tensor& input, const at::Tensor& target, const LossFn& loss_fn);
   // The same with a list input: stage 0's first layer receives a std::vector<at::Tensor> (each
   // tensor split along dimension 0).
-  absl::StatusOr<at::Tensor> train_step(const std::vector<at::Tensor>& inputs,
-                                        const at::Tensor& target, const LossFn& loss_fn);
+  at::Tensor train_step(const std::vector<at::Tensor>& inputs, const at::Tensor& target,
+                        const LossFn& loss_fn);
 
   // Forwards only (no grad, no checkpointing, no activations kept), same batch split, loss and
   // errors as train_step: the mean micro-batch loss on every rank, e.g. for validation.
-  absl::StatusOr<at::Tensor> eval_step(const at::Tensor& input, const at::Tensor& target,
-                                       const LossFn& loss_fn);
-  absl::StatusOr<at::Tensor> eval_step(const std::vector<at::Tensor>& inputs,
-                                       const at::Tensor& target, const LossFn& loss_fn);
+  at::Tensor eval_step(const at::Tensor& input, const at::Tensor& target, const LossFn& loss_fn);
+  at::Tensor eval_step(const std::vector<at::Tensor>& inputs, const at::Tensor& target,
+                       const LossFn& loss_fn);
 
   int64_t stage() const { return stage_; }
   int64_t num_stages() const { return num_stages_; }
@@ -220,11 +223,20 @@ class Pipe {
 
   // The forwards and backwards of the last train_step (or eval_step), in the order they ran.
   const std::vector<PipeEvent>& trace() const { return trace_; }
-  // OK, or the error that broke the pipe.
-  const absl::Status& status() const { return broken_; }
+  // Whether a step failed (the pipe is then unusable), and that failure as "<CODE>: <message>"
+  // ("" while not failed).
+  bool failed() const { return !broken_.ok(); }
+  std::string error() const { return broken_.ok() ? std::string() : broken_.ToString(); }
 
  private:
   Pipe() = default;
+  // Create / CreateForStage without the conversion to c10::Error.
+  static absl::StatusOr<std::unique_ptr<Pipe>> Build(torch::nn::Sequential model,
+                                                     std::shared_ptr<comm::Communicator> comm,
+                                                     PipeOptions options);
+  static absl::StatusOr<std::unique_ptr<Pipe>> BuildForStage(
+      torch::nn::Sequential stage_layers, std::shared_ptr<comm::Communicator> comm,
+      PipeOptions options);
   // `chunks[j]` holds local chunk j's layers, its first global layer index in `firsts[j]`.
   static absl::StatusOr<std::unique_ptr<Pipe>> Make(std::vector<torch::nn::Sequential> chunks,
                                                     std::vector<int64_t> firsts,

@@ -77,18 +77,16 @@ TEST(PipeTest, UnevenMicroBatches) {
       testing::RunReference(testing::MakeMlp, inputs, targets, 3, testing::Mse);
   std::vector<absl::Status> statuses = testing::RunInproc(
       3, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-        absl::StatusOr<std::unique_ptr<Pipe>> pipe =
+        std::unique_ptr<Pipe> pipe =
             Pipe::Create(testing::MakeMlp(), comm, PipeOptions().chunks(3));
-        if (!pipe.ok()) return pipe.status();
-        if ((*pipe)->balance() != std::vector<int64_t>{3, 2, 2}) {
+        if (pipe->balance() != std::vector<int64_t>{3, 2, 2}) {
           return absl::InternalError("even balance is not {3, 2, 2}");
         }
-        absl::StatusOr<at::Tensor> loss = (*pipe)->train_step(inputs[0], targets[0], testing::Mse);
-        if (!loss.ok()) return loss.status();
-        absl::Status s = testing::ExpectClose(
-            "loss", *loss, at::scalar_tensor(ref.losses[0], at::kDouble), 1e-5);
+        at::Tensor loss = pipe->train_step(inputs[0], targets[0], testing::Mse);
+        absl::Status s =
+            testing::ExpectClose("loss", loss, at::scalar_tensor(ref.losses[0], at::kDouble), 1e-5);
         if (!s.ok()) return s;
-        return testing::CheckStageGrads(**pipe, ref.grads, 1e-5, absl::StrCat("rank ", rank));
+        return testing::CheckStageGrads(*pipe, ref.grads, 1e-5, absl::StrCat("rank ", rank));
       });
   for (int r = 0; r < 3; ++r) EXPECT_THAT(statuses[r], IsOk()) << "rank " << r;
 }
@@ -106,14 +104,11 @@ TEST(PipeTest, CreateForStageMatchesCreate) {
         const int64_t first = rank == 0 ? 0 : 4;
         const int64_t end = rank == 0 ? 4 : 7;
         for (int64_t l = first; l < end; ++l) mine->push_back(*(full->begin() + l));
-        absl::StatusOr<std::unique_ptr<Pipe>> pipe =
+        std::unique_ptr<Pipe> pipe =
             Pipe::CreateForStage(mine, comm, PipeOptions().balance({4, 3}).chunks(4));
-        if (!pipe.ok()) return pipe.status();
-        if ((*pipe)->first_layer() != first) return absl::InternalError("first_layer");
-        absl::StatusOr<at::Tensor> loss =
-            (*pipe)->train_step(inputs[0], targets[0], testing::Mse);
-        if (!loss.ok()) return loss.status();
-        return testing::CheckStageGrads(**pipe, ref.grads, 1e-5, absl::StrCat("rank ", rank));
+        if (pipe->first_layer() != first) return absl::InternalError("first_layer");
+        at::Tensor loss = pipe->train_step(inputs[0], targets[0], testing::Mse);
+        return testing::CheckStageGrads(*pipe, ref.grads, 1e-5, absl::StrCat("rank ", rank));
       });
   for (int r = 0; r < 2; ++r) EXPECT_THAT(statuses[r], IsOk()) << "rank " << r;
 }
@@ -127,20 +122,18 @@ TEST(PipeTest, EvalStepMatchesAndLeavesNoGradients) {
   for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
     std::vector<absl::Status> statuses = testing::RunInproc(
         3, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-          absl::StatusOr<std::unique_ptr<Pipe>> pipe = Pipe::Create(
+          std::unique_ptr<Pipe> pipe = Pipe::Create(
               testing::MakeMlp(), comm,
               PipeOptions().chunks(4).schedule(schedule).checkpoint(CheckpointMode::kAlways));
-          if (!pipe.ok()) return pipe.status();
-          absl::StatusOr<at::Tensor> loss = (*pipe)->eval_step(inputs[0], targets[0], testing::Mse);
-          if (!loss.ok()) return loss.status();
+          at::Tensor loss = pipe->eval_step(inputs[0], targets[0], testing::Mse);
           absl::Status s = testing::ExpectClose(
-              "eval loss", *loss, at::scalar_tensor(ref.losses[0], at::kDouble), 1e-5);
+              "eval loss", loss, at::scalar_tensor(ref.losses[0], at::kDouble), 1e-5);
           if (!s.ok()) return s;
-          if ((*pipe)->trace().size() != 4) return absl::InternalError("trace size");
-          for (const PipeEvent& e : (*pipe)->trace()) {
+          if (pipe->trace().size() != 4) return absl::InternalError("trace size");
+          for (const PipeEvent& e : pipe->trace()) {
             if (e.phase != Phase::kForward) return absl::InternalError("a backward ran");
           }
-          for (const at::Tensor& p : (*pipe)->parameters()) {
+          for (const at::Tensor& p : pipe->parameters()) {
             if (p.grad().defined()) return absl::InternalError("eval_step left a gradient");
           }
           return absl::OkStatus();

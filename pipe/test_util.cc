@@ -6,6 +6,7 @@
 #include <ATen/ops/sin.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
 
@@ -120,27 +121,34 @@ std::vector<absl::Status> RunParity(int ranks,
                                     const std::string& what) {
   return RunInproc(
       ranks, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-        absl::StatusOr<std::unique_ptr<Pipe>> pipe = Pipe::Create(make_model(), comm, options);
-        if (!pipe.ok()) return pipe.status();
-        if ((*pipe)->virtual_stages() != options.virtual_stages()) {
+        std::unique_ptr<Pipe> pipe = Pipe::Create(make_model(), comm, options);
+        if (pipe->virtual_stages() != options.virtual_stages()) {
           return absl::InternalError(absl::StrCat(what, ": virtual_stages()"));
         }
         for (size_t step = 0; step < inputs.size(); ++step) {
           // Only stage 0 reads the input and only the last stage the target.
           const at::Tensor x = rank == 0 ? inputs[step] : at::Tensor();
           const at::Tensor y = rank == ranks - 1 ? targets[step] : at::Tensor();
-          absl::StatusOr<at::Tensor> loss = (*pipe)->train_step(x, y, Mse);
-          if (!loss.ok()) return loss.status();
+          const at::Tensor loss = pipe->train_step(x, y, Mse);
           const double expected = ref.losses[step];
-          if (std::abs(loss->item<double>() - expected) >
-              1e-5 * std::max(1.0, std::abs(expected))) {
+          if (std::abs(loss.item<double>() - expected) > 1e-5 * std::max(1.0, std::abs(expected))) {
             return absl::InternalError(absl::StrCat(what, " rank ", rank, " step ", step,
-                                                    ": loss ", loss->item<double>(), " != ",
+                                                    ": loss ", loss.item<double>(), " != ",
                                                     expected));
           }
         }
-        return CheckStageGrads(**pipe, ref.grads, 1e-5, absl::StrCat(what, " rank ", rank));
+        return CheckStageGrads(*pipe, ref.grads, 1e-5, absl::StrCat(what, " rank ", rank));
       });
+}
+
+absl::Status CatchErrors(const std::function<absl::Status()>& body) {
+  try {
+    return body();
+  } catch (const c10::Error& e) {
+    return absl::InternalError(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return absl::InternalError(e.what());
+  }
 }
 
 std::vector<absl::Status> RunInproc(
@@ -150,20 +158,16 @@ std::vector<absl::Status> RunInproc(
   return comm::testing::RunThreads(
       world,
       [&](int rank) -> absl::Status {
-        try {
-          absl::StatusOr<std::shared_ptr<comm::Communicator>> comm =
-              comm::CreateCommunicator("inproc", comm::testing::RankConfig(timeout));
-          if (!comm.ok()) return comm.status();
-          absl::Status status = body(rank, *comm);
-          // A rank that returns destroys its communicator; a peer still finishing its last
-          // operation, or not yet joined (a body that failed before any collective), would
-          // find it gone. After a failure the barrier still runs (the world communicator is
-          // not the pipe's, which the failure aborted).
-          absl::Status barrier = (*comm)->Barrier().Wait();
-          return status.ok() ? barrier : status;
-        } catch (const std::exception& e) {
-          return absl::InternalError(e.what());
-        }
+        absl::StatusOr<std::shared_ptr<comm::Communicator>> comm =
+            comm::CreateCommunicator("inproc", comm::testing::RankConfig(timeout));
+        if (!comm.ok()) return comm.status();
+        absl::Status status = CatchErrors([&] { return body(rank, *comm); });
+        // A rank that returns destroys its communicator; a peer still finishing its last
+        // operation, or not yet joined (a body that failed before any collective), would find it
+        // gone. After a failure (a returned error or a raised one) the barrier still runs (the
+        // world communicator is not the pipe's, which the failure aborted).
+        absl::Status barrier = (*comm)->Barrier().Wait();
+        return status.ok() ? barrier : status;
       },
       timeout + absl::Seconds(30));
 }

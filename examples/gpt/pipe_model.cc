@@ -58,16 +58,13 @@ class PipeModel final : public ParallelModel {
                                                   y.reshape({-1}));
     };
     const bool train = c10::GradMode::is_enabled();
-    absl::StatusOr<at::Tensor> r =
+    at::Tensor loss =
         train ? pipe_->train_step(tokens, targets, fn) : pipe_->eval_step(tokens, targets, fn);
-    TORCH_CHECK(r.ok(), r.status().ToString());
     // Under FSDP every micro-batch's backward already reduce-scattered its gradient.
     if (train && grid_.replicas > 1 && !fsdp_) {
-      const absl::Status st = pipe::all_reduce_gradients(pipe_->parameters(), *grid_.data);
-      TORCH_CHECK(st.ok(), "all-reduce of stage ", grid_.stage, "'s gradients over ",
-                  grid_.replicas, " replicas: ", st.ToString());
+      pipe::all_reduce_gradients(pipe_->parameters(), *grid_.data);
     }
-    return *r;
+    return loss;
   }
   int data_rank(int) const override { return static_cast<int>(grid_.replica); }
   int data_replicas(int) const override { return static_cast<int>(grid_.replicas); }
@@ -220,7 +217,9 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
         " (each of world / pipeline_stages replicas runs the whole pipeline)"));
   }
   FS_ASSIGN_OR_RETURN(pipe::Schedule schedule, ParseSchedule(config.pipeline_schedule));
-  FS_ASSIGN_OR_RETURN(pipe::PipeGrid grid, pipe::MakePipeGrid(comm, stages));
+  // The pipe's functions raise c10::Error; the configuration checks above and in
+  // ValidateParallelConfig come first, so what they raise here is rare (a failed split).
+  pipe::PipeGrid grid = pipe::MakePipeGrid(comm, stages);
   // The same Gpt (so the same initial weights) as the unpipelined modes, its layers in order.
   Gpt full(model_config);
   int64_t num_params = 0;
@@ -251,14 +250,14 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
     // Parameter bytes x 4 (parameter, gradient, Adam's two moments) + one micro-batch's
     // output bytes per layer, measured on a batch of the job's shape (the same on every rank).
     const at::Tensor sample = at::zeros({config.batch, config.seq}, at::kLong);
-    absl::StatusOr<std::vector<int64_t>> balance =
-        pipe::balance_by_size(stages * config.pipeline_virtual_stages, layers, sample,
-                              config.pipeline_chunks, 4.0);
-    if (!balance.ok()) {
-      return absl::Status(balance.status().code(), absl::StrCat("pipeline_balance size: ",
-                                                                balance.status().message()));
+    try {
+      opts.balance(pipe::balance_by_size(stages * config.pipeline_virtual_stages, layers, sample,
+                                         config.pipeline_chunks, 4.0));
+    } catch (const c10::Error& e) {
+      // kUnknown: the code is the one in the message ("pipe::balance_by_size: INVALID_...").
+      return absl::UnknownError(
+          absl::StrCat("pipeline_balance size: ", e.what_without_backtrace()));
     }
-    opts.balance(*balance);
   }
   if (strategy != fsdp::ShardingStrategy::kNoShard) {
     // bf16: each stage computes (and sends its boundary activations) in bf16 over f32 master
@@ -269,13 +268,15 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
     opts.wrap_stage(pipe::fsdp_stage(
         grid.data, fsdp::FsdpOptions().sharding_strategy(strategy).mixed_precision(mp)));
   }
-  absl::StatusOr<std::unique_ptr<pipe::Pipe>> p = pipe::Pipe::Create(layers, grid.pipe, opts);
-  if (!p.ok()) {
-    return absl::Status(p.status().code(),
-                        absl::StrCat("pipeline_stages ", stages, ": ", p.status().message()));
+  std::unique_ptr<pipe::Pipe> p;
+  try {
+    p = pipe::Pipe::Create(layers, grid.pipe, opts);
+  } catch (const c10::Error& e) {
+    return absl::UnknownError(
+        absl::StrCat("pipeline_stages ", stages, ": ", e.what_without_backtrace()));
   }
   std::string balance;
-  for (int64_t n : (*p)->balance()) absl::StrAppend(&balance, balance.empty() ? "" : "+", n);
+  for (int64_t n : p->balance()) absl::StrAppend(&balance, balance.empty() ? "" : "+", n);
   const std::string label = absl::StrCat(
       "pipe ", stages, " stages",
       config.pipeline_virtual_stages > 1
@@ -289,7 +290,7 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
       ", ", config.pipeline_schedule, ", ", config.pipeline_chunks, " micro-batches");
   const int64_t vocab = model_config.vocab();
   return std::unique_ptr<ParallelModel>(std::make_unique<PipeModel>(
-      comm->rank(), std::move(grid), std::move(*p), vocab, num_params, adam, label));
+      comm->rank(), std::move(grid), std::move(p), vocab, num_params, adam, label));
 }
 
 }  // namespace fairscale::examples::gpt::internal
