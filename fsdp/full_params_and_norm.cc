@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "fsdp/fully_sharded_data_parallel.h"
-#include "fsdp/internal/errors.h"
+#include "base/torch_error.h"
 #include "fsdp/internal/coordinator.h"
 #include "fsdp/internal/flat_param.h"
 #include "fsdp/internal/unit.h"
@@ -17,7 +17,6 @@
 namespace fairscale::fsdp {
 
 using internal::FlatParam;
-using internal::ThrowIfError;
 
 FullyShardedDataParallelImpl::NoSyncGuard FullyShardedDataParallelImpl::no_sync() {
   if (!unit_->coordinator()) internal::Coordinator::MakeRoot(*unit_);
@@ -62,7 +61,7 @@ at::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double
   double total = local;
   if (world_size() > 1) {
     const std::string context = label() + ": clip_grad_norm_ all_reduce";
-    ThrowIfError(communicator()
+    base::ThrowIfError(communicator()
                      ->AllReduce(comm::MakeConstBuffer(&local, 1), comm::MakeBuffer(&total, 1),
                                  inf ? comm::ReduceOp::kMax : comm::ReduceOp::kSum)
                      .Wait(),

@@ -17,7 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "base/fnv1a.h"
 #include "comm/torch/tensor_buffer.h"
-#include "fsdp/internal/errors.h"
+#include "base/torch_error.h"
 #include "fsdp/internal/optim_state.h"
 #include "fsdp/internal/param_ranges.h"
 #include "fsdp/internal/shard_file.h"
@@ -28,7 +28,6 @@ namespace fairscale::fsdp {
 using internal::Manifest;
 using internal::ModelLayout;
 using internal::ShapeString;
-using internal::ThrowIfError;
 
 namespace {
 
@@ -202,7 +201,7 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
   FullOptimState groups;
   if (optimizer != nullptr) {
     auto g = internal::OptimGroups(layout, *optimizer);
-    ThrowIfError(g.status(), what);
+    base::ThrowIfError(g.status(), what);
     groups = *std::move(g);
   }
   c10::NoGradGuard no_grad;
@@ -281,7 +280,7 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
   const int64_t mine[3] = {summary.bytes, static_cast<int64_t>(summary.fnv1a),
                            static_cast<int64_t>(summary.header_fnv1a)};
   std::vector<int64_t> all(3 * layout.world);
-  ThrowIfError(
+  base::ThrowIfError(
       comm->AllGather(comm::MakeConstBuffer(mine, 3), comm::MakeBuffer(all.data(), all.size()))
           .Wait(),
       what + ": all_gather of the file checksums");

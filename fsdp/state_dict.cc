@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "comm/torch/tensor_buffer.h"
-#include "fsdp/internal/errors.h"
+#include "base/torch_error.h"
 #include "fsdp/internal/optim_state.h"
 #include "fsdp/internal/shard_file.h"
 #include "fsdp/internal/state_layout.h"
@@ -21,8 +21,6 @@ namespace fairscale::fsdp {
 
 using internal::ModelLayout;
 using internal::ShapeString;
-using internal::ThrowIfError;
-using internal::ValueOrThrow;
 
 namespace {
 
@@ -120,8 +118,8 @@ absl::Status CheckFullStateDict(const ModelLayout& layout, const StateDict& stat
 
 void Broadcast(FullyShardedDataParallel& model, const at::Tensor& t, const std::string& context) {
   if (model->world_size() == 1) return;
-  ThrowIfError(
-      model->communicator()->Broadcast(ValueOrThrow(comm::ToBuffer(t), context), 0).Wait(),
+  base::ThrowIfError(
+      model->communicator()->Broadcast(base::ValueOrThrow(comm::ToBuffer(t), context), 0).Wait(),
       context);
 }
 
@@ -133,10 +131,10 @@ void load_full_state_dict(FullyShardedDataParallel& model, const StateDict& stat
   ModelLayout layout = internal::GetModelLayout(model);
   c10::NoGradGuard no_grad;
   if (!from_rank0) {
-    ThrowIfError(CheckFullStateDict(layout, state), what);
+    base::ThrowIfError(CheckFullStateDict(layout, state), what);
     const auto reader = MapReader([&state](const std::string& k) { return state.find(k); });
     absl::StatusOr<LocalStateDict> staged = internal::StageShards(layout, reader, reader);
-    ThrowIfError(staged.status(), what);
+    base::ThrowIfError(staged.status(), what);
     model->load_local_state_dict(*staged);
     return;
   }
@@ -173,7 +171,7 @@ FullOptimState full_optim_state_dict(FullyShardedDataParallel& model,
   const std::string what = What(model, "full_optim_state_dict");
   ModelLayout layout = internal::GetModelLayout(model);
   absl::StatusOr<FullOptimState> groups = internal::OptimGroups(layout, optimizer);
-  ThrowIfError(groups.status(), what);
+  base::ThrowIfError(groups.status(), what);
   FullOptimState out = *std::move(groups);
   const bool keep = !rank0_only || layout.rank == 0;
   c10::NoGradGuard no_grad;
@@ -256,10 +254,10 @@ void BroadcastString(FullyShardedDataParallel& model, std::string* text,
   if (model->world_size() == 1) return;
   const auto& comm = model->communicator();
   int64_t size = static_cast<int64_t>(text->size());
-  ThrowIfError(comm->Broadcast(comm::MakeBuffer(&size, 1), 0).Wait(), context);
+  base::ThrowIfError(comm->Broadcast(comm::MakeBuffer(&size, 1), 0).Wait(), context);
   std::vector<uint8_t> bytes(text->begin(), text->end());
   bytes.resize(static_cast<size_t>(size));
-  ThrowIfError(comm->Broadcast(comm::MakeBuffer(bytes.data(), bytes.size()), 0).Wait(), context);
+  base::ThrowIfError(comm->Broadcast(comm::MakeBuffer(bytes.data(), bytes.size()), 0).Wait(), context);
   text->assign(bytes.begin(), bytes.end());
 }
 
@@ -271,7 +269,7 @@ void load_full_optim_state_dict(FullyShardedDataParallel& model, torch::optim::O
   ModelLayout layout = internal::GetModelLayout(model);
   c10::NoGradGuard no_grad;
   if (!from_rank0) {
-    ThrowIfError(CheckFullOptimState(layout, state), what);
+    base::ThrowIfError(CheckFullOptimState(layout, state), what);
     const auto reader = MapReader([&state](const std::string& key) -> const at::Tensor* {
       const size_t slash = key.rfind('/');
       auto it = state.state.find(key.substr(0, slash));
@@ -281,7 +279,7 @@ void load_full_optim_state_dict(FullyShardedDataParallel& model, torch::optim::O
     });
     absl::StatusOr<internal::StagedOptim> staged =
         internal::StageOptim(layout, optimizer, state, reader);
-    ThrowIfError(staged.status(), what);
+    base::ThrowIfError(staged.status(), what);
     internal::ApplyOptim(optimizer, *std::move(staged));
     return;
   }
@@ -330,7 +328,7 @@ void load_full_optim_state_dict(FullyShardedDataParallel& model, torch::optim::O
   };
   absl::StatusOr<internal::StagedOptim> staged =
       internal::StageOptim(layout, optimizer, meta, reader);
-  ThrowIfError(staged.status(), what);
+  base::ThrowIfError(staged.status(), what);
   internal::ApplyOptim(optimizer, *std::move(staged));
 }
 
@@ -367,7 +365,7 @@ void SaveArchive(torch::serialize::OutputArchive& archive, const std::string& pa
     std::remove(tmp.c_str());
     TORCH_CHECK(false, what, ": cannot write '", tmp, "': ", e.what_without_backtrace());
   }
-  ThrowIfError(internal::CommitFile(tmp, path), what);
+  base::ThrowIfError(internal::CommitFile(tmp, path), what);
 }
 
 }  // namespace
@@ -404,7 +402,7 @@ void save_torch_optimizer(const FullOptimState& state, const std::string& path) 
     options.push_back(g.options);
   }
   auto opt = internal::MakePlainOptimizer(state.kind, groups, options);
-  ThrowIfError(opt.status(), what);
+  base::ThrowIfError(opt.status(), what);
   for (const auto& [p, ps] : with_state) {
     internal::ParamState s;
     s.step = ps->step;

@@ -100,7 +100,7 @@ void ReductionQueue::Drain(size_t keep) {
 void ReductionQueue::WaitAll() {
   c10::NoGradGuard no_grad;
   for (PendingReduce& p : pending_) {
-    ThrowIfError(Wait(p), p.parts.front().unit->label() + ": gradient reduction");
+    base::ThrowIfError(Wait(p), p.parts.front().unit->label() + ": gradient reduction");
     Complete(p);
   }
   pending_.clear();

@@ -23,7 +23,7 @@
 #include "comm/torch/tensor_buffer.h"
 #include "comm/work.h"
 #include "fsdp/fsdp_options.h"
-#include "fsdp/internal/errors.h"
+#include "base/torch_error.h"
 
 namespace fairscale::fsdp::internal {
 
@@ -40,7 +40,7 @@ inline std::pair<double, double> DivideFactors(const FsdpOptions& options, int w
 
 // The communication buffer over `t`; raises naming `context` if it cannot be one.
 inline comm::Buffer Buf(const at::Tensor& t, const std::string& context) {
-  return ValueOrThrow(comm::ToBuffer(t), context);
+  return base::ValueOrThrow(comm::ToBuffer(t), context);
 }
 
 // Where one flat parameter's reduced gradient lands in a reduction's `recv`.

@@ -9,7 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "base/fnv1a.h"
 #include "fsdp/internal/collectives.h"
-#include "fsdp/internal/errors.h"
+#include "base/torch_error.h"
 
 namespace fairscale::fsdp::internal {
 namespace {
@@ -52,7 +52,7 @@ void CheckOrBroadcastParams(comm::Communicator& world, const std::vector<const P
   // Counts first: the hash all-gather needs the same count on every rank.
   const int64_t n = static_cast<int64_t>(slots.size());
   std::vector<int64_t> counts(size);
-  ThrowIfError(
+  base::ThrowIfError(
       world.AllGather(comm::MakeConstBuffer(&n, 1), comm::MakeBuffer(counts.data(), size)).Wait(),
       context);
   for (int r = 0; r < size; ++r) {
@@ -69,7 +69,7 @@ void CheckOrBroadcastParams(comm::Communicator& world, const std::vector<const P
     std::memcpy(&mine[2 * i + 1], &h.values, 8);
   }
   std::vector<int64_t> all(2 * n * size);
-  ThrowIfError(world
+  base::ThrowIfError(world
                    .AllGather(comm::MakeConstBuffer(mine.data(), mine.size()),
                               comm::MakeBuffer(all.data(), all.size()))
                    .Wait(),
@@ -97,7 +97,7 @@ void CheckOrBroadcastParams(comm::Communicator& world, const std::vector<const P
                 "rank 0's)");
     at::Tensor p = slots[i]->param.detach();
     at::Tensor buf = p.is_contiguous() ? p : p.contiguous();
-    ThrowIfError(world.Broadcast(Buf(buf, context), 0).Wait(),
+    base::ThrowIfError(world.Broadcast(Buf(buf, context), 0).Wait(),
                  label + ": broadcasting parameter '" + slots[i]->name + "' from rank 0");
     if (!buf.is_same(p)) p.copy_(buf);
   }

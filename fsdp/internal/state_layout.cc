@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "comm/torch/tensor_buffer.h"
-#include "fsdp/internal/errors.h"
+#include "base/torch_error.h"
 #include "fsdp/internal/optim_state.h"
 #include "fsdp/internal/param_ranges.h"
 
@@ -181,11 +181,11 @@ void ThrowIfAnyFailed(const std::shared_ptr<comm::Communicator>& comm, const abs
                       const std::string& what) {
   std::vector<int64_t> flags(comm->size());
   const int64_t mine = status.ok() ? 1 : 0;
-  ThrowIfError(comm->AllGather(comm::MakeConstBuffer(&mine, 1),
+  base::ThrowIfError(comm->AllGather(comm::MakeConstBuffer(&mine, 1),
                                comm::MakeBuffer(flags.data(), flags.size()))
                    .Wait(),
                what + ": all_gather of the ranks' status");
-  ThrowIfError(status, what);
+  base::ThrowIfError(status, what);
   std::vector<int> failed;
   for (size_t r = 0; r < flags.size(); ++r) {
     if (flags[r] == 0) failed.push_back(static_cast<int>(r));
@@ -240,8 +240,8 @@ at::Tensor GatherFlat(const ModelLayout& layout, size_t f, const at::Tensor& sha
   at::Tensor full = at::empty({flat.info.padded_numel}, shard.options());
   // Over the shard group only (HYBRID_SHARD: every group holds the whole flat parameter).
   const auto& comm = flat.unit->shard_communicator();
-  ThrowIfError(comm->AllGather(ValueOrThrow(comm::ToConstBuffer(shard), context),
-                               ValueOrThrow(comm::ToBuffer(full), context))
+  base::ThrowIfError(comm->AllGather(base::ValueOrThrow(comm::ToConstBuffer(shard), context),
+                               base::ValueOrThrow(comm::ToBuffer(full), context))
                    .Wait(),
                context + ": all_gather");
   return full;
@@ -411,7 +411,7 @@ absl::StatusOr<StagedOptim> StageOptim(const ModelLayout& layout,
 
 void ApplyOptim(torch::optim::Optimizer& optimizer, StagedOptim staged) {
   for (size_t g = 0; g < staged.group_options.size(); ++g) {
-    ThrowIfError(SetOptions(staged.kind, staged.group_options[g],
+    base::ThrowIfError(SetOptions(staged.kind, staged.group_options[g],
                             optimizer.param_groups()[g].options()),
                  "load optimizer state");
   }

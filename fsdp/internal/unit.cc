@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "fsdp/internal/collectives.h"
 #include "fsdp/internal/coordinator.h"
-#include "fsdp/internal/errors.h"
+#include "base/torch_error.h"
 #include "fsdp/internal/hybrid_groups.h"
 #include "fsdp/internal/param_ranges.h"
 #include "fsdp/internal/param_sync.h"
@@ -73,9 +73,9 @@ UnitGroups MakeUnitGroups(const std::shared_ptr<comm::Communicator>& world,
     HybridGroups groups;
     if (explicit_groups) {
       groups = {options.hybrid_shard_comm(), options.hybrid_replicate_comm()};
-      ThrowIfError(CheckHybridGroups(world, groups), label);
+      base::ThrowIfError(CheckHybridGroups(world, groups), label);
     } else {
-      groups = ValueOrThrow(SharedHybridGroups(world, group_size),
+      groups = base::ValueOrThrow(SharedHybridGroups(world, group_size),
                             label + ": making the HYBRID_SHARD groups");
     }
     g.shard = groups.shard;
@@ -293,7 +293,7 @@ void Unit::InitBuffers(const std::vector<at::Tensor>& buffers) {
     for (const at::Tensor& b : buffers) {
       works.push_back(groups_.world->Broadcast(Buf(b, label() + ": buffer broadcast"), 0));
     }
-    ThrowIfError(comm::WaitAll(works.data(), works.size()), label() + ": buffer broadcast");
+    base::ThrowIfError(comm::WaitAll(works.data(), works.size()), label() + ": buffer broadcast");
   }
   c10::NoGradGuard no_grad;
   // move_params_to_cpu with the parameters on the CPU: the module computes on the compute device,
@@ -400,7 +400,7 @@ void Unit::WaitGathers() {
     if (gathers_) --gathers_->in_flight;
     absl::Status status = fp.gather_work.Wait();
     fp.gather_send = at::Tensor();
-    ThrowIfError(status, label() + ": all_gather of the flat parameter");
+    base::ThrowIfError(status, label() + ": all_gather of the flat parameter");
     if (fp.per_param) CopyOutGathered(fp, dim0_world());
   }
 }
