@@ -22,7 +22,7 @@ c10::DataPtr TrackingCpuAllocator::allocate(size_t n) const {
   void* data = c10::alloc_cpu(n);
   if (data != nullptr) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       sizes_[data] = n;
     }
     const int64_t live = live_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
@@ -37,7 +37,7 @@ void TrackingCpuAllocator::Free(void* data) {
   if (data == nullptr) return;
   size_t n = 0;
   {
-    std::lock_guard<std::mutex> lock(g_tracker->mu_);
+    absl::MutexLock lock(&g_tracker->mu_);
     auto it = g_tracker->sizes_.find(data);
     if (it != g_tracker->sizes_.end()) {
       n = it->second;

@@ -11,8 +11,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 #include <unordered_map>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace fairscale::base {
 
@@ -42,8 +44,8 @@ class TrackingCpuAllocator final : public c10::Allocator {
   static void Free(void* data);
 
   // alloc_cpu does not tell the size back at free time, so live allocations are kept here.
-  mutable std::mutex mu_;
-  mutable std::unordered_map<void*, size_t> sizes_;  // guarded by mu_
+  mutable absl::Mutex mu_;
+  mutable std::unordered_map<void*, size_t> sizes_ ABSL_GUARDED_BY(mu_);
   mutable std::atomic<int64_t> live_{0};
   mutable std::atomic<int64_t> peak_{0};
 };

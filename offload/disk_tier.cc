@@ -11,7 +11,9 @@
 #include <random>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "base/fnv1a.h"
 
 namespace fairscale::offload {
@@ -192,9 +194,9 @@ uint64_t NewSession() {
 }
 
 uint64_t ZeroChecksum(int64_t nbytes) {
-  static std::mutex mu;
-  static std::map<int64_t, uint64_t>* cache = new std::map<int64_t, uint64_t>();
-  std::lock_guard<std::mutex> lock(mu);
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* cache ABSL_PT_GUARDED_BY(mu) = new std::map<int64_t, uint64_t>();
+  absl::MutexLock lock(&mu);
   auto it = cache->find(nbytes);
   if (it != cache->end()) return it->second;
   std::vector<char> zeros(static_cast<size_t>(nbytes), 0);
@@ -250,11 +252,14 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Create(const std::string& pa
   t->file_bytes_ = cursor;
   const std::string layout = EncodeLayout(t->specs_, t->data_offset_);
   t->layout_fnv_ = base::Fnv1a64(layout.data(), layout.size());
-  t->table_.resize(static_cast<size_t>(total_chunks));
-  for (size_t i = 0; i < t->specs_.size(); ++i) {
-    const int64_t elem = static_cast<int64_t>(c10::elementSize(t->specs_[i].dtype));
-    for (int64_t c = 0; c < t->num_chunks(i); ++c) {
-      t->table_[t->first_chunk_[i] + c] = ZeroChecksum(t->chunk_count(i, c) * elem);
+  {
+    absl::MutexLock lock(&t->mu_);  // not shared yet; for the thread-safety analysis
+    t->table_.resize(static_cast<size_t>(total_chunks));
+    for (size_t i = 0; i < t->specs_.size(); ++i) {
+      const int64_t elem = static_cast<int64_t>(c10::elementSize(t->specs_[i].dtype));
+      for (int64_t c = 0; c < t->num_chunks(i); ++c) {
+        t->table_[t->first_chunk_[i] + c] = ZeroChecksum(t->chunk_count(i, c) * elem);
+      }
     }
   }
   if (::ftruncate(t->fd_, 0) != 0 || ::ftruncate(t->fd_, t->file_bytes_) != 0) {
@@ -342,12 +347,15 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const std::string& path
                                             h->table_bytes / 8, " entries, layout needs ",
                                             total_chunks));
   }
-  t->table_.resize(static_cast<size_t>(total_chunks));
-  got = PReadAll(t->fd_, t->table_.data(), h->table_bytes, h->table_offset, path);
-  if (!got.ok()) return got.status();
-  if (*got != h->table_bytes ||
-      base::Fnv1a64(t->table_.data(), static_cast<size_t>(h->table_bytes)) != h->table_fnv) {
-    return absl::DataLossError(absl::StrCat("offload file ", path, ": checksum table mismatch"));
+  {
+    absl::MutexLock lock(&t->mu_);  // not shared yet; for the thread-safety analysis
+    t->table_.resize(static_cast<size_t>(total_chunks));
+    got = PReadAll(t->fd_, t->table_.data(), h->table_bytes, h->table_offset, path);
+    if (!got.ok()) return got.status();
+    if (*got != h->table_bytes ||
+        base::Fnv1a64(t->table_.data(), static_cast<size_t>(h->table_bytes)) != h->table_fnv) {
+      return absl::DataLossError(absl::StrCat("offload file ", path, ": checksum table mismatch"));
+    }
   }
   t->session_ = h->session;
   t->generation_ = h->generation;
@@ -412,7 +420,7 @@ absl::Status DiskTier::ReadChunk(size_t tensor, int64_t chunk, void* dst) {
   const uint64_t h = base::Fnv1a64(dst, static_cast<size_t>(n));
   uint64_t want;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     want = table_[first_chunk_[tensor] + chunk];
   }
   if (h != want) {
@@ -438,7 +446,7 @@ absl::Status DiskTier::WriteChunk(size_t tensor, int64_t chunk, const void* src)
   const uint64_t h = base::Fnv1a64(src, static_cast<size_t>(n));
   absl::Status s = PWriteAll(fd_, src, n, ChunkOffset(tensor, chunk), Where(tensor, chunk));
   if (!s.ok()) return s;
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   table_[first_chunk_[tensor] + chunk] = h;
   return absl::OkStatus();
 }
@@ -456,9 +464,9 @@ absl::Status DiskTier::WriteHeader(uint32_t state) {
   h.layout_bytes = layout_bytes_;
   h.layout_fnv = layout_fnv_;
   h.table_offset = table_offset_;
-  h.table_bytes = static_cast<int64_t>(8 * table_.size());
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
+    h.table_bytes = static_cast<int64_t>(8 * table_.size());
     h.table_fnv = base::Fnv1a64(table_.data(), 8 * table_.size());
   }
   h.file_bytes = file_bytes_;
@@ -471,7 +479,7 @@ absl::Status DiskTier::Commit() {
   if (!writing_) return absl::OkStatus();
   std::vector<uint64_t> table;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     table = table_;
   }
   absl::Status s = PWriteAll(fd_, table.data(), static_cast<int64_t>(8 * table.size()),

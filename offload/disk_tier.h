@@ -29,12 +29,13 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "offload/tier.h"
 
 namespace fairscale::offload {
@@ -89,8 +90,8 @@ class DiskTier final : public Tier {
   bool writing_ = false;  // a write since the last commit
   std::vector<int64_t> data_offset_;   // per tensor
   std::vector<int64_t> first_chunk_;   // per tensor: index of its first chunk in table_
-  std::vector<uint64_t> table_;        // per chunk checksum (guarded by mu_)
-  std::mutex mu_;
+  absl::Mutex mu_;  // table_: WriteChunk runs on the I/O thread while the caller reads
+  std::vector<uint64_t> table_ ABSL_GUARDED_BY(mu_);  // per chunk checksum
   int64_t layout_offset_ = 0, layout_bytes_ = 0, table_offset_ = 0, file_bytes_ = 0;
   uint64_t layout_fnv_ = 0;
 };

@@ -91,7 +91,7 @@ struct Group {
 // Groups by key ("<store address>/<name>"); weak, so a finished test leaves nothing behind.
 std::shared_ptr<Group> FindGroup(const std::string& key, int size) {
   static absl::Mutex mu(absl::kConstInit);
-  static auto* groups = new std::map<std::string, std::weak_ptr<Group>>();
+  static auto* groups ABSL_PT_GUARDED_BY(mu) = new std::map<std::string, std::weak_ptr<Group>>();
   absl::MutexLock lock(&mu);
   std::shared_ptr<Group> g = (*groups)[key].lock();
   if (g == nullptr || g->size != size) {

@@ -112,8 +112,8 @@ int EnvInt(const char* name, int fallback) {
 // The ordinal of this RunProcesses call within the current test (1, 2, ...).
 int NextRunIndex(const std::string& test_name) {
   static absl::Mutex mu(absl::kConstInit);
-  static std::string* last_test = new std::string();
-  static int calls = 0;
+  static std::string* last_test ABSL_PT_GUARDED_BY(mu) = new std::string();
+  static int calls ABSL_GUARDED_BY(mu) = 0;
   absl::MutexLock lock(&mu);
   if (*last_test != test_name) {
     *last_test = test_name;

@@ -272,7 +272,8 @@ UcxTransport::~UcxTransport() {
   for (const Peer& peer : peers_) {
     if (!peer.error_handling && peer.departed == Departure::kVanished) {
       static absl::Mutex kept_mu(absl::kConstInit);
-      static auto* kept = new std::vector<std::pair<ucp_worker_h, ucp_context_h>>();
+      static auto* kept ABSL_PT_GUARDED_BY(kept_mu) =
+          new std::vector<std::pair<ucp_worker_h, ucp_context_h>>();
       absl::MutexLock lock(&kept_mu);
       kept->emplace_back(worker_, context_);
       return;

@@ -3,14 +3,14 @@
 // in submission order, which is what makes a three-slot staging ring safe without more locking.
 #pragma once
 
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <future>
-#include <mutex>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 
 namespace fairscale::offload::internal {
 
@@ -19,10 +19,9 @@ class IoWorker {
   IoWorker() : thread_([this] { Run(); }) {}
   ~IoWorker() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       stop_ = true;
     }
-    cv_.notify_one();
     thread_.join();
   }
   IoWorker(const IoWorker&) = delete;
@@ -31,11 +30,8 @@ class IoWorker {
   std::future<absl::Status> Submit(std::function<absl::Status()> task) {
     std::packaged_task<absl::Status()> t(std::move(task));
     std::future<absl::Status> f = t.get_future();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(t));
-    }
-    cv_.notify_one();
+    absl::MutexLock lock(&mu_);
+    queue_.push_back(std::move(t));
     return f;
   }
 
@@ -44,8 +40,8 @@ class IoWorker {
     for (;;) {
       std::packaged_task<absl::Status()> t;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &IoWorker::HasWorkOrStop));
         if (queue_.empty()) return;  // stop_ and drained
         t = std::move(queue_.front());
         queue_.pop_front();
@@ -53,11 +49,11 @@ class IoWorker {
       t();
     }
   }
+  bool HasWorkOrStop() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); }
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::packaged_task<absl::Status()>> queue_;  // guarded by mu_
-  bool stop_ = false;                                      // guarded by mu_
+  absl::Mutex mu_;
+  std::deque<std::packaged_task<absl::Status()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
