@@ -14,19 +14,13 @@
 #include <functional>
 #include <string>
 
+#include "testing/c10_error.h"
+
 namespace fairscale::amp {
 namespace {
 
+using ::fairscale::testing::ErrorOf;
 using ::testing::HasSubstr;
-
-std::string ErrorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
 
 TEST(AutocastTest, CpuLinearRunsInBFloat16AndStateIsRestored) {
   torch::nn::Linear linear(4, 3);

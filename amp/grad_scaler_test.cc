@@ -20,20 +20,13 @@
 #include <string>
 #include <vector>
 
+#include "testing/c10_error.h"
+
 namespace fairscale::amp {
 namespace {
 
+using ::fairscale::testing::ErrorOf;
 using ::testing::HasSubstr;
-
-// The message of the c10::Error `f` raises, or "" if it raises none.
-std::string ErrorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
 
 std::vector<float> Values(const at::Tensor& t) {
   at::Tensor c = t.detach().to(at::kFloat).contiguous();

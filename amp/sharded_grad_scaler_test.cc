@@ -25,14 +25,18 @@
 #include "base/status_matchers.h"
 #include "comm/communicator.h"
 #include "comm/registry.h"
+#include "comm/testing/inproc_ranks.h"
 #include "comm/testing/rank_runner.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/test_util.h"
+#include "testing/c10_error.h"
 
 namespace fairscale::amp {
 namespace {
 
 using base::testing::IsOk;
+using comm::testing::Check;
+using fairscale::testing::ErrorOf;
 namespace ft = fsdp::testing;
 
 constexpr int kSteps = 6;
@@ -41,10 +45,6 @@ constexpr int kBadStep = 2;
 // kBadStep), 1024 (tracker 1), 2048, 2048 (tracker 1).
 const std::vector<double> kScales = {1024, 2048, 1024, 1024, 2048, 2048};
 GradScalerOptions Options() { return GradScalerOptions().init_scale(1024).growth_interval(2); }
-
-absl::Status Check(bool ok, const std::string& what) {
-  return ok ? absl::OkStatus() : absl::InternalError(what);
-}
 
 // The rank whose gradients get the bad value.
 int BadRank(int world) { return world > 1 ? 1 : 0; }
@@ -84,7 +84,7 @@ absl::Status PlainRank(int rank, int world, std::shared_ptr<comm::Communicator> 
 
 TEST_P(ShardedGradScalerTest, BadGradientOnOneRankSkipsTheStepEverywhere) {
   for (int world = 1; world <= 4; ++world) {
-    std::vector<absl::Status> statuses = ft::RunRanks(
+    std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
         world, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm) {
           return PlainRank(rank, world, comm, GetParam().value);
         });
@@ -124,8 +124,8 @@ FsdpReference RunFsdpReference(float bad) {
 absl::Status FsdpRank(int rank, int world, std::shared_ptr<comm::Communicator> comm, float bad,
                       bool nested, const FsdpReference& ref) {
   // Nested: the blocks are FSDP units of their own, so the optimizer steps several shards.
-  fsdp::FullyShardedDataParallel model(ft::Net(nested ? comm : nullptr, fsdp::FsdpOptions()), comm,
-                                       fsdp::FsdpOptions());
+  fsdp::FullyShardedDataParallel model(ft::NestedNet(nested ? comm : nullptr, fsdp::FsdpOptions()),
+                                       comm, fsdp::FsdpOptions());
   auto opt = ft::MakeOptimizer(ft::OptimizerKind::kSgdMomentum, model->parameters());
   ShardedGradScaler scaler(comm, Options());
   for (int step = 0; step < kSteps; ++step) {
@@ -173,7 +173,7 @@ TEST_P(ShardedGradScalerTest, FsdpShardsSkipTheSameStepAsTheReference) {
   ASSERT_EQ(ref.scales, kScales);
   for (bool nested : {false, true}) {
     for (int world = 1; world <= 4; ++world) {
-      std::vector<absl::Status> statuses = ft::RunRanks(
+      std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
           world, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm) {
             return FsdpRank(rank, world, comm, GetParam().value, nested, ref);
           });
@@ -224,9 +224,9 @@ TEST(ShardedGradScalerEdgeTest, FsdpUnderAutocastTrains) {
   constexpr int kAutocastSteps = 3;
   const std::vector<ft::ReferenceStep> ref =
       ft::RunReference(ft::OptimizerKind::kSgdMomentum, kAutocastSteps);
-  std::vector<absl::Status> statuses =
-      ft::RunRanks(kWorld, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm) {
-        fsdp::FullyShardedDataParallel model(ft::Net(comm, fsdp::FsdpOptions()), comm,
+  std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
+      kWorld, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm) {
+        fsdp::FullyShardedDataParallel model(ft::NestedNet(comm, fsdp::FsdpOptions()), comm,
                                              fsdp::FsdpOptions());
         auto opt = ft::MakeOptimizer(ft::OptimizerKind::kSgdMomentum, model->parameters());
         ShardedGradScaler scaler(comm, Options());
@@ -257,20 +257,11 @@ TEST(ShardedGradScalerEdgeTest, FsdpUnderAutocastTrains) {
   for (const auto& s : statuses) EXPECT_THAT(s, IsOk());
 }
 
-std::string ErrorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
-
 // The control for the tests above: with a plain GradScaler per rank the ranks disagree (rank 0
 // steps, rank 1 skips, and their scales part), which is FairScale #180's starting point.
 TEST(ShardedGradScalerEdgeTest, PlainGradScalerDecidesPerRank) {
-  std::vector<absl::Status> statuses =
-      ft::RunRanks(2, [](int rank, int world, std::shared_ptr<comm::Communicator>) {
+  std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
+      2, [](int rank, int world, std::shared_ptr<comm::Communicator>) {
         at::Tensor w = at::tensor({1.0f, 2.0f}).set_requires_grad(true);
         torch::optim::SGD opt({w}, torch::optim::SGDOptions(0.5));
         GradScaler scaler(Options());
@@ -288,8 +279,8 @@ TEST(ShardedGradScalerEdgeTest, PlainGradScalerDecidesPerRank) {
 // Rank 0's parameter gets no gradient (it is not in its loss), as with an empty shard: it still
 // joins the agreement, and the other ranks step. When no rank has gradients, every rank raises.
 TEST(ShardedGradScalerEdgeTest, RankWithoutGradientsJoinsTheAgreement) {
-  std::vector<absl::Status> statuses =
-      ft::RunRanks(3, [](int rank, int world, std::shared_ptr<comm::Communicator> comm) {
+  std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
+      3, [](int rank, int world, std::shared_ptr<comm::Communicator> comm) {
         at::Tensor w = at::tensor({1.0f, 2.0f}).set_requires_grad(true);
         torch::optim::SGD opt({w}, torch::optim::SGDOptions(0.5));
         ShardedGradScaler scaler(comm, Options());

@@ -12,7 +12,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
 
 #include <functional>
 #include <memory>
@@ -20,8 +19,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "base/status_matchers.h"
 #include "checkpoint/checkpoint.h"
+#include "comm/testing/inproc_ranks.h"
+#include "comm/testing/rank_runner.h"
 #include "fsdp/fsdp_options.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/test_util.h"
@@ -29,7 +29,6 @@
 namespace fairscale::checkpoint {
 namespace {
 
-using ::fairscale::base::testing::IsOk;
 using fsdp::FsdpOptions;
 using fsdp::FullyShardedDataParallel;
 using fsdp::ShardingStrategy;
@@ -37,63 +36,41 @@ namespace testing = ::fairscale::fsdp::testing;
 
 enum class Order { kPlain, kCheckpointInsideFsdp, kFsdpInsideCheckpoint };
 
-// fc_out(block1(block0(tanh(fc_in(x))))) as fsdp::testing::Net, blocks checkpointed per `order`.
-class CkNetImpl : public torch::nn::Module {
- public:
-  CkNetImpl(std::shared_ptr<comm::Communicator> nested_comm, FsdpOptions nested_options,
-            Order order) {
-    fc_in_ = register_module("fc_in", torch::nn::Linear(5, 7));
-    testing::InitDeterministic(*fc_in_, "fc_in.");
-    for (int i = 0; i < 2; ++i) {
-      const std::string name = absl::StrCat("block", i);
-      testing::Block block(7, 9);
-      testing::InitDeterministic(*block, name + ".");
-      switch (order) {
-        case Order::kPlain:
-          register_module(name, block);
-          blocks_.push_back([block](at::Tensor x) mutable { return block(x); });
-          break;
-        case Order::kCheckpointInsideFsdp: {
-          CheckpointWrapper wrapper(block);
-          if (nested_comm) {
-            FullyShardedDataParallel unit(wrapper, nested_comm, nested_options);
-            register_module(name, unit);
-            blocks_.push_back([unit](at::Tensor x) mutable { return unit(x); });
-          } else {
-            register_module(name, wrapper);
-            blocks_.push_back([wrapper](at::Tensor x) mutable { return wrapper(x); });
-          }
-          break;
+// The shared test Net with its blocks checkpointed per `order`, each inside or around its own
+// FSDP unit when nested_comm is set (kPlain: the plain Net, the reference).
+testing::Net CkNet(std::shared_ptr<comm::Communicator> nested_comm, FsdpOptions nested_options,
+                   Order order) {
+  testing::NetConfig config;
+  switch (order) {
+    case Order::kPlain:
+      break;
+    case Order::kCheckpointInsideFsdp:
+      config.wrap_block = [=](testing::Block block) -> fairscale::testing::WrappedBlock {
+        CheckpointWrapper wrapper(block);
+        if (!nested_comm) {
+          return {wrapper.ptr(), [wrapper](at::Tensor x) mutable { return wrapper(x); }};
         }
-        case Order::kFsdpInsideCheckpoint: {
-          std::function<at::Tensor(const at::Tensor&)> call;
-          if (nested_comm) {
-            FullyShardedDataParallel unit(block, nested_comm, nested_options);
-            register_module(name, unit);
-            call = [unit](const at::Tensor& x) mutable { return unit(x); };
-          } else {
-            register_module(name, block);
-            call = [block](const at::Tensor& x) mutable { return block(x); };
-          }
-          blocks_.push_back([call](at::Tensor x) { return checkpoint(call, x); });
-          break;
+        FullyShardedDataParallel unit(wrapper, nested_comm, nested_options);
+        return {unit.ptr(), [unit](at::Tensor x) mutable { return unit(x); }};
+      };
+      break;
+    case Order::kFsdpInsideCheckpoint:
+      config.wrap_block = [=](testing::Block block) -> fairscale::testing::WrappedBlock {
+        std::shared_ptr<torch::nn::Module> module = block.ptr();
+        std::function<at::Tensor(const at::Tensor&)> call = [block](const at::Tensor& x) mutable {
+          return block(x);
+        };
+        if (nested_comm) {
+          FullyShardedDataParallel unit(block, nested_comm, nested_options);
+          module = unit.ptr();
+          call = [unit](const at::Tensor& x) mutable { return unit(x); };
         }
-      }
-    }
-    fc_out_ = register_module("fc_out", torch::nn::Linear(7, 3));
-    testing::InitDeterministic(*fc_out_, "fc_out.");
+        return {module, [call](at::Tensor x) { return checkpoint(call, x); }};
+      };
+      break;
   }
-  at::Tensor forward(at::Tensor x) {
-    x = at::tanh(fc_in_(x));
-    for (auto& b : blocks_) x = b(x);
-    return fc_out_(x);
-  }
-
- private:
-  torch::nn::Linear fc_in_{nullptr}, fc_out_{nullptr};
-  std::vector<std::function<at::Tensor(at::Tensor)>> blocks_;
-};
-TORCH_MODULE(CkNet);
+  return testing::Net(config);
+}
 
 auto MakeFor(Order order) {
   return [order](std::shared_ptr<comm::Communicator> comm, FsdpOptions opts) {
@@ -118,18 +95,16 @@ void ExpectParity(Order order, const std::string& what) {
                                     ShardingStrategy::kNoShard}) {
     for (bool nested : {false, true}) {
       for (int world = 1; world <= 4; ++world) {
-        const std::vector<absl::Status> statuses = testing::RunRanks(
-            world, [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
-              return testing::RunParityRank(MakeFor(order), MseStep(),
-                                            testing::OptimizerKind::kAdam, ref,
-                                            FsdpOptions().sharding_strategy(strategy), nested,
-                                            rank, w, comm);
-            });
-        for (size_t r = 0; r < statuses.size(); ++r) {
-          EXPECT_THAT(statuses[r], IsOk())
-              << what << " " << fsdp::ShardingStrategyName(strategy)
-              << (nested ? " nested" : " root only") << " world " << world << " rank " << r;
-        }
+        comm::testing::ExpectAllOk(
+            comm::testing::RunInprocRanks(
+                world,
+                [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
+                  return testing::RunParityRank(
+                      MakeFor(order), MseStep(), testing::OptimizerKind::kAdam, ref,
+                      FsdpOptions().sharding_strategy(strategy), nested, rank, w, comm);
+                }),
+            absl::StrCat(what, " ", fsdp::ShardingStrategyName(strategy),
+                         nested ? " nested" : " root only"));
       }
     }
   }

@@ -14,43 +14,29 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "base/status_matchers.h"
-#include "comm/registry.h"
+#include "comm/testing/counting_communicator.h"
+#include "comm/testing/inproc_ranks.h"
 #include "comm/testing/rank_runner.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/test_util.h"
-#include "fsdp/testing/counting_communicator.h"
 #include "gtest/gtest.h"
 
 namespace fairscale::fsdp {
 namespace {
 
-using base::testing::IsOk;
-using testing::CountingCommunicator;
-
-absl::Status Check(bool ok, const std::string& message) {
-  return ok ? absl::OkStatus() : absl::InternalError(message);
-}
+using comm::testing::Check;
+using comm::testing::CountingCommunicator;
 
 template <typename Body>
 void RunAllWorlds(Body body) {
   for (int world = 1; world <= 4; ++world) {
-    std::vector<absl::Status> statuses = comm::testing::RunThreads(
-        world,
-        [&](int rank) -> absl::Status {
-          try {
-            FS_ASSIGN_OR_RETURN(
-                std::shared_ptr<comm::Communicator> inner,
-                comm::CreateCommunicator("inproc", comm::testing::RankConfig(absl::Seconds(30))));
-            return body(rank, world, std::make_shared<CountingCommunicator>(inner));
-          } catch (const std::exception& e) {
-            return absl::InternalError(e.what());
-          }
-        },
-        absl::Seconds(50));
-    for (int r = 0; r < world; ++r) {
-      EXPECT_THAT(statuses[r], IsOk()) << "world " << world << " rank " << r;
-    }
+    comm::testing::ExpectAllOk(
+        comm::testing::RunInprocRanks(
+            world,
+            [&](int rank, int w, std::shared_ptr<comm::Communicator> inner) -> absl::Status {
+              return body(rank, w, std::make_shared<CountingCommunicator>(inner));
+            }),
+        absl::StrCat("world ", world));
   }
 }
 
@@ -74,7 +60,8 @@ TEST_P(CommVolumeTest, StepMovesTheTheoreticalBytes) {
                    std::shared_ptr<CountingCommunicator> counting) -> absl::Status {
     const auto opts =
         FsdpOptions().sharding_strategy(strategy).disable_reshard_on_root(!reshard_root);
-    FullyShardedDataParallel model(testing::Net(nested ? counting : nullptr, opts), counting, opts);
+    FullyShardedDataParallel model(testing::NestedNet(nested ? counting : nullptr, opts), counting,
+                                   opts);
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     TrainStep(model, opt, 0, rank, world);  // first step: records the order, prefetches nothing
 
@@ -147,7 +134,8 @@ TEST_P(MemoryTest, EachRankHoldsOneNthOfParamsGradsAndAdamState) {
                    int rank, int world,
                    std::shared_ptr<CountingCommunicator> counting) -> absl::Status {
     const auto opts = FsdpOptions().sharding_strategy(strategy);
-    FullyShardedDataParallel model(testing::Net(nested ? counting : nullptr, opts), counting, opts);
+    FullyShardedDataParallel model(testing::NestedNet(nested ? counting : nullptr, opts), counting,
+                                   opts);
     torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
     // 350 parameters in 1 unit, or 66 + 142 + 142 in 3 units; padded to a multiple of N each.
     int64_t padded = 0;
@@ -250,7 +238,7 @@ TEST(GradientBucketing, FewerReduceScattersSameBytesAndParity) {
                 c.cap_bytes / (1024.0 * 1024.0));
             FS_RETURN_IF_ERROR(testing::RunParityRank(
                 [](std::shared_ptr<comm::Communicator> comm, FsdpOptions o) {
-                  return testing::Net(comm, o);
+                  return testing::NestedNet(comm, o);
                 },
                 [](FullyShardedDataParallel& model, int step, int r, int w) {
                   testing::Batch b = testing::GlobalBatch(step);
@@ -260,7 +248,7 @@ TEST(GradientBucketing, FewerReduceScattersSameBytesAndParity) {
                 testing::OptimizerKind::kAdam, ref, opts, /*nested=*/true, rank, world, counting));
             int64_t padded_bytes = 0;
             {
-              FullyShardedDataParallel probe(testing::Net(counting, opts), counting, opts);
+              FullyShardedDataParallel probe(testing::NestedNet(counting, opts), counting, opts);
               for (FullyShardedDataParallelImpl* u : probe->fsdp_units()) {
                 for (const FlatParamInfo& info : u->flat_param_info())
                   padded_bytes += info.padded_numel * 4;

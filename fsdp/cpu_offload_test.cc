@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
+#include "comm/testing/inproc_ranks.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/internal/flat_param.h"
 #include "fsdp/test_util.h"
@@ -40,7 +41,7 @@ struct Trace {
 
 Trace Train(std::shared_ptr<comm::Communicator> comm, const FsdpOptions& opts, bool nested,
             int rank, int world) {
-  FullyShardedDataParallel model(testing::Net(nested ? comm : nullptr, opts), comm, opts);
+  FullyShardedDataParallel model(testing::NestedNet(nested ? comm : nullptr, opts), comm, opts);
   auto opt = testing::MakeOptimizer(OptimizerKind::kAdam, model->parameters());
   Trace t;
   for (int step = 0; step < kSteps; ++step) {
@@ -90,7 +91,7 @@ void ExpectOffloadChangesNothing(const std::string& what, FsdpOptions base) {
     for (bool nested : {false, true}) {
       for (int world = 1; world <= 4; ++world) {
         ExpectAllOk(
-            testing::RunRanks(
+            comm::testing::RunInprocRanks(
                 world,
                 [&](int rank, int w, std::shared_ptr<comm::Communicator> c) -> absl::Status {
                   FsdpOptions plain = base;
@@ -112,7 +113,7 @@ void ExpectOffloadChangesNothing(const std::string& what, FsdpOptions base) {
 
 TEST(CpuOffload, BadCombinationsAreNamedErrors) {
   ExpectAllOk(
-      testing::RunRanks(
+      comm::testing::RunInprocRanks(
           1,
           [](int, int, std::shared_ptr<comm::Communicator> c) -> absl::Status {
             auto make = [c](FsdpOptions opts) {
@@ -156,7 +157,7 @@ TEST(CpuOffload, TheCopyPathGivesBitwiseTheSameResults) {
       FsdpOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
   ExpectOffloadChangesNothing("forced copy path bucketed", FsdpOptions().bucket_cap_mb(1.0));
   // The per-parameter layout has no offloaded path (yet): a clear error.
-  ExpectAllOk(testing::RunRanks(
+  ExpectAllOk(comm::testing::RunInprocRanks(
                   1,
                   [](int, int, std::shared_ptr<comm::Communicator> c) -> absl::Status {
                     return ExpectError(
@@ -170,7 +171,7 @@ TEST(CpuOffload, TheCopyPathGivesBitwiseTheSameResults) {
               "per-parameter layout");
   // The hook really separates the compute buffer: an unsharded unit's parameters no longer
   // view its shard.
-  ExpectAllOk(testing::RunRanks(
+  ExpectAllOk(comm::testing::RunInprocRanks(
                   1,
                   [](int, int, std::shared_ptr<comm::Communicator> c) -> absl::Status {
                     FullyShardedDataParallel m(testing::Net(), c,
@@ -192,7 +193,7 @@ TEST(CudaOffload, ShardsOnCpuComputeOnGpuMatchesThePlainGpuModel) {
   const c10::Device gpu(c10::kCUDA, 0);
   for (bool params_on_gpu : {true, false}) {
     ExpectAllOk(
-        testing::RunRanks(
+        comm::testing::RunInprocRanks(
             1,
             [&](int, int, std::shared_ptr<comm::Communicator> c) -> absl::Status {
               testing::Net plain_net;

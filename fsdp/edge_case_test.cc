@@ -19,31 +19,25 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
+#include "comm/testing/counting_communicator.h"
+#include "comm/testing/inproc_ranks.h"
+#include "comm/testing/rank_runner.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/test_util.h"
-#include "fsdp/testing/counting_communicator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace fairscale::fsdp {
 namespace {
 
-using base::testing::IsOk;
 using testing::OptimizerKind;
 
 constexpr ShardingStrategy kStrategies[] = {
     ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard};
 constexpr int kSteps = 4;
 
-absl::Status Check(bool ok, const std::string& message) {
-  return ok ? absl::OkStatus() : absl::InternalError(message);
-}
-
-void ExpectAllOk(const std::vector<absl::Status>& statuses, const std::string& what) {
-  for (size_t r = 0; r < statuses.size(); ++r) {
-    EXPECT_THAT(statuses[r], IsOk()) << what << " world " << statuses.size() << " rank " << r;
-  }
-}
+using comm::testing::Check;
+using comm::testing::ExpectAllOk;
 
 // The standard step: MSE of this rank's rows of the global batch.
 using testing::MseStep;
@@ -58,13 +52,14 @@ void ExpectParity(const std::string& what, MakeFn make, StepFn step_fn, Optimize
     for (bool nested : nest ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
       for (int world : worlds) {
         ExpectAllOk(
-            testing::RunRanks(world,
-                              [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
-                                FsdpOptions opts = base;
-                                opts.sharding_strategy(strategy);
-                                return testing::RunParityRank(make, step_fn, kind, ref, opts,
-                                                              nested, rank, w, comm, rtol);
-                              }),
+            comm::testing::RunInprocRanks(
+                world,
+                [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
+                  FsdpOptions opts = base;
+                  opts.sharding_strategy(strategy);
+                  return testing::RunParityRank(make, step_fn, kind, ref, opts, nested, rank, w,
+                                                comm, rtol);
+                }),
             absl::StrCat(what, " ", ShardingStrategyName(strategy), nested ? " nested" : " flat"));
       }
     }
@@ -73,7 +68,7 @@ void ExpectParity(const std::string& what, MakeFn make, StepFn step_fn, Optimize
 
 auto MakeNet(testing::NetConfig config = {}) {
   return [config](std::shared_ptr<comm::Communicator> comm, FsdpOptions opts) {
-    return testing::Net(comm, opts, config);
+    return testing::NestedNet(comm, opts, config);
   };
 }
 
@@ -149,7 +144,7 @@ TEST(FsdpEdgeCases, TiedWeightsInsideOneUnit) {
 
 TEST(FsdpEdgeCases, TiedWeightsAcrossUnitsAreAClearError) {
   ExpectAllOk(
-      testing::RunRanks(
+      comm::testing::RunInprocRanks(
           2,
           [](int rank, int world, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
             try {
@@ -200,7 +195,7 @@ TORCH_MODULE(WithBuffer);
 
 TEST(FsdpEdgeCases, BuffersAreBroadcastFromRankZero) {
   for (int world = 1; world <= 4; ++world) {
-    ExpectAllOk(testing::RunRanks(
+    ExpectAllOk(comm::testing::RunInprocRanks(
                     world,
                     [](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
                       WithBuffer m;
@@ -259,7 +254,8 @@ TEST(FsdpMethods, NoSyncAccumulatesLocallyThenReducesOnce) {
     at::Tensor x = testing::RankRows(b.x, rank, world);
     at::Tensor y = testing::RankRows(b.y, rank, world);
     if constexpr (testing::IsFsdp<decltype(model)>()) {
-      auto* counting = dynamic_cast<testing::CountingCommunicator*>(model->communicator().get());
+      auto* counting =
+          dynamic_cast<comm::testing::CountingCommunicator*>(model->communicator().get());
       counting->Reset();
       {
         auto guard = model->no_sync();
@@ -278,10 +274,10 @@ TEST(FsdpMethods, NoSyncAccumulatesLocallyThenReducesOnce) {
   for (ShardingStrategy strategy : kStrategies) {
     for (bool nested : {false, true}) {
       for (int world = 1; world <= 4; ++world) {
-        ExpectAllOk(testing::RunRanks(
+        ExpectAllOk(comm::testing::RunInprocRanks(
                         world,
                         [&](int rank, int w, std::shared_ptr<comm::Communicator> inner) {
-                          auto comm = std::make_shared<testing::CountingCommunicator>(inner);
+                          auto comm = std::make_shared<comm::testing::CountingCommunicator>(inner);
                           return testing::RunParityRank(
                               make, step_fn, OptimizerKind::kSgdMomentum, ref,
                               FsdpOptions().sharding_strategy(strategy), nested, rank, w, comm);
@@ -344,7 +340,7 @@ TEST(FsdpBucketing, FrozenUnusedAndMixedPrecisionKeepParity) {
 }
 
 TEST(FsdpMixedPrecision, WritebackSummonIsAnError) {
-  ExpectAllOk(testing::RunRanks(
+  ExpectAllOk(comm::testing::RunInprocRanks(
                   2,
                   [](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
                     FullyShardedDataParallel model(
@@ -382,11 +378,11 @@ TEST(FsdpMethods, SummonFullParamsReadsAndWritesBack) {
   for (ShardingStrategy strategy : kStrategies) {
     for (int world = 1; world <= 4; ++world) {
       ExpectAllOk(
-          testing::RunRanks(
+          comm::testing::RunInprocRanks(
               world,
               [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
                 const auto opts = FsdpOptions().sharding_strategy(strategy);
-                FullyShardedDataParallel model(testing::Net(comm, opts), comm, opts);
+                FullyShardedDataParallel model(testing::NestedNet(comm, opts), comm, opts);
                 testing::Net plain;
                 // The full parameters of every unit, by name.
                 auto full_params = [&] {

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
+#include "comm/testing/inproc_ranks.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/test_util.h"
 #include "gtest/gtest.h"
@@ -73,7 +74,7 @@ TEST(GradientReductionTest, EarlierUnitsReductionCompletesDuringBackward) {
   for (ShardingStrategy strategy :
        {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
     for (int world = 2; world <= 3; ++world) {
-      std::vector<absl::Status> statuses = testing::RunRanks(
+      std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
           world, [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
             const auto opts = FsdpOptions().sharding_strategy(strategy);
             Chain chain(comm, opts);
@@ -117,18 +118,16 @@ TEST(GradientReductionTest, LowMemorySettingMatchesReference) {
   for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                                     ShardingStrategy::kNoShard}) {
     for (int world = 1; world <= 4; ++world) {
-      std::vector<absl::Status> statuses = testing::RunRanks(
+      std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
           world, [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
             const auto opts = FsdpOptions()
                                   .sharding_strategy(strategy)
                                   .backward_prefetch(false)
                                   .reductions_in_flight(0);
-            return testing::RunParityRank(
-                [](std::shared_ptr<comm::Communicator> c, FsdpOptions o) {
-                  return testing::Net(c, o);
-                },
-                TrainBatch, testing::OptimizerKind::kAdam, ref, opts, /*nested=*/true, rank, w,
-                comm);
+            return testing::RunParityRank([](std::shared_ptr<comm::Communicator> c,
+                                             FsdpOptions o) { return testing::NestedNet(c, o); },
+                                          TrainBatch, testing::OptimizerKind::kAdam, ref, opts,
+                                          /*nested=*/true, rank, w, comm);
           });
       for (int r = 0; r < world; ++r) {
         EXPECT_THAT(statuses[r], IsOk())
@@ -139,7 +138,7 @@ TEST(GradientReductionTest, LowMemorySettingMatchesReference) {
 }
 
 TEST(GradientReductionTest, NegativeReductionsInFlightIsRejected) {
-  std::vector<absl::Status> statuses = testing::RunRanks(
+  std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
       1, [&](int, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
         try {
           FullyShardedDataParallel model(InitBlock("b"), comm,
@@ -167,10 +166,10 @@ TEST(GradientReductionTest, AccumulatesAcrossBackwardAndSurvivesGradReset) {
   for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                                     ShardingStrategy::kNoShard}) {
     for (int world = 1; world <= 4; ++world) {
-      std::vector<absl::Status> statuses = testing::RunRanks(
+      std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
           world, [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
             const auto opts = FsdpOptions().sharding_strategy(strategy);
-            FullyShardedDataParallel model(testing::Net(comm, opts), comm, opts);
+            FullyShardedDataParallel model(testing::NestedNet(comm, opts), comm, opts);
             const std::string at =
                 absl::StrCat(ShardingStrategyName(strategy), " rank ", rank, "/", w, ": ");
             TrainBatch(model, 0, rank, w);

@@ -21,6 +21,8 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
+#include "comm/testing/counting_communicator.h"
+#include "comm/testing/inproc_ranks.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/internal/hybrid_groups.h"
 #include "fsdp/local_checkpoint.h"
@@ -28,7 +30,6 @@
 #include "fsdp/state_dict.h"
 #include "fsdp/test_util.h"
 #include "fsdp/testing/checkpoint_helpers.h"
-#include "fsdp/testing/counting_communicator.h"
 #include "gtest/gtest.h"
 
 namespace fairscale::fsdp {
@@ -52,7 +53,7 @@ using testing::MseStep;
 
 auto MakeNet(testing::NetConfig config = {}) {
   return [config](std::shared_ptr<comm::Communicator> comm, FsdpOptions opts) {
-    return testing::Net(comm, opts, config);
+    return testing::NestedNet(comm, opts, config);
   };
 }
 
@@ -72,16 +73,15 @@ void ExpectHybridParity(const std::string& what, MakeFn make, StepFn step_fn, Fs
       for (const Layout& l : layouts) {
         FsdpOptions opts = base;
         opts.sharding_strategy(strategy).hybrid_shard_group_size(l.group_size);
-        ExpectAllOk(testing::RunRanks(l.world,
-                                      [&](int rank, int w, std::shared_ptr<comm::Communicator> c) {
-                                        return testing::RunParityRank(make, step_fn,
-                                                                      OptimizerKind::kAdam, ref,
-                                                                      opts, nested, rank, w, c,
-                                                                      rtol);
-                                      }),
-                    absl::StrCat(what, " ", ShardingStrategyName(strategy), " ",
-                                 l.world / l.group_size, " groups of ", l.group_size,
-                                 nested ? " nested" : " flat"));
+        ExpectAllOk(
+            comm::testing::RunInprocRanks(
+                l.world,
+                [&](int rank, int w, std::shared_ptr<comm::Communicator> c) {
+                  return testing::RunParityRank(make, step_fn, OptimizerKind::kAdam, ref, opts,
+                                                nested, rank, w, c, rtol);
+                }),
+            absl::StrCat(what, " ", ShardingStrategyName(strategy), " ", l.world / l.group_size,
+                         " groups of ", l.group_size, nested ? " nested" : " flat"));
       }
     }
   }
@@ -123,19 +123,21 @@ TEST(HybridShard, Bf16MixedPrecisionTracksTheReference) {
 TEST(HybridShard, CommunicatesInsideTheGroupAndReducesTheShardAcross) {
   for (ShardingStrategy strategy : kHybrids) {
     ExpectAllOk(
-        testing::RunRanks(
+        comm::testing::RunInprocRanks(
             4,
             [&](int rank, int world, std::shared_ptr<comm::Communicator> inner) -> absl::Status {
-              auto counting_world = std::make_shared<testing::CountingCommunicator>(inner);
+              auto counting_world = std::make_shared<comm::testing::CountingCommunicator>(inner);
               FS_ASSIGN_OR_RETURN(auto shard, inner->Split(rank / 2, rank));
               FS_ASSIGN_OR_RETURN(auto replicate, inner->Split(rank % 2, rank));
-              auto counting_shard = std::make_shared<testing::CountingCommunicator>(shard);
-              auto counting_replicate = std::make_shared<testing::CountingCommunicator>(replicate);
+              auto counting_shard = std::make_shared<comm::testing::CountingCommunicator>(shard);
+              auto counting_replicate =
+                  std::make_shared<comm::testing::CountingCommunicator>(replicate);
               const auto opts = FsdpOptions()
                                     .sharding_strategy(strategy)
                                     .disable_reshard_on_root(false)
                                     .hybrid_shard_groups(counting_shard, counting_replicate);
-              FullyShardedDataParallel model(testing::Net(nullptr, opts), counting_world, opts);
+              FullyShardedDataParallel model(testing::NestedNet(nullptr, opts), counting_world,
+                                             opts);
               FS_RETURN_IF_ERROR(Check(model->shard_world_size() == 2 &&
                                            model->shard_rank() == rank % 2 &&
                                            model->replicate_rank() == rank / 2,
@@ -186,11 +188,12 @@ TEST(HybridShard, ClipGradNormCountsEachElementOnce) {
   for (const auto& [name, g] : ref[0].grads) sum += g.to(at::kDouble).pow(2).sum().item<double>();
   const double expected = std::sqrt(sum);
   for (const Layout& l : {Layout{4, 2}, Layout{4, 1}, Layout{2, 1}}) {
-    ExpectAllOk(testing::RunRanks(
+    ExpectAllOk(comm::testing::RunInprocRanks(
                     l.world,
-                    [&](int rank, int world, std::shared_ptr<comm::Communicator> c) -> absl::Status {
+                    [&](int rank, int world,
+                        std::shared_ptr<comm::Communicator> c) -> absl::Status {
                       const auto opts = Hybrid(ShardingStrategy::kHybridShard, l.group_size);
-                      FullyShardedDataParallel model(testing::Net(c, opts), c, opts);
+                      FullyShardedDataParallel model(testing::NestedNet(c, opts), c, opts);
                       MseStep()(model, 0, rank, world);
                       const double norm = model->clip_grad_norm_(1e9).item<double>();
                       return Check(std::abs(norm - expected) <= 1e-5 * expected,
@@ -207,11 +210,11 @@ constexpr int kSaveAt = 2;
 std::pair<StateDict, FullOptimState> SaveHybrid(const std::string& dir) {
   StateDict sd;
   FullOptimState osd;
-  ExpectAllOk(testing::RunRanks(
+  ExpectAllOk(comm::testing::RunInprocRanks(
                   4,
                   [&](int rank, int world, std::shared_ptr<comm::Communicator> c) -> absl::Status {
                     const auto opts = Hybrid(ShardingStrategy::kHybridShard, 2);
-                    FullyShardedDataParallel model(testing::Net(c, opts), c, opts);
+                    FullyShardedDataParallel model(testing::NestedNet(c, opts), c, opts);
                     auto opt = testing::MakeOptimizer(OptimizerKind::kAdam, model->parameters());
                     testing::TrainSteps(model, *opt, 0, kSaveAt, rank, world);
                     save_sharded_checkpoint(model, opt.get(), dir);
@@ -219,7 +222,7 @@ std::pair<StateDict, FullOptimState> SaveHybrid(const std::string& dir) {
                     FullOptimState full_osd = full_optim_state_dict(model, *opt, true);
                     // A local state dict loads into an identically wrapped model.
                     const LocalStateDict local = model->local_state_dict();
-                    FullyShardedDataParallel copy(testing::Net(c, opts), c, opts);
+                    FullyShardedDataParallel copy(testing::NestedNet(c, opts), c, opts);
                     copy->load_local_state_dict(local);
                     StateDict copied = full_state_dict(copy, true);
                     if (rank == 0) {
@@ -246,7 +249,7 @@ TEST(HybridShard, CheckpointsMoveBetweenHybridAndFullShard) {
   for (int world : {2, 3}) {
     for (bool sharded_ckpt : {true, false}) {
       ExpectAllOk(
-          testing::RunRanks(
+          comm::testing::RunInprocRanks(
               world,
               [&](int rank, int w, std::shared_ptr<comm::Communicator> c) -> absl::Status {
                 auto model = testing::MakeModel(c, ShardingStrategy::kFullShard, /*nested=*/true);
@@ -268,7 +271,7 @@ TEST(HybridShard, CheckpointsMoveBetweenHybridAndFullShard) {
   }
   // And back: FULL_SHARD at 2 ranks -> 2x2 HYBRID_SHARD and 1x4 _HYBRID_SHARD_ZERO2 at 4.
   const std::string dir2 = testing::TmpPath("full_shard_ckpt");
-  ExpectAllOk(testing::RunRanks(
+  ExpectAllOk(comm::testing::RunInprocRanks(
                   2,
                   [&](int rank, int w, std::shared_ptr<comm::Communicator> c) -> absl::Status {
                     auto model = testing::MakeModel(c, ShardingStrategy::kFullShard, false);
@@ -282,12 +285,12 @@ TEST(HybridShard, CheckpointsMoveBetweenHybridAndFullShard) {
        {std::make_pair(ShardingStrategy::kHybridShard, 2),
         std::make_pair(ShardingStrategy::kHybridShardZero2, 1)}) {
     ExpectAllOk(
-        testing::RunRanks(
+        comm::testing::RunInprocRanks(
             4,
             [&, strategy = strategy, group = group](
                 int rank, int w, std::shared_ptr<comm::Communicator> c) -> absl::Status {
               const auto opts = Hybrid(strategy, group);
-              FullyShardedDataParallel model(testing::Net(c, opts), c, opts);
+              FullyShardedDataParallel model(testing::NestedNet(c, opts), c, opts);
               auto opt = testing::MakeOptimizer(OptimizerKind::kAdam, model->parameters());
               load_sharded_checkpoint(model, opt.get(), dir2);
               const auto losses = testing::TrainSteps(model, *opt, kSaveAt, kSteps, rank, w);
@@ -300,7 +303,7 @@ TEST(HybridShard, CheckpointsMoveBetweenHybridAndFullShard) {
 
 TEST(HybridShard, BadGroupsAreClearErrors) {
   ExpectAllOk(
-      testing::RunRanks(
+      comm::testing::RunInprocRanks(
           4,
           [&](int rank, int, std::shared_ptr<comm::Communicator> c) -> absl::Status {
             auto make = [&](FsdpOptions opts) {

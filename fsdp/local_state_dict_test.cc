@@ -5,71 +5,29 @@
 // c10::Error that says what differs.
 #include <torch/optim/optimizer.h>
 
-#include <cstdlib>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
+#include "comm/testing/inproc_ranks.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/local_checkpoint.h"
 #include "fsdp/test_util.h"
+#include "fsdp/testing/checkpoint_helpers.h"
 #include "gtest/gtest.h"
 
 namespace fairscale::fsdp {
 namespace {
 
-using base::testing::IsOk;
 using testing::OptimizerKind;
 
-absl::Status Check(bool ok, const std::string &message) {
-  return ok ? absl::OkStatus() : absl::InternalError(message);
-}
-
-void ExpectAllOk(const std::vector<absl::Status> &statuses, const std::string &what) {
-  for (size_t r = 0; r < statuses.size(); ++r) {
-    EXPECT_THAT(statuses[r], IsOk()) << what << " world " << statuses.size() << " rank " << r;
-  }
-}
-
-std::string TmpPath(const std::string &name) {
-  const char *dir = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/", name);
-}
-
-void TrainSteps(FullyShardedDataParallel &model, torch::optim::Optimizer &opt, int first, int last,
-                int rank, int world) {
-  for (int step = first; step < last; ++step) {
-    opt.zero_grad();
-    testing::Batch b = testing::GlobalBatch(step);
-    testing::Mse(model(testing::RankRows(b.x, rank, world)), testing::RankRows(b.y, rank, world))
-        .backward();
-    opt.step();
-  }
-}
-
-FullyShardedDataParallel MakeModel(std::shared_ptr<comm::Communicator> comm,
-                                   ShardingStrategy strategy, bool nested) {
-  const auto opts = FsdpOptions().sharding_strategy(strategy);
-  return FullyShardedDataParallel(testing::Net(nested ? comm : nullptr, opts), comm, opts);
-}
-
-// Runs `body` on every rank and expects each to raise a c10::Error containing all of `needles`.
-absl::Status ExpectError(const std::function<void()> &body,
-                         const std::vector<std::string> &needles) {
-  try {
-    body();
-  } catch (const c10::Error &e) {
-    const std::string msg = e.what_without_backtrace();
-    for (const std::string &n : needles) {
-      if (msg.find(n) == std::string::npos) {
-        return absl::InternalError(absl::StrCat("error lacks '", n, "': ", msg));
-      }
-    }
-    return absl::OkStatus();
-  }
-  return absl::InternalError("no error");
-}
+using testing::Check;
+using testing::ExpectAllOk;
+using testing::ExpectError;
+using testing::MakeModel;
+using testing::TmpPath;
+using testing::TrainSteps;
 
 struct Case {
   ShardingStrategy strategy;
@@ -85,7 +43,7 @@ TEST(FsdpLocalStateDict, ResumeFromCheckpointIsBitwiseIdentical) {
     const auto ref = testing::RunReference(c.kind, 10);
     for (int world = 1; world <= 4; ++world) {
       ExpectAllOk(
-          testing::RunRanks(
+          comm::testing::RunInprocRanks(
               world,
               [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
                 const std::string path = TmpPath(absl::StrCat(
@@ -125,7 +83,7 @@ TEST(FsdpLocalStateDict, ResumeFromCheckpointIsBitwiseIdentical) {
 
 TEST(FsdpLocalStateDict, MetadataDescribesTheShards) {
   ExpectAllOk(
-      testing::RunRanks(
+      comm::testing::RunInprocRanks(
           3,
           [](int rank, int world, std::shared_ptr<comm::Communicator> comm) {
             auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
@@ -148,7 +106,7 @@ TEST(FsdpLocalStateDict, MetadataDescribesTheShards) {
 }
 
 TEST(FsdpLocalStateDict, OtherWorldSizeIsAClearError) {
-  ExpectAllOk(testing::RunRanks(2,
+  ExpectAllOk(comm::testing::RunInprocRanks(2,
                                 [](int rank, int, std::shared_ptr<comm::Communicator> comm) {
                                   auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
                                   save_local_checkpoint(model, nullptr,
@@ -158,7 +116,7 @@ TEST(FsdpLocalStateDict, OtherWorldSizeIsAClearError) {
               "save");
   for (int world : {1, 4}) {
     ExpectAllOk(
-        testing::RunRanks(world,
+        comm::testing::RunInprocRanks(world,
                           [](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
                             auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
                             return ExpectError(
@@ -174,7 +132,7 @@ TEST(FsdpLocalStateDict, OtherWorldSizeIsAClearError) {
 }
 
 TEST(FsdpLocalStateDict, DifferentWrappingIsAClearError) {
-  ExpectAllOk(testing::RunRanks(
+  ExpectAllOk(comm::testing::RunInprocRanks(
                   2,
                   [](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
                     auto nested = MakeModel(comm, ShardingStrategy::kFullShard, true);

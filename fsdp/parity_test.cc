@@ -8,8 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "base/status_matchers.h"
-#include "comm/registry.h"
+#include "comm/testing/inproc_ranks.h"
 #include "comm/testing/rank_runner.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/test_util.h"
@@ -18,7 +17,6 @@
 namespace fairscale::fsdp {
 namespace {
 
-using base::testing::IsOk;
 using testing::OptimizerKind;
 
 constexpr int kSteps = 10;
@@ -31,32 +29,12 @@ const std::vector<testing::ReferenceStep>& Reference(OptimizerKind kind) {
   return it->second;
 }
 
-absl::Status RunRank(int rank, int world, OptimizerKind kind, ShardingStrategy strategy,
-                     bool nested) {
-  FS_ASSIGN_OR_RETURN(
-      std::shared_ptr<comm::Communicator> comm,
-      comm::CreateCommunicator("inproc", comm::testing::RankConfig(absl::Seconds(30))));
+absl::Status RunRank(int rank, int world, std::shared_ptr<comm::Communicator> comm,
+                     OptimizerKind kind, ShardingStrategy strategy, bool nested) {
   const auto opts = FsdpOptions().sharding_strategy(strategy);
-  FullyShardedDataParallel model(testing::Net(nested ? comm : nullptr, opts), comm, opts);
+  FullyShardedDataParallel model(testing::NestedNet(nested ? comm : nullptr, opts), comm, opts);
   auto opt = testing::MakeOptimizer(kind, model->parameters());
-  const auto& ref = Reference(kind);
-  for (int step = 0; step < kSteps; ++step) {
-    const std::string at_step = absl::StrCat("step ", step, " rank ", rank, "/", world);
-    opt->zero_grad();
-    testing::Batch b = testing::GlobalBatch(step);
-    at::Tensor y = testing::RankRows(b.y, rank, world);
-    at::Tensor loss = testing::Mse(model(testing::RankRows(b.x, rank, world)), y);
-    FS_RETURN_IF_ERROR(testing::ExpectClose(
-        at_step + " loss", loss, testing::Mse(testing::RankRows(ref[step].output, rank, world), y),
-        kRtol));
-    loss.backward();
-    FS_RETURN_IF_ERROR(
-        testing::CheckShards(model, ref[step].grads, /*grads=*/true, at_step + " grad", kRtol));
-    opt->step();
-    FS_RETURN_IF_ERROR(testing::CheckShards(model, ref[step].params, /*grads=*/false,
-                                            at_step + " param", kRtol));
-  }
-  return absl::OkStatus();
+  return testing::TrainMatchesReference(model, *opt, Reference(kind), rank, world, kRtol);
 }
 
 using ParityParam = std::tuple<OptimizerKind, ShardingStrategy, bool>;
@@ -66,19 +44,14 @@ TEST_P(ParityTest, MatchesSingleProcessReference) {
   const auto [kind, strategy, nested] = GetParam();
   Reference(kind);  // computed once, before the rank threads read it
   for (int world = 1; world <= 4; ++world) {
-    std::vector<absl::Status> statuses = comm::testing::RunThreads(
-        world,
-        [&, kind = kind, strategy = strategy, nested = nested](int rank) -> absl::Status {
-          try {
-            return RunRank(rank, world, kind, strategy, nested);
-          } catch (const std::exception& e) {
-            return absl::InternalError(e.what());
-          }
-        },
-        absl::Seconds(50));
-    for (int r = 0; r < world; ++r) {
-      EXPECT_THAT(statuses[r], IsOk()) << "world " << world << " rank " << r;
-    }
+    comm::testing::ExpectAllOk(comm::testing::RunInprocRanks(
+                                   world,
+                                   [&, kind = kind, strategy = strategy, nested = nested](
+                                       int rank, int w, std::shared_ptr<comm::Communicator> comm) {
+                                     return RunRank(rank, w, std::move(comm), kind, strategy,
+                                                    nested);
+                                   }),
+                               absl::StrCat("world ", world));
   }
 }
 

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
+#include "comm/testing/inproc_ranks.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/sharded_checkpoint.h"
 #include "fsdp/state_dict.h"
@@ -26,7 +27,6 @@
 namespace fairscale::fsdp {
 namespace {
 
-using base::testing::IsOk;
 using testing::ExpectClose;
 using testing::Step;
 
@@ -105,7 +105,7 @@ void ExpectResumes(Make make, Loss loss_fn, const RunSetup& save, const RunSetup
   FullOptimState osd;
   const bool rank0 = via == Via::kFullStateDictsFromRank0;
   testing::ExpectAllOk(
-      testing::RunRanks(kSaveWorld,
+      comm::testing::RunInprocRanks(kSaveWorld,
                         [&](int rank, int world, auto comm) -> absl::Status {
                           FullyShardedDataParallel model = MakeFsdp(make, save, comm);
                           auto opt = MakeOpt(make, model, save);
@@ -127,7 +127,7 @@ void ExpectResumes(Make make, Loss loss_fn, const RunSetup& save, const RunSetup
       "save");
   for (int world = 1; world < kSaveWorld; ++world) {
     testing::ExpectAllOk(
-        testing::RunRanks(
+        comm::testing::RunInprocRanks(
             world,
             [&](int rank, int w, auto comm) -> absl::Status {
               FullyShardedDataParallel model = MakeFsdp(make, load, comm);
@@ -211,7 +211,7 @@ TEST_P(TiedStateTest, OptimizerStateAndCheckpointResume) {
   ExpectResumes(make, testing::TiedLossFn(), s, s, Via::kShardedCheckpoint,
                 testing::TmpPath(absl::StrCat("tied_ckpt_", GetParam())));
   testing::ExpectAllOk(
-      testing::RunRanks(2,
+      comm::testing::RunInprocRanks(2,
                         [&](int rank, int world, auto comm) -> absl::Status {
                           FullyShardedDataParallel model = MakeFsdp(make, s, comm);
                           auto opt = MakeOpt(make, model, s);
@@ -238,7 +238,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, TiedStateTest, ::testing::Bool(),
 
 TEST(PerParamLocalStateTest, RoundTripsAndRejectsTheOtherLayout) {
   testing::ExpectAllOk(
-      testing::RunRanks(
+      comm::testing::RunInprocRanks(
           3,
           [](int rank, int world, auto comm) -> absl::Status {
             RunSetup s;

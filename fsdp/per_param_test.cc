@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
+#include "comm/testing/inproc_ranks.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/state_dict.h"
 #include "fsdp/test_util.h"
@@ -31,6 +32,7 @@ namespace fairscale::fsdp {
 namespace {
 
 using base::testing::IsOk;
+using comm::testing::RunInprocRanks;
 using testing::ExpectClose;
 using testing::GroupedAdamW;
 using testing::kSteps;
@@ -125,7 +127,7 @@ void ExpectParity(Make make, Loss loss_fn, FsdpOptions options, bool nested, dou
                   double max_norm = 0) {
   const std::vector<Step> ref = testing::Reference(make, loss_fn, max_norm);
   for (int world = 1; world <= 4; ++world) {
-    auto statuses = testing::RunRanks(world, [&](int rank, int w, auto comm) {
+    auto statuses = RunInprocRanks(world, [&](int rank, int w, auto comm) {
       return RunRank(make, loss_fn, ref, options, nested, rank, w, comm, rtol, max_norm);
     });
     for (int r = 0; r < world; ++r) {
@@ -222,7 +224,7 @@ TEST(PerParamHybridTest, GroupedAdamWMatchesReference) {
     for (const auto& [world, group] :
          {std::pair{2, 1}, std::pair{2, 2}, std::pair{4, 2}, std::pair{3, 3}}) {
       const auto opts = FsdpOptions().sharding_strategy(strategy).hybrid_shard_group_size(group);
-      auto statuses = testing::RunRanks(world, [&](int rank, int w, auto comm) {
+      auto statuses = RunInprocRanks(world, [&](int rank, int w, auto comm) {
         return RunRank(MakeNet(), NetLossFn(), ref, opts, /*nested=*/true, rank, w, comm);
       });
       for (int r = 0; r < world; ++r) {
@@ -242,12 +244,12 @@ class PerParamMixedTest : public ::testing::TestWithParam<ShardingStrategy> {};
 TEST_P(PerParamMixedTest, MatchesFlatLayout) {
   const ShardingStrategy strategy = GetParam();
   for (int world = 1; world <= 4; ++world) {
-    auto statuses = testing::RunRanks(world, [&](int rank, int w, auto comm) -> absl::Status {
+    auto statuses = RunInprocRanks(world, [&](int rank, int w, auto comm) -> absl::Status {
       const auto opts = FsdpOptions().sharding_strategy(strategy).mixed_precision(
           MixedPrecision().param_dtype(at::kBFloat16));
       const auto per_opts = FsdpOptions(opts).flatten_parameters(false);
-      FullyShardedDataParallel flat(testing::Net(comm, opts), comm, opts);
-      FullyShardedDataParallel per(testing::Net(comm, per_opts), comm, per_opts);
+      FullyShardedDataParallel flat(testing::NestedNet(comm, opts), comm, opts);
+      FullyShardedDataParallel per(testing::NestedNet(comm, per_opts), comm, per_opts);
       auto flat_opt = std::make_unique<torch::optim::AdamW>(
           flat->parameters(), torch::optim::AdamWOptions(0.02).weight_decay(0.1));
       auto per_opt = std::make_unique<torch::optim::AdamW>(
@@ -297,9 +299,9 @@ INSTANTIATE_TEST_SUITE_P(All, PerParamMixedTest,
                          });
 
 TEST(PerParamTest, SummonFullParamsShowsAndWritesBackFullValues) {
-  auto statuses = testing::RunRanks(2, [](int rank, int world, auto comm) -> absl::Status {
+  auto statuses = RunInprocRanks(2, [](int rank, int world, auto comm) -> absl::Status {
     const auto opts = FsdpOptions().flatten_parameters(false);
-    FullyShardedDataParallel model(testing::Net(comm, opts), comm, opts);
+    FullyShardedDataParallel model(testing::NestedNet(comm, opts), comm, opts);
     testing::Net plain;
     const auto want = plain->named_parameters();
     {
@@ -327,9 +329,9 @@ TEST(PerParamTest, SummonFullParamsShowsAndWritesBackFullValues) {
 TEST(PerParamTest, NoSyncAccumulatesThenReduces) {
   const std::vector<Step> ref = testing::Reference(MakeNet(), NetLossFn());
   for (int world = 1; world <= 4; ++world) {
-    auto statuses = testing::RunRanks(world, [&](int rank, int w, auto comm) -> absl::Status {
+    auto statuses = RunInprocRanks(world, [&](int rank, int w, auto comm) -> absl::Status {
       const auto opts = FsdpOptions().flatten_parameters(false);
-      FullyShardedDataParallel model(testing::Net(comm, opts), comm, opts);
+      FullyShardedDataParallel model(testing::NestedNet(comm, opts), comm, opts);
       testing::Net plain;
       auto opt = GroupedAdamW(model->named_parameters(), Matrices(*plain));
       const testing::Batch b = testing::GlobalBatch(0);
@@ -367,8 +369,8 @@ TEST(PerParamTest, NoSyncAccumulatesThenReduces) {
 }
 
 TEST(PerParamTest, MixingLayoutsInOneModelIsRejected) {
-  auto statuses = testing::RunRanks(1, [](int, int, auto comm) -> absl::Status {
-    FullyShardedDataParallel model(testing::Net(comm, FsdpOptions()), comm,
+  auto statuses = RunInprocRanks(1, [](int, int, auto comm) -> absl::Status {
+    FullyShardedDataParallel model(testing::NestedNet(comm, FsdpOptions()), comm,
                                    FsdpOptions().flatten_parameters(false));
     try {
       NetLoss(model, 0, 0, 1);

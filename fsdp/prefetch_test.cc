@@ -34,22 +34,23 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
-#include "absl/synchronization/mutex.h"
 #include "comm/forwarding_communicator.h"
 #include "comm/registry.h"
+#include "comm/testing/counting_communicator.h"
+#include "comm/testing/inproc_ranks.h"
 #include "comm/testing/rank_runner.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/test_util.h"
-#include "fsdp/testing/counting_communicator.h"
 #include "gtest/gtest.h"
 
 namespace fairscale::fsdp {
 namespace {
 
 using base::testing::IsOk;
-using testing::CountingCommunicator;
+using comm::testing::CountingCommunicator;
 
 int64_t AllGathers(const CountingCommunicator& c) { return c.count(comm::OpType::kAllGather).ops; }
 
@@ -133,7 +134,7 @@ TEST(PrefetchTest, NextUnitAllGatherIssuedBeforeCurrentUnitComputes) {
       seen0[prefetch].assign(world, {});
       seen1[prefetch].assign(world, {});
       losses[prefetch].assign(world, {});
-      std::vector<absl::Status> statuses = testing::RunRanks(
+      std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
           world, [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
             return RunRank(rank, w, comm, prefetch == 1, &seen0[prefetch][rank],
                            &seen1[prefetch][rank], &losses[prefetch][rank]);
@@ -324,7 +325,7 @@ TEST(BackwardPrefetchTest, OrderPerModeLimitOnGathersAndParity) {
     for (int limit : {0, 1, 2, 3}) {
       SCOPED_TRACE(absl::StrCat(BackwardPrefetchName(mode), " all_gathers_in_flight ", limit));
       std::vector<ModeRun> runs(kWorld);
-      std::vector<absl::Status> statuses = testing::RunRanks(
+      std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
           kWorld, [&](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
             return RunMarkedRank(rank, comm, mode, limit, &runs[rank]);
           });
@@ -358,7 +359,7 @@ TEST(BackwardPrefetchTest, BoolSpellingAndBadOptions) {
   EXPECT_EQ(FsdpOptions().backward_prefetch(true).backward_prefetch(),
             BackwardPrefetch::kBackwardPre);
   EXPECT_EQ(FsdpOptions().all_gathers_in_flight(), 0);
-  std::vector<absl::Status> statuses = testing::RunRanks(
+  std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
       1, [&](int, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
         auto make = [&](FsdpOptions opts) {
           return FullyShardedDataParallel(torch::nn::Linear(2, 2), comm, opts);

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
+#include "comm/testing/inproc_ranks.h"
 #include "fsdp/sharded_checkpoint.h"
 #include "fsdp/state_dict.h"
 #include "fsdp/test_util.h"
@@ -44,7 +45,7 @@ constexpr int kSteps = 6;
 // state dict at that point.
 StateDict SaveAt4(OptimizerKind kind, const std::string& dir, bool with_optimizer = true) {
   StateDict saved;
-  ExpectAllOk(testing::RunRanks(4,
+  ExpectAllOk(comm::testing::RunInprocRanks(4,
                                 [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
                                   auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
                                   auto opt = testing::MakeOptimizer(kind, model->parameters());
@@ -72,7 +73,7 @@ TEST(FsdpShardedCheckpoint, SaveAt4LoadAt1To3ContinuesLikeTheUninterruptedRun) {
     const StateDict saved = SaveAt4(c.kind, dir);
     for (int world : {1, 2, 3}) {
       ExpectAllOk(
-          testing::RunRanks(
+          comm::testing::RunInprocRanks(
               world,
               [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
                 // Another wrapping than the saving run's at world size 2.
@@ -108,7 +109,7 @@ std::unique_ptr<torch::optim::Adam> GroupedAdam(FullyShardedDataParallel& model,
 
 TEST(FsdpShardedCheckpoint, ParamGroupsAreKept) {
   const std::string dir = TmpPath("groups");
-  ExpectAllOk(testing::RunRanks(4,
+  ExpectAllOk(comm::testing::RunInprocRanks(4,
                                 [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
                                   auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
                                   auto opt = GroupedAdam(model, 0.01, 0.02);
@@ -118,7 +119,7 @@ TEST(FsdpShardedCheckpoint, ParamGroupsAreKept) {
                                 }),
               "save");
   ExpectAllOk(
-      testing::RunRanks(
+      comm::testing::RunInprocRanks(
           2,
           [&](int, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
             auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
@@ -168,7 +169,7 @@ void EditManifest(const std::string& dir, const std::function<void(nlohmann::jso
 // Loads `dir` at world size 1 and expects an error containing `needles`, the model unchanged.
 void ExpectLoadError(const std::string& dir, OptimizerKind kind,
                      const std::vector<std::string>& needles) {
-  ExpectAllOk(testing::RunRanks(
+  ExpectAllOk(comm::testing::RunInprocRanks(
                   1,
                   [&](int, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
                     auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
@@ -252,7 +253,7 @@ TEST(FsdpShardedCheckpoint, EachRankReadsOnlyWhatItNeedsAndAllAgreeBeforeLoading
   bytes[10] ^= 0x5a;
   WriteFile(rank3, bytes);
   ExpectAllOk(
-      testing::RunRanks(
+      comm::testing::RunInprocRanks(
           2,
           [&](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
             auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);

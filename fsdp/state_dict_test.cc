@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
+#include "comm/testing/inproc_ranks.h"
 #include "fsdp/internal/optim_state.h"
 #include "fsdp/state_dict.h"
 #include "fsdp/test_util.h"
@@ -24,7 +25,6 @@
 namespace fairscale::fsdp {
 namespace {
 
-using base::testing::IsOk;
 using testing::OptimizerKind;
 
 using testing::Check;
@@ -49,7 +49,7 @@ TEST(FsdpFullStateDict, UnwrappedNamesAndValuesAtEveryWorldSize) {
     for (int world = 1; world <= 4; ++world) {
       const bool rank0_only = world % 2 == 0;
       ExpectAllOk(
-          testing::RunRanks(
+          comm::testing::RunInprocRanks(
               world,
               [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
                 auto model = MakeModel(comm, c.strategy, c.nested);
@@ -90,7 +90,7 @@ TEST(FsdpFullStateDict, LoadsIntoShardsAtAnyWorldSize) {
   StateDict sd;
   for (const auto& [name, t] : ref[1].params) sd.insert(name, t);
   for (int world : {1, 2, 3}) {
-    ExpectAllOk(testing::RunRanks(world,
+    ExpectAllOk(comm::testing::RunInprocRanks(world,
                                   [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
                                     auto model = MakeModel(comm, ShardingStrategy::kFullShard,
                                                            /*nested=*/w != 2);
@@ -106,7 +106,7 @@ TEST(FsdpFullStateDict, LoadsFromRank0Only) {
   const auto ref = testing::RunReference(OptimizerKind::kAdam, 2);
   StateDict sd;
   for (const auto& [name, t] : ref[1].params) sd.insert(name, t);
-  ExpectAllOk(testing::RunRanks(3,
+  ExpectAllOk(comm::testing::RunInprocRanks(3,
                                 [&](int rank, int, std::shared_ptr<comm::Communicator> comm) {
                                   auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
                                   load_full_state_dict(model, rank == 0 ? sd : StateDict(),
@@ -120,7 +120,7 @@ TEST(FsdpFullStateDict, LoadsFromRank0Only) {
     if (item.key() != "block0.fc2.weight") bad.insert(item.key(), item.value());
   }
   ExpectAllOk(
-      testing::RunRanks(
+      comm::testing::RunInprocRanks(
           3,
           [&](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
             auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
@@ -146,12 +146,12 @@ TEST(FsdpFullStateDict, FrozenParametersAndMixedPrecisionKeepMasterValues) {
   testing::NetConfig config;
   config.frozen = {"block0.fc1.weight", "fc_in.bias"};
   const auto opts = FsdpOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
-  testing::Net plain(nullptr, FsdpOptions(), config);
+  testing::Net plain(config);
   ExpectAllOk(
-      testing::RunRanks(
+      comm::testing::RunInprocRanks(
           2,
           [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-            FullyShardedDataParallel model(testing::Net(comm, opts, config), comm, opts);
+            FullyShardedDataParallel model(testing::NestedNet(comm, opts, config), comm, opts);
             const StateDict sd = full_state_dict(model);
             FS_RETURN_IF_ERROR(Check(sd.keys() == plain->named_parameters().keys(), "names"));
             for (const auto& item : plain->named_parameters()) {
@@ -200,7 +200,7 @@ TEST(FsdpFullStateDict, ModuleFileLoadsBuffersToo) {
 
 TEST(FsdpFullStateDict, BadDictIsInvalidArgumentNamingTheTensorAndChangesNothing) {
   ExpectAllOk(
-      testing::RunRanks(
+      comm::testing::RunInprocRanks(
           2,
           [](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
             auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
@@ -268,7 +268,7 @@ TEST(FsdpFullOptimState, MatchesPlainOptimizerAndLoadsIntoPlainLibTorch) {
     }
     const auto expected = PlainState(*net, *plain_opt);
     ExpectAllOk(
-        testing::RunRanks(
+        comm::testing::RunInprocRanks(
             3,
             [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
               auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
@@ -320,7 +320,7 @@ TEST(FsdpFullOptimState, ReshardsToOtherWorldSizesAndContinues) {
     const auto ref = testing::RunReference(kind, kSteps);
     StateDict sd;
     FullOptimState osd;
-    ExpectAllOk(testing::RunRanks(4,
+    ExpectAllOk(comm::testing::RunInprocRanks(4,
                                   [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
                                     auto model = MakeModel(comm, ShardingStrategy::kFullShard, true);
                                     auto opt = testing::MakeOptimizer(kind, model->parameters());
@@ -336,7 +336,7 @@ TEST(FsdpFullOptimState, ReshardsToOtherWorldSizesAndContinues) {
                 "save at 4");
     for (int world : {1, 2, 3}) {
       ExpectAllOk(
-          testing::RunRanks(
+          comm::testing::RunInprocRanks(
               world,
               [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
                 auto model = MakeModel(comm, ShardingStrategy::kFullShard, /*nested=*/w != 2);

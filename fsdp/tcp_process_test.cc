@@ -32,28 +32,13 @@ absl::Status RunRank(int rank, int world, const std::vector<testing::ReferenceSt
   FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> comm,
                       comm::testing::ConnectRank("tcp", rank, world, absl::Seconds(20)));
   const auto opts = FsdpOptions().sharding_strategy(ShardingStrategy::kFullShard);
-  FullyShardedDataParallel model(testing::Net(comm, opts), comm, opts);
+  FullyShardedDataParallel model(testing::NestedNet(comm, opts), comm, opts);
   if (model->fsdp_units().size() != 3) {
     return absl::InternalError(
         absl::StrCat("expected 3 units (root + 2 nested), got ", model->fsdp_units().size()));
   }
   auto opt = testing::MakeOptimizer(OptimizerKind::kAdam, model->parameters());
-  for (int step = 0; step < kSteps; ++step) {
-    const std::string at_step = absl::StrCat("step ", step, " rank ", rank, "/", world);
-    opt->zero_grad();
-    testing::Batch b = testing::GlobalBatch(step);
-    at::Tensor y = testing::RankRows(b.y, rank, world);
-    at::Tensor loss = testing::Mse(model(testing::RankRows(b.x, rank, world)), y);
-    FS_RETURN_IF_ERROR(testing::ExpectClose(
-        at_step + " loss", loss, testing::Mse(testing::RankRows(ref[step].output, rank, world), y),
-        kRtol));
-    loss.backward();
-    FS_RETURN_IF_ERROR(
-        testing::CheckShards(model, ref[step].grads, /*grads=*/true, at_step + " grad", kRtol));
-    opt->step();
-    FS_RETURN_IF_ERROR(
-        testing::CheckShards(model, ref[step].params, /*grads=*/false, at_step + " param", kRtol));
-  }
+  FS_RETURN_IF_ERROR(testing::TrainMatchesReference(model, *opt, ref, rank, world, kRtol));
   // No rank tears down its sockets while a peer may still be finishing its last collective.
   return comm->Barrier().Wait();
 }

@@ -1,18 +1,16 @@
-// Test support for the //fsdp tests (testonly): a small deterministic model that can be built
-// plain (the single-process reference) or with its blocks wrapped in nested FSDP units, global
-// batches, the reference training trajectory, and tensor comparisons that return a Status (rank
-// bodies report through their Status, see comm/testing/rank_runner.h).
+// Test support for the //fsdp tests (testonly): the shared test model (//testing:model) with its
+// blocks wrapped in nested FSDP units, the single-process reference trajectory, the parity
+// harness, and shard comparisons that return a Status (rank bodies report through their Status,
+// see comm/testing/rank_runner.h; ranks run with comm/testing/inproc_ranks.h).
 #pragma once
 
 #include <ATen/ops/zeros_like.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/optim/optimizer.h>
 
 #include <functional>
 #include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -22,60 +20,31 @@
 #include "comm/communicator.h"
 #include "fsdp/fsdp_options.h"
 #include "fsdp/fully_sharded_data_parallel.h"
+#include "testing/model.h"
 
 namespace fairscale::fsdp::testing {
 
-enum class OptimizerKind { kSgdMomentum, kAdam, kAdamW };
-const char* OptimizerName(OptimizerKind kind);
-std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(OptimizerKind kind,
-                                                       std::vector<at::Tensor> params);
+// The shared test model, data and optimizers (//testing:model), under the names these tests use.
+using fairscale::testing::Batch;
+using fairscale::testing::Block;
+using fairscale::testing::BlockImpl;
+using fairscale::testing::DistinctParameters;
+using fairscale::testing::GlobalBatch;
+using fairscale::testing::InitDeterministic;
+using fairscale::testing::kBatchRows;
+using fairscale::testing::MakeOptimizer;
+using fairscale::testing::Mse;
+using fairscale::testing::Net;
+using fairscale::testing::NetConfig;
+using fairscale::testing::NetImpl;
+using fairscale::testing::OptimizerKind;
+using fairscale::testing::OptimizerName;
+using fairscale::testing::RankRows;
 
-// Sets every parameter of `m` to values derived from `prefix` + its name. The global RNG is no
-// use here: ranks are threads of one process and would race on it.
-void InitDeterministic(torch::nn::Module& m, const std::string& prefix);
-
-// x + fc2(tanh(fc1(x)))
-class BlockImpl : public torch::nn::Module {
- public:
-  BlockImpl(int64_t dim, int64_t hidden);
-  torch::Tensor forward(torch::Tensor x);
-  torch::nn::Linear fc1{nullptr};
-  torch::nn::Linear fc2{nullptr};
-};
-TORCH_MODULE(Block);
-
-// Variations of Net for the edge-case tests.
-struct NetConfig {
-  std::set<std::string> frozen;  // full names of parameters that get requires_grad = false
-  bool with_unused = false;      // adds "unused" (Linear 2 -> 2), which forward never calls
-};
-
-// fc_out(block1(block0(tanh(fc_in(x))))), 5 -> 3 features, 350 parameters. With `nested_comm`,
-// block0 and block1 are each wrapped in their own FullyShardedDataParallel (same names).
-class NetImpl : public torch::nn::Module {
- public:
-  explicit NetImpl(std::shared_ptr<comm::Communicator> nested_comm = nullptr,
-                   FsdpOptions nested_options = {}, NetConfig config = {});
-  torch::Tensor forward(torch::Tensor x);
-
-  int skip_block = -1;  // forward skips this block (unused parameters in an iteration)
-
- private:
-  torch::nn::Linear fc_in_{nullptr};
-  torch::nn::Linear fc_out_{nullptr};
-  std::vector<std::function<torch::Tensor(torch::Tensor)>> blocks_;
-};
-TORCH_MODULE(Net);
-
-inline constexpr int kBatchRows = 12;  // divisible by every world size 1..4
-struct Batch {
-  at::Tensor x;  // [12, 5]
-  at::Tensor y;  // [12, 3]
-};
-Batch GlobalBatch(int step);
-// Rows of `t` that rank `rank` of `world` trains on.
-at::Tensor RankRows(const at::Tensor& t, int rank, int world);
-at::Tensor Mse(const at::Tensor& output, const at::Tensor& target);
+// The test Net with block0 and block1 each wrapped in its own FullyShardedDataParallel over
+// `nested_comm` (same names and values as the plain Net); plain when nested_comm is null.
+Net NestedNet(std::shared_ptr<comm::Communicator> nested_comm, FsdpOptions nested_options = {},
+              NetConfig config = {});
 
 struct ReferenceStep {
   at::Tensor output;                         // of the whole global batch
@@ -94,6 +63,13 @@ at::Tensor ShardOf(const FlatParamInfo& info, const std::map<std::string, at::Te
 absl::Status CheckShards(FullyShardedDataParallel& model,
                          const std::map<std::string, at::Tensor>& expected, bool grads,
                          const std::string& what, double rtol);
+
+// Trains `model` (FSDP over the test Net) with `opt` on this rank's rows of the global batches,
+// one step per entry of `ref`, and checks every step's loss, gradient shards and parameter
+// shards against the single-process reference (RunReference) within `rtol`.
+absl::Status TrainMatchesReference(FullyShardedDataParallel& model, torch::optim::Optimizer& opt,
+                                   const std::vector<ReferenceStep>& ref, int rank, int world,
+                                   double rtol = 1e-5);
 
 // forward<R>(args...) of a plain module holder or of a FullyShardedDataParallel (whose forward is
 // a template).
@@ -137,10 +113,6 @@ struct MseStepSkippingBlockOnOddSteps {
   }
 };
 
-// parameters() without repeats: a tensor registered twice (tied weights) is listed twice, and
-// LibTorch's optimizers would step it twice.
-std::vector<at::Tensor> DistinctParameters(torch::nn::Module& m);
-
 // Generic parity harness. `make(nested_comm, options)` builds a model holder (plain when
 // nested_comm is null); `step(model, step, rank, world)` runs forward and backward of one
 // training step on this rank's data (model: the plain holder, or the FSDP root).
@@ -167,11 +139,22 @@ std::vector<ReferenceStep> RunReferenceWith(MakeFn make, StepFn step_fn, Optimiz
   return out;
 }
 
+// The relative tolerances of RunParityRank: for the gradient shards and for the parameter shards
+// after each step (one value converts to both). Under bf16 compute against the f32 reference
+// they differ by an order of magnitude: the small per-rank gradients lose more to rounding than
+// the f32 master parameters that Adam's normalized steps move.
+struct ParityRtol {
+  ParityRtol(double both = 1e-5) : grad(both), param(both) {}  // NOLINT(runtime/explicit)
+  ParityRtol(double grad_rtol, double param_rtol) : grad(grad_rtol), param(param_rtol) {}
+  double grad;
+  double param;
+};
+
 template <typename MakeFn, typename StepFn>
 absl::Status RunParityRank(MakeFn make, StepFn step_fn, OptimizerKind kind,
                            const std::vector<ReferenceStep>& ref, FsdpOptions options, bool nested,
                            int rank, int world, std::shared_ptr<comm::Communicator> comm,
-                           double rtol = 1e-5) {
+                           ParityRtol rtol = {}) {
   FullyShardedDataParallel model(make(nested ? comm : nullptr, options), comm, options);
   auto opt = MakeOptimizer(kind, model->parameters());
   for (int step = 0; step < static_cast<int>(ref.size()); ++step) {
@@ -179,20 +162,14 @@ absl::Status RunParityRank(MakeFn make, StepFn step_fn, OptimizerKind kind,
                                 "/" + std::to_string(world);
     opt->zero_grad();
     step_fn(model, step, rank, world);
-    absl::Status s = CheckShards(model, ref[step].grads, true, at_step + " grad", rtol);
+    absl::Status s = CheckShards(model, ref[step].grads, true, at_step + " grad", rtol.grad);
     if (!s.ok()) return s;
     opt->step();
-    s = CheckShards(model, ref[step].params, false, at_step + " param", rtol);
+    s = CheckShards(model, ref[step].params, false, at_step + " param", rtol.param);
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
 }
-
-// Runs body(rank, world, comm) on `world` threads over fresh inproc communicators, then a
-// barrier; exceptions become kInternal with their message.
-std::vector<absl::Status> RunRanks(
-    int world,
-    std::function<absl::Status(int rank, int world, std::shared_ptr<comm::Communicator>)> body);
 
 // OK if ||actual - expected|| <= rtol * ||expected|| (both ~0 counts as equal).
 absl::Status ExpectClose(const std::string& what, const at::Tensor& actual,

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
+#include "comm/testing/inproc_ranks.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/test_util.h"
 #include "gtest/gtest.h"
@@ -87,7 +88,7 @@ auto MakeFor(AutoWrapPolicy policy) {
 
 TEST(FsdpWrap, PoliciesWrapWhatTheySay) {
   for (const PolicyCase& c : Cases()) {
-    const std::vector<absl::Status> statuses = testing::RunRanks(
+    const std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
         2, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
           FullyShardedDataParallel model(MakeFor(c.policy)(comm, {}), comm);
           model(at::ones({2, 5}));  // the root's first forward names the units
@@ -121,8 +122,8 @@ TEST(FsdpWrap, OutsideAScopeNothingIsWrappedAndScopesNest) {
     EXPECT_EQ(std::dynamic_pointer_cast<FullyShardedDataParallelImpl>(child), nullptr);
   }
   EXPECT_EQ(unwrapped_numel(*plain), 42 + 2 * 142 + 24);
-  const std::vector<absl::Status> statuses =
-      testing::RunRanks(1, [](int, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+  const std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
+      1, [](int, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
         EnableWrap outer(comm, {}, size_based_auto_wrap_policy(1));
         {
           EnableWrap inner(comm, {}, size_based_auto_wrap_policy(1000));
@@ -142,7 +143,7 @@ TEST(FsdpWrap, AutoWrappedTrainingMatchesTheReference) {
         testing::RunReferenceWith(MakeFor(c.policy), MseStep(), OptimizerKind::kAdam, kSteps);
     for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
       for (int world = 1; world <= 4; ++world) {
-        const std::vector<absl::Status> statuses = testing::RunRanks(
+        const std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
             world, [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) {
               return testing::RunParityRank(MakeFor(c.policy), MseStep(), OptimizerKind::kAdam, ref,
                                             FsdpOptions().sharding_strategy(strategy),

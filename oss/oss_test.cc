@@ -20,16 +20,20 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_matchers.h"
-#include "fsdp/test_util.h"
+#include "comm/testing/inproc_ranks.h"
+#include "comm/testing/rank_runner.h"
 #include "oss/test_util.h"
+#include "testing/model.h"
 
 namespace fairscale::oss {
 namespace {
 
-using fsdp::testing::GlobalBatch;
-using fsdp::testing::Mse;
-using fsdp::testing::RankRows;
-using fsdp::testing::RunRanks;
+using comm::Communicator;
+using comm::testing::ExpectAllOk;
+using comm::testing::RunInprocRanks;
+using fairscale::testing::GlobalBatch;
+using fairscale::testing::Mse;
+using fairscale::testing::RankRows;
 using testing::AllReduceGrads;
 using testing::ExpectParams;
 using testing::Factory;
@@ -41,13 +45,9 @@ constexpr double kTol = 1e-6;
 
 const char* ModeName(PartitionMode m) { return m == PartitionMode::kGreedy ? "Greedy" : "Flat"; }
 
-void ExpectAllOk(const std::vector<absl::Status>& statuses) {
-  for (size_t r = 0; r < statuses.size(); ++r) EXPECT_OK(statuses[r]) << "rank " << r;
-}
-
 // Forward and backward of this rank's rows, then the DDP-style mean of the gradients.
 absl::Status LocalBackward(Net& net, int step, int rank, int world, comm::Communicator& comm) {
-  fsdp::testing::Batch b = GlobalBatch(step);
+  fairscale::testing::Batch b = GlobalBatch(step);
   Mse(net(RankRows(b.x, rank, world)), RankRows(b.y, rank, world)).backward();
   return AllReduceGrads(net, comm);
 }
@@ -59,7 +59,7 @@ class OssParityTest : public ::testing::TestWithParam<ParityParam> {};
 TEST_P(OssParityTest, MatchesUnshardedOptimizerWithGroupsAndSchedule) {
   const auto [kind, mode, world] = GetParam();
   const testing::Trajectory ref = testing::RunReference(kind, 0, 10, /*schedule=*/true);
-  ExpectAllOk(RunRanks(world, [&, kind = kind, mode = mode](
+  ExpectAllOk(RunInprocRanks(world, [&, kind = kind, mode = mode](
                                   int rank, int world, std::shared_ptr<comm::Communicator> comm)
                                   -> absl::Status {
     Net net;
@@ -96,12 +96,12 @@ TEST(OssTest, MakeAndSmallBucketsMatchReference) {
     std::vector<std::map<std::string, at::Tensor>> ref;
     for (int step = 0; step < 3; ++step) {
       ref_opt.zero_grad();
-      fsdp::testing::Batch b = GlobalBatch(step);
+      fairscale::testing::Batch b = GlobalBatch(step);
       Mse(ref_net(b.x), b.y).backward();
       ref_opt.step();
       ref.push_back(testing::Snapshot(ref_net));
     }
-    ExpectAllOk(RunRanks(3, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+    ExpectAllOk(RunInprocRanks(3, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
                                 -> absl::Status {
       Net net;
       auto opt = OSS::make<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(0.01),
@@ -122,7 +122,7 @@ TEST(OssTest, MakeAndSmallBucketsMatchReference) {
 TEST(OssTest, Bf16BroadcastOwnerExactOthersRoundedOnce) {
   for (PartitionMode mode : {PartitionMode::kGreedy, PartitionMode::kFlat}) {
     const testing::Trajectory ref = testing::RunReference(Kind::kSgd, 0, 1, false);
-    ExpectAllOk(RunRanks(2, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+    ExpectAllOk(RunInprocRanks(2, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
                                 -> absl::Status {
       Net net;
       OSS opt(TwoGroups(net, Kind::kSgd), Factory(Kind::kSgd), comm,
@@ -165,7 +165,7 @@ TEST(OssTest, StateBytesPerRankAreTheShareOfThePartition) {
     for (int world = 1; world <= 4; ++world) {
       std::vector<int64_t> bytes(world), owned(world);
       int64_t largest = 0, group_count = 0;
-      ExpectAllOk(RunRanks(world, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+      ExpectAllOk(RunInprocRanks(world, [&](int rank, int world, std::shared_ptr<Communicator> comm)
                                       -> absl::Status {
         Net net;
         OSS opt(TwoGroups(net, Kind::kAdam), Factory(Kind::kAdam), comm,
@@ -202,7 +202,7 @@ TEST(OssTest, FlatStateIsExactlyOneNthWhenDivisible) {
   // 2 groups of 12 elements: every rank of 1, 2, 3, 4 holds exactly 24/N elements of state.
   for (int world = 1; world <= 4; ++world) {
     std::vector<int64_t> bytes(world);
-    ExpectAllOk(RunRanks(world, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+    ExpectAllOk(RunInprocRanks(world, [&](int rank, int world, std::shared_ptr<Communicator> comm)
                                     -> absl::Status {
       at::Tensor a = at::ones({3, 4}).requires_grad_();
       at::Tensor b = at::ones({5}).requires_grad_();
@@ -225,7 +225,7 @@ TEST(OssTest, ClipGradNormIsExactFromOwnedPartsOnly) {
   for (double norm_type : {2.0, 1.0, std::numeric_limits<double>::infinity()}) {
     for (PartitionMode mode : {PartitionMode::kGreedy, PartitionMode::kFlat}) {
       Net ref_net;
-      fsdp::testing::Batch b = GlobalBatch(0);
+      fairscale::testing::Batch b = GlobalBatch(0);
       Mse(ref_net(b.x), b.y).backward();
       const double ref_norm =
           torch::nn::utils::clip_grad_norm_(ref_net->parameters(), 0.01, norm_type);
@@ -233,7 +233,7 @@ TEST(OssTest, ClipGradNormIsExactFromOwnedPartsOnly) {
       for (const auto& item : ref_net->named_parameters()) {
         ref_grads[item.key()] = item.value().grad().clone();
       }
-      ExpectAllOk(RunRanks(3, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+      ExpectAllOk(RunInprocRanks(3, [&](int rank, int world, std::shared_ptr<Communicator> comm)
                                   -> absl::Status {
         Net net;
         OSS opt(TwoGroups(net, Kind::kSgd), Factory(Kind::kSgd), comm,
@@ -274,7 +274,7 @@ std::pair<std::string, std::map<std::string, at::Tensor>> TrainAndSave(Kind kind
                                                                        int recipient) {
   std::string bytes;
   std::map<std::string, at::Tensor> params;
-  ExpectAllOk(RunRanks(4, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+  ExpectAllOk(RunInprocRanks(4, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
                               -> absl::Status {
     Net net;
     OSS opt(TwoGroups(net, kind), Factory(kind), comm, OssOptions().partition(mode));
@@ -321,7 +321,7 @@ TEST_P(OssStateDictTest, SaveAtFourLoadAtOneTwoThreeAndPlainContinues) {
   // Any world size, either partition mode, continues the same trajectory.
   for (int world : {1, 2, 3}) {
     for (PartitionMode load_mode : {PartitionMode::kGreedy, PartitionMode::kFlat}) {
-      ExpectAllOk(RunRanks(world, [&, kind = kind](int rank, int world,
+      ExpectAllOk(RunInprocRanks(world, [&, kind = kind](int rank, int world,
                                                    std::shared_ptr<comm::Communicator> comm)
                                       -> absl::Status {
         Net net;
@@ -354,7 +354,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(OssTest, AddParamGroupIsPartitionedAndStepped) {
   for (PartitionMode mode : {PartitionMode::kGreedy, PartitionMode::kFlat}) {
-    ExpectAllOk(RunRanks(3, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+    ExpectAllOk(RunInprocRanks(3, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
                                 -> absl::Status {
       at::Tensor a = at::ones({4}).requires_grad_();
       at::Tensor b = at::ones({6}).requires_grad_();
@@ -375,7 +375,7 @@ TEST(OssTest, AddParamGroupIsPartitionedAndStepped) {
 }
 
 TEST(OssTest, ErrorsNameTheOperation) {
-  ExpectAllOk(RunRanks(2, [](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+  ExpectAllOk(RunInprocRanks(2, [](int rank, int world, std::shared_ptr<comm::Communicator> comm)
                               -> absl::Status {
     at::Tensor a = at::ones({4}).requires_grad_();
     auto opt = OSS::make<torch::optim::SGD>(std::vector<at::Tensor>{a},

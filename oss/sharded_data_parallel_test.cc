@@ -18,17 +18,21 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_matchers.h"
-#include "fsdp/test_util.h"
-#include "fsdp/testing/counting_communicator.h"
+#include "comm/testing/counting_communicator.h"
+#include "comm/testing/inproc_ranks.h"
+#include "comm/testing/rank_runner.h"
 #include "oss/test_util.h"
+#include "testing/model.h"
 
 namespace fairscale::oss {
 namespace {
 
-using fsdp::testing::GlobalBatch;
-using fsdp::testing::Mse;
-using fsdp::testing::RankRows;
-using fsdp::testing::RunRanks;
+using comm::Communicator;
+using comm::testing::ExpectAllOk;
+using comm::testing::RunInprocRanks;
+using fairscale::testing::GlobalBatch;
+using fairscale::testing::Mse;
+using fairscale::testing::RankRows;
 using testing::ExpectParams;
 using testing::Factory;
 using testing::Kind;
@@ -39,12 +43,8 @@ constexpr double kTol = 1e-6;
 
 const char* ModeName(PartitionMode m) { return m == PartitionMode::kGreedy ? "Greedy" : "Flat"; }
 
-void ExpectAllOk(const std::vector<absl::Status>& statuses) {
-  for (size_t r = 0; r < statuses.size(); ++r) EXPECT_OK(statuses[r]) << "rank " << r;
-}
-
 void Backward(ShardedDataParallel& model, int batch, int rank, int world) {
-  fsdp::testing::Batch b = GlobalBatch(batch);
+  fairscale::testing::Batch b = GlobalBatch(batch);
   Mse(model->forward(RankRows(b.x, rank, world)), RankRows(b.y, rank, world)).backward();
 }
 
@@ -61,7 +61,7 @@ class SdpParityTest : public ::testing::TestWithParam<ParityParam> {};
 TEST_P(SdpParityTest, MatchesUnshardedOptimizerWithGroupsAndSchedule) {
   const auto [kind, mode, world] = GetParam();
   const testing::Trajectory ref = testing::RunReference(kind, 0, 10, /*schedule=*/true);
-  ExpectAllOk(RunRanks(world, [&, kind = kind, mode = mode](
+  ExpectAllOk(RunInprocRanks(world, [&, kind = kind, mode = mode](
                                   int rank, int world, std::shared_ptr<comm::Communicator> comm)
                                   -> absl::Status {
     Net net;
@@ -97,11 +97,11 @@ INSTANTIATE_TEST_SUITE_P(
 // parameter it owns nothing of, and zeros outside its ranges of a split one.
 TEST(SdpTest, GradientsReachOnlyTheirOwners) {
   Net ref_net;
-  fsdp::testing::Batch b = GlobalBatch(0);
+  fairscale::testing::Batch b = GlobalBatch(0);
   Mse(ref_net(b.x), b.y).backward();
   for (PartitionMode mode : {PartitionMode::kGreedy, PartitionMode::kFlat}) {
     for (int64_t bucket : {int64_t{0}, int64_t{1}, int64_t{50}, int64_t{1} << 20}) {
-      ExpectAllOk(RunRanks(3, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+      ExpectAllOk(RunInprocRanks(3, [&](int rank, int world, std::shared_ptr<Communicator> comm)
                                   -> absl::Status {
         Net net;
         auto opt = std::make_shared<OSS>(TwoGroups(net, Kind::kAdam), Factory(Kind::kAdam), comm,
@@ -153,14 +153,14 @@ TEST(SdpTest, NoSyncAccumulatesLocallyThenReducesTheSum) {
   for (int step = 0; step < 4; ++step) {
     ref_opt->zero_grad();
     for (int micro = 0; micro < 2; ++micro) {
-      fsdp::testing::Batch b = GlobalBatch(2 * step + micro);
+      fairscale::testing::Batch b = GlobalBatch(2 * step + micro);
       Mse(ref_net(b.x), b.y).backward();
     }
     ref_opt->step();
     ref.push_back(testing::Snapshot(ref_net));
   }
   for (PartitionMode mode : {PartitionMode::kGreedy, PartitionMode::kFlat}) {
-    ExpectAllOk(RunRanks(2, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+    ExpectAllOk(RunInprocRanks(2, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
                                 -> absl::Status {
       Net net;
       auto opt = std::make_shared<OSS>(TwoGroups(net, Kind::kAdam), Factory(Kind::kAdam), comm,
@@ -195,7 +195,7 @@ class WithBufferImpl : public torch::nn::Module {
 TORCH_MODULE(WithBuffer);
 
 TEST(SdpTest, ParametersAndBuffersComeFromRankZero) {
-  ExpectAllOk(RunRanks(3, [](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+  ExpectAllOk(RunInprocRanks(3, [](int rank, int world, std::shared_ptr<comm::Communicator> comm)
                               -> absl::Status {
     WithBuffer m(static_cast<float>(rank + 1));
     auto opt = OSS::make<torch::optim::SGD>(m->parameters(), torch::optim::SGDOptions(0.1), comm);
@@ -227,13 +227,13 @@ TEST(SdpTest, RefreshAfterRequiresGradChanges) {
   for (int step = 0; step < 6; ++step) {
     if (step == 3) freeze(ref_net);
     ref_opt->zero_grad();
-    fsdp::testing::Batch b = GlobalBatch(step);
+    fairscale::testing::Batch b = GlobalBatch(step);
     Mse(ref_net(b.x), b.y).backward();
     ref_opt->step();
     ref.push_back(testing::Snapshot(ref_net));
   }
   for (PartitionMode mode : {PartitionMode::kGreedy, PartitionMode::kFlat}) {
-    ExpectAllOk(RunRanks(3, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+    ExpectAllOk(RunInprocRanks(3, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm)
                                 -> absl::Status {
       Net net;
       auto opt = std::make_shared<OSS>(TwoGroups(net, Kind::kSgd), Factory(Kind::kSgd), comm,
@@ -265,10 +265,10 @@ TEST(SdpTest, RefreshAfterRequiresGradChanges) {
 // in bucket_count() reduces, then kGreedy broadcasts every parameter once (half with bf16) and
 // kFlat all-gathers N padded ranges per group.
 TEST(SdpTest, OneStepMovesTheExpectedBytes) {
-  using fsdp::testing::CountingCommunicator;
+  using comm::testing::CountingCommunicator;
   for (PartitionMode mode : {PartitionMode::kGreedy, PartitionMode::kFlat}) {
     for (bool bf16 : {false, true}) {
-      ExpectAllOk(RunRanks(3, [&](int rank, int world, std::shared_ptr<comm::Communicator> inner)
+      ExpectAllOk(RunInprocRanks(3, [&](int rank, int world, std::shared_ptr<Communicator> inner)
                                   -> absl::Status {
         auto counting = std::make_shared<CountingCommunicator>(inner);
         Net net;
@@ -316,7 +316,7 @@ TEST(SdpTest, OneStepMovesTheExpectedBytes) {
 }
 
 TEST(SdpTest, RejectsTrainableParametersTheOptimizerDoesNotHold) {
-  ExpectAllOk(RunRanks(1, [](int rank, int world, std::shared_ptr<comm::Communicator> comm)
+  ExpectAllOk(RunInprocRanks(1, [](int rank, int world, std::shared_ptr<comm::Communicator> comm)
                               -> absl::Status {
     Net net;
     std::vector<at::Tensor> some = net->parameters();

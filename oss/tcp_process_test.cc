@@ -16,11 +16,11 @@
 #include "comm/registry.h"
 #include "comm/testing/connect.h"
 #include "comm/testing/rank_runner.h"
-#include "fsdp/test_util.h"
 #include "gtest/gtest.h"
 #include "oss/oss.h"
 #include "oss/sharded_data_parallel.h"
 #include "oss/test_util.h"
+#include "testing/model.h"
 
 namespace fairscale::oss {
 namespace {
@@ -41,9 +41,9 @@ absl::Status RunRank(int rank, int world, PartitionMode mode, const testing::Tra
                             ShardedDataParallelOptions().reduce_bucket_numel(64));
   for (int step = 0; step < kSteps; ++step) {
     opt->zero_grad();
-    fsdp::testing::Batch b = fsdp::testing::GlobalBatch(step);
-    fsdp::testing::Mse(model->forward(fsdp::testing::RankRows(b.x, rank, world)),
-                       fsdp::testing::RankRows(b.y, rank, world))
+    fairscale::testing::Batch b = fairscale::testing::GlobalBatch(step);
+    fairscale::testing::Mse(model->forward(fairscale::testing::RankRows(b.x, rank, world)),
+                            fairscale::testing::RankRows(b.y, rank, world))
         .backward();
     opt->clip_grad_norm(1e3);  // a collective in the loop too (never clips here)
     opt->step();

@@ -123,8 +123,8 @@ Trajectory RunReference(Kind kind, int first, int last, bool schedule,
   Trajectory out;
   for (int step = first; step < last; ++step) {
     opt->zero_grad();
-    fsdp::testing::Batch b = fsdp::testing::GlobalBatch(step);
-    fsdp::testing::Mse(net(b.x), b.y).backward();
+    fairscale::testing::Batch b = fairscale::testing::GlobalBatch(step);
+    fairscale::testing::Mse(net(b.x), b.y).backward();
     opt->step();
     if (sched) sched->step();
     out.params.push_back(Snapshot(net));

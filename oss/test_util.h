@@ -1,6 +1,6 @@
 // Test support for the //oss tests (testonly): the five elementwise LibTorch optimizers with two
 // param groups (different lr and weight decay), the single-process reference trajectory on the
-// global batches of //fsdp:test_util (whose model, data and rank runner these tests share), and
+// global batches of //testing:model (whose model and data these tests share with fsdp's), and
 // comparisons that return a Status (rank bodies report through their Status).
 #pragma once
 
@@ -13,12 +13,12 @@
 
 #include "absl/status/status.h"
 #include "comm/communicator.h"
-#include "fsdp/test_util.h"
 #include "oss/oss.h"
+#include "testing/model.h"
 
 namespace fairscale::oss::testing {
 
-using fsdp::testing::Net;
+using fairscale::testing::Net;
 
 enum class Kind { kSgd, kAdam, kAdamW, kAdagrad, kRmsprop };
 inline constexpr Kind kAllKinds[] = {Kind::kSgd, Kind::kAdam, Kind::kAdamW, Kind::kAdagrad,

@@ -18,8 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
+#include "comm/testing/counting_communicator.h"
 #include "fsdp/fully_sharded_data_parallel.h"
-#include "fsdp/testing/counting_communicator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "pipe/fsdp_stage.h"
@@ -206,7 +206,7 @@ TEST(FsdpStageTest, ReduceOncePerStepReducesOnce) {
         std::vector<absl::Status> statuses = testing::RunInproc(
             4, [&](int rank, std::shared_ptr<comm::Communicator> world) -> absl::Status {
               PipeGrid grid = MakePipeGrid(world, 2);
-              auto counting = std::make_shared<fsdp::testing::CountingCommunicator>(grid.data);
+              auto counting = std::make_shared<comm::testing::CountingCommunicator>(grid.data);
               std::unique_ptr<Pipe> pipe = Pipe::Create(
                   testing::MakeMlp(), grid.pipe,
                   PipeOptions()

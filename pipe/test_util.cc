@@ -12,11 +12,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/tensor_close.h"
-#include "comm/registry.h"
-#include "comm/testing/rank_runner.h"
+#include "comm/testing/inproc_ranks.h"
 
 namespace fairscale::pipe::testing {
 
@@ -155,21 +155,12 @@ std::vector<absl::Status> RunInproc(
     int world,
     const std::function<absl::Status(int rank, std::shared_ptr<comm::Communicator>)>& body,
     absl::Duration timeout) {
-  return comm::testing::RunThreads(
+  return comm::testing::RunInprocRanks(
       world,
-      [&](int rank) -> absl::Status {
-        absl::StatusOr<std::shared_ptr<comm::Communicator>> comm =
-            comm::CreateCommunicator("inproc", comm::testing::RankConfig(timeout));
-        if (!comm.ok()) return comm.status();
-        absl::Status status = CatchErrors([&] { return body(rank, *comm); });
-        // A rank that returns destroys its communicator; a peer still finishing its last
-        // operation, or not yet joined (a body that failed before any collective), would find it
-        // gone. After a failure (a returned error or a raised one) the barrier still runs (the
-        // world communicator is not the pipe's, which the failure aborted).
-        absl::Status barrier = (*comm)->Barrier().Wait();
-        return status.ok() ? barrier : status;
+      [&body](int rank, int, std::shared_ptr<comm::Communicator> comm) {
+        return CatchErrors([&] { return body(rank, comm); });
       },
-      timeout + absl::Seconds(30));
+      timeout);
 }
 
 }  // namespace fairscale::pipe::testing

@@ -71,9 +71,9 @@ absl::Status ExpectClose(const std::string& what, const at::Tensor& actual,
 // body can report the pipe's errors through its Status.
 absl::Status CatchErrors(const std::function<absl::Status()>& body);
 
-// Runs body(rank, comm) on `world` threads over fresh inproc communicators (operation timeout
-// `timeout`), then a barrier (also after a failed body); exceptions become kInternal
-// (CatchErrors).
+// comm::testing::RunInprocRanks for bodies that do not need the world size: body(rank, comm) on
+// `world` threads over fresh inproc communicators (operation timeout `timeout`), then a barrier
+// (also after a failed body); exceptions become kInternal (CatchErrors).
 std::vector<absl::Status> RunInproc(
     int world, const std::function<absl::Status(int rank, std::shared_ptr<comm::Communicator>)>& body,
     absl::Duration timeout = absl::Seconds(30));

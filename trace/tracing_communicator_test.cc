@@ -23,13 +23,10 @@
 namespace fairscale::trace {
 namespace {
 
+using comm::testing::Check;
 using ::fairscale::base::testing::IsOk;
 using ::fairscale::base::testing::StatusIs;
 using ::testing::HasSubstr;
-
-absl::Status Check(bool ok, const std::string& what) {
-  return ok ? absl::OkStatus() : absl::InternalError(what);
-}
 
 template <typename T>
 absl::Status SameBytes(const std::vector<T>& a, const std::vector<T>& b, const std::string& what) {

@@ -499,4 +499,16 @@ std::vector<absl::Status> RunRanks(RunnerKind kind, int n, RankBody body,
                                       : RunProcesses(n, std::move(body), timeout);
 }
 
+void ExpectAllOk(const std::vector<absl::Status>& statuses, absl::string_view what) {
+  const size_t n = statuses.size();
+  for (size_t r = 0; r < n; ++r) {
+    EXPECT_TRUE(statuses[r].ok()) << what << (what.empty() ? "" : " ") << "rank " << r << "/" << n
+                                  << ": " << statuses[r];
+  }
+}
+
+absl::Status Check(bool ok, absl::string_view what) {
+  return ok ? absl::OkStatus() : absl::InternalError(what);
+}
+
 }  // namespace fairscale::comm::testing

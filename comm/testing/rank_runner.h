@@ -11,7 +11,7 @@
 //       ...  // return an error instead of using EXPECT_* (see below)
 //       return absl::OkStatus();
 //     }, absl::Seconds(60));
-//     for (int r = 0; r < 4; ++r) EXPECT_OK(statuses[r]) << "rank " << r;
+//     ExpectAllOk(statuses, "reference");  // one EXPECT per rank, naming it
 //   }
 //
 // Rules for rank bodies:
@@ -83,6 +83,15 @@ const RankInfo* CurrentRank();
 // timeout of the communicator's operations and rendezvous). Aborts with a message when called
 // outside a rank body. Several communicators created in one run need distinct `name`s.
 CommConfig RankConfig(absl::Duration timeout);
+
+// Expects every rank's status to be OK: one gtest failure per failed rank, "<what> rank r/n:
+// <status>". (The counterpart of the runners: rank bodies return statuses, the test asserts
+// after the join.)
+void ExpectAllOk(const std::vector<absl::Status>& statuses, absl::string_view what = "");
+
+// A check inside a rank body: OK if `ok`, else kInternal with `what`.
+//   FS_RETURN_IF_ERROR(Check(got == want, absl::StrCat("step ", s, ": ", got, " != ", want)));
+absl::Status Check(bool ok, absl::string_view what);
 
 // True in a child process started by RunProcesses (also before the body runs, e.g. in the part
 // of the test that precedes the RunProcesses call).

@@ -20,6 +20,7 @@
 #include "base/status_macros.h"
 #include "base/status_matchers.h"
 #include "gmock/gmock.h"
+#include "gtest/gtest-spi.h"
 #include "gtest/gtest.h"
 
 namespace fairscale::comm::testing {
@@ -215,6 +216,30 @@ TEST(RunProcesses, TheSecondCallOfATestRunsItsOwnBody) {
 TEST(RankRunners, ZeroRanksRunNothing) {
   EXPECT_TRUE(RunProcesses(0, [](int) { return absl::OkStatus(); }, absl::Seconds(1)).empty());
   EXPECT_TRUE(RunThreads(0, [](int) { return absl::OkStatus(); }, absl::Seconds(1)).empty());
+}
+
+TEST(ExpectAllOk, FailsOncePerFailedRankNamingIt) {
+  ExpectAllOk({absl::OkStatus(), absl::OkStatus()}, "all fine");
+  ExpectAllOk({}, "no ranks");
+  EXPECT_NONFATAL_FAILURE(
+      ExpectAllOk({absl::OkStatus(), absl::NotFoundError("lost key")}, "exchange"),
+      "exchange rank 1/2: NOT_FOUND: lost key");
+  // Two failed ranks, two failures (gtest-spi checks for exactly one, so count them apart).
+  ::testing::TestPartResultArray results;
+  {
+    ::testing::ScopedFakeTestPartResultReporter reporter(
+        ::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &results);
+    ExpectAllOk({absl::InternalError("a"), absl::OkStatus(), absl::InternalError("c")});
+  }
+  ASSERT_EQ(results.size(), 2);
+  EXPECT_THAT(results.GetTestPartResult(0).message(), HasSubstr("rank 0/3: INTERNAL: a"));
+  EXPECT_THAT(results.GetTestPartResult(1).message(), HasSubstr("rank 2/3: INTERNAL: c"));
+}
+
+TEST(Check, IsOkOrInternalWithTheMessage) {
+  EXPECT_THAT(Check(true, "unused"), IsOk());
+  EXPECT_THAT(Check(false, "step 3: 1 != 2"),
+              StatusIs(absl::StatusCode::kInternal, "step 3: 1 != 2"));
 }
 
 }  // namespace

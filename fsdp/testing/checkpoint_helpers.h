@@ -1,9 +1,9 @@
-// Helpers shared by the state-dict and sharded-checkpoint tests (testonly): building the test
-// model, training steps, comparing losses with the reference run, and expecting errors.
+// Helpers shared by the state-dict and checkpoint tests (testonly): building the test model,
+// training steps, comparing losses with the reference run and state dicts with each other; the
+// generic checks (Check, ExpectAllOk, ExpectError) under the names these tests use.
 #pragma once
 
 #include <ATen/ops/equal.h>
-#include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <functional>
@@ -13,21 +13,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "base/status_matchers.h"
+#include "comm/testing/rank_runner.h"
 #include "fsdp/state_dict.h"
 #include "fsdp/test_util.h"
+#include "testing/c10_error.h"
 
 namespace fairscale::fsdp::testing {
 
-inline absl::Status Check(bool ok, const std::string& message) {
-  return ok ? absl::OkStatus() : absl::InternalError(message);
-}
-
-inline void ExpectAllOk(const std::vector<absl::Status>& statuses, const std::string& what) {
-  for (size_t r = 0; r < statuses.size(); ++r) {
-    EXPECT_THAT(statuses[r], base::testing::IsOk()) << what << " world " << statuses.size() << " rank " << r;
-  }
-}
+using comm::testing::Check;
+using comm::testing::ExpectAllOk;
+using fairscale::testing::ExpectError;
 
 inline std::string TmpPath(const std::string& name) {
   const char* dir = std::getenv("TEST_TMPDIR");
@@ -37,7 +32,7 @@ inline std::string TmpPath(const std::string& name) {
 inline FullyShardedDataParallel MakeModel(std::shared_ptr<comm::Communicator> comm,
                                    ShardingStrategy strategy, bool nested) {
   const auto opts = FsdpOptions().sharding_strategy(strategy);
-  return FullyShardedDataParallel(testing::Net(nested ? comm : nullptr, opts), comm, opts);
+  return FullyShardedDataParallel(testing::NestedNet(nested ? comm : nullptr, opts), comm, opts);
 }
 
 // Trains steps [first, last); returns this rank's losses.
@@ -54,22 +49,6 @@ inline std::vector<at::Tensor> TrainSteps(FullyShardedDataParallel& model, torch
     losses.push_back(loss.detach());
   }
   return losses;
-}
-
-inline absl::Status ExpectError(const std::function<void()>& body,
-                         const std::vector<std::string>& needles) {
-  try {
-    body();
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    for (const std::string& n : needles) {
-      if (msg.find(n) == std::string::npos) {
-        return absl::InternalError(absl::StrCat("error lacks '", n, "': ", msg));
-      }
-    }
-    return absl::OkStatus();
-  }
-  return absl::InternalError("no error");
 }
 
 // The losses of steps [first, first + losses.size()) equal the uninterrupted reference run's.

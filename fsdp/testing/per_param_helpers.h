@@ -125,7 +125,7 @@ std::vector<Step> Reference(Make make, Loss loss_fn, double max_norm = 0, int st
 
 inline auto MakeNet(NetConfig config = {}) {
   return [config](std::shared_ptr<comm::Communicator> nested, FsdpOptions o) {
-    return Net(nested, o, config);
+    return NestedNet(nested, o, config);
   };
 }
 
