@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
-#include <mutex>
+#include <memory>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 
 namespace fairscale::fsdp::internal {
 namespace {
@@ -83,43 +85,95 @@ absl::StatusOr<HybridGroups> SplitByHost(const std::shared_ptr<comm::Communicato
   return SplitByColor(world, index[host.substr(0, kHostBytes - 1)], place);
 }
 
-absl::StatusOr<HybridGroups> SharedHybridGroups(const std::shared_ptr<comm::Communicator>& world,
-                                                int group_size) {
-  // The cache holds the groups weakly. The pointers handed out share the ownership of both
-  // communicators (aliasing shared_ptrs into one owner), so the pair lives while any unit holds
-  // either and is destroyed, replicate then shard, each closing its connections in order
-  // (peers see an orderly shutdown, not a vanished rank), when the last unit goes: a leaked
-  // strong reference here outlived the job's units and its sockets were closed only by exit.
+namespace {
+
+// The index behind SharedHybridGroups: which live pair of groups was split from which world
+// communicator for which choice. It owns nothing. Each pair is owned by the holders of the
+// HybridGroups handed out (the units of the user's models: aliasing shared_ptrs into one
+// owner), and the owner's deleter takes its entry out, so the index lists exactly the pairs
+// some unit still uses and a world communicator's pairs go with the last unit built over it.
+// It is process-wide only because a unit has nothing else to find its siblings' groups by:
+// nested units are built, each on its own, before the root that will contain them.
+class HybridGroupsIndex {
+ public:
+  static HybridGroupsIndex& Get() {
+    static HybridGroupsIndex* index = new HybridGroupsIndex();  // leaked: units may outlive main
+    return *index;
+  }
+
+  // The live pair for (world, group_size), or null.
+  std::shared_ptr<const HybridGroups> Find(const std::shared_ptr<comm::Communicator>& world,
+                                           int group_size) {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find({world.get(), group_size});
+    // The same address may be a new communicator after the old one died: compare owners.
+    if (it == entries_.end() || it->second.world.lock() != world) return nullptr;
+    return it->second.groups.lock();
+  }
+
+  // Makes `made` the pair for (world, group_size), owned by the returned pointer.
+  std::shared_ptr<const HybridGroups> Insert(const std::shared_ptr<comm::Communicator>& world,
+                                             int group_size, HybridGroups made) {
+    const Key key{world.get(), group_size};
+    std::shared_ptr<const HybridGroups> owner(
+        new HybridGroups(std::move(made)), [this, key](const HybridGroups* groups) {
+          Erase(key, groups);
+          delete groups;  // replicate, then shard: each closes its connections in order
+        });
+    absl::MutexLock lock(&mu_);
+    entries_[key] = Entry{world, owner, owner.get()};
+    return owner;
+  }
+
+  size_t size() const {
+    absl::MutexLock lock(&mu_);
+    return entries_.size();
+  }
+
+ private:
+  using Key = std::pair<const comm::Communicator*, int>;
   struct Entry {
     std::weak_ptr<comm::Communicator> world;
-    std::weak_ptr<const HybridGroups> owner;
+    std::weak_ptr<const HybridGroups> groups;
+    const HybridGroups* raw = nullptr;  // identifies the owner once `groups` has expired
   };
-  auto share = [](const std::shared_ptr<const HybridGroups>& owner) {
-    return HybridGroups{std::shared_ptr<comm::Communicator>(owner, owner->shard.get()),
-                        std::shared_ptr<comm::Communicator>(owner, owner->replicate.get())};
-  };
-  static std::mutex mu;
-  static auto* cache = new std::map<std::pair<const comm::Communicator*, int>, Entry>();
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    for (auto it = cache->begin(); it != cache->end();) {
-      it = it->second.world.expired() || it->second.owner.expired() ? cache->erase(it)
-                                                                     : std::next(it);
-    }
-    auto it = cache->find({world.get(), group_size});
-    if (it != cache->end() && it->second.world.lock() == world) {
-      if (std::shared_ptr<const HybridGroups> owner = it->second.owner.lock()) return share(owner);
-    }
+
+  // Called by the owner's deleter; a newer pair made under the same key after this one expired
+  // (and before this deleter ran) stays.
+  void Erase(const Key& key, const HybridGroups* groups) {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(key);
+    if (it != entries_.end() && it->second.raw == groups) entries_.erase(it);
   }
-  // Split outside the lock: it blocks until the other ranks (other threads in tests) arrive.
+
+  mutable absl::Mutex mu_;
+  std::map<Key, Entry> entries_ ABSL_GUARDED_BY(mu_);
+};
+
+// A HybridGroups whose two pointers share the ownership of `owner`.
+HybridGroups Share(const std::shared_ptr<const HybridGroups>& owner) {
+  return HybridGroups{std::shared_ptr<comm::Communicator>(owner, owner->shard.get()),
+                      std::shared_ptr<comm::Communicator>(owner, owner->replicate.get())};
+}
+
+}  // namespace
+
+absl::StatusOr<HybridGroups> SharedHybridGroups(const std::shared_ptr<comm::Communicator>& world,
+                                                int group_size) {
+  HybridGroupsIndex& index = HybridGroupsIndex::Get();
+  if (std::shared_ptr<const HybridGroups> owner = index.Find(world, group_size)) {
+    return Share(owner);
+  }
+  // Split without holding the index: it blocks until the other ranks (other threads in tests)
+  // arrive. Two threads of one rank building units over one world at once would both split;
+  // a rank builds its units in order (the ranks must agree on the splits anyway).
   absl::StatusOr<HybridGroups> made =
       group_size > 0 ? SplitBySize(world, group_size) : SplitByHost(world, ThisHost());
   if (!made.ok()) return made.status();
-  auto owner = std::make_shared<const HybridGroups>(*std::move(made));
-  std::lock_guard<std::mutex> lock(mu);
-  (*cache)[{world.get(), group_size}] = Entry{world, owner};
-  return share(owner);
+  return Share(index.Insert(world, group_size, *std::move(made)));
 }
+
+size_t LiveSharedHybridGroupsForTesting() { return HybridGroupsIndex::Get().size(); }
 
 absl::Status CheckHybridGroups(const std::shared_ptr<comm::Communicator>& world,
                                const HybridGroups& groups) {

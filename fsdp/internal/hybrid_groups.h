@@ -1,9 +1,11 @@
 // The shard and replicate groups of HYBRID_SHARD (//fsdp, internal): made from the model's
 // communicator with Communicator::Split by group size or by host, checked when the user passes
-// them, and shared by every unit built over the same communicator with the same choice.
+// them, and shared by every unit built over the same communicator with the same choice (owned
+// by those units; see SharedHybridGroups).
 // Used by FullyShardedDataParallelImpl's constructor; no LibTorch.
 #pragma once
 
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,12 +35,22 @@ absl::StatusOr<HybridGroups> SplitByHost(const std::shared_ptr<comm::Communicato
 std::string ThisHost();
 
 // SplitBySize (group_size > 0) or SplitByHost(ThisHost()) (group_size == 0), made once per live
-// `world` communicator and choice and shared while some caller holds either communicator;
-// when the last holder lets go, both are destroyed (an orderly close the peers see as such), and
-// a later call splits anew. Collective when it splits (ranks agree: they build and destroy
-// their units in the same order).
+// `world` communicator and choice, and shared: every call for the same world object and group
+// size returns the same two communicators while some caller still holds either of them (the
+// units of a model, and of any other model built over that world meanwhile). The returned
+// pointers own the pair together; when the last of them goes, both communicators are destroyed
+// (replicate, then shard: an orderly close the peers see as such) and a later call splits anew.
+// Nothing else keeps them: the process-wide index behind this holds weak references only and
+// forgets a pair when it is destroyed, so a world communicator's groups end with the last unit
+// built over it, never with the process. A new communicator at a dead one's address gets
+// groups of its own. Collective when it splits (ranks agree: they build and destroy their units
+// in the same order). Thread-safe.
 absl::StatusOr<HybridGroups> SharedHybridGroups(const std::shared_ptr<comm::Communicator>& world,
                                                 int group_size);
+
+// How many pairs SharedHybridGroups currently shares, over every world communicator of the
+// process (for the tests of its lifetime rules).
+size_t LiveSharedHybridGroupsForTesting();
 
 // Checks user-given groups against `world`: both set, sizes multiplying to the world size, and
 // the ranks of each replicate group holding the same shard rank. Collective (one all-gather on
