@@ -218,7 +218,8 @@ TEST(ShardedGradScalerTcpTest, FsdpProcessesSkipTheSameStep) {
 
 // The three pieces together: FSDP forward under a CPU bf16 Autocast guard (bf16 activations,
 // f32 shards and shard gradients), the ShardedGradScaler stepping the shards, and close to the
-// f32 single-process reference (bf16 matmuls: loose tolerance).
+// f32 single-process reference: the parameters within 6e-3 relative after each of 3 steps (bf16
+// matmuls; measured at most 2.4e-3, growing by ~8e-4 a step).
 TEST(ShardedGradScalerEdgeTest, FsdpUnderAutocastTrains) {
   constexpr int kWorld = 2;
   constexpr int kAutocastSteps = 3;
@@ -250,7 +251,7 @@ TEST(ShardedGradScalerEdgeTest, FsdpUnderAutocastTrains) {
           FS_RETURN_IF_ERROR(Check(scaler.step(*opt), at + ": skipped"));
           scaler.update();
           FS_RETURN_IF_ERROR(ft::CheckShards(model, ref[step].params, /*grads=*/false,
-                                             at + " param (bf16 forward)", 2e-2));
+                                             at + " param (bf16 forward)", 6e-3));
         }
         return absl::OkStatus();
       });

@@ -6,6 +6,8 @@
 // reference's full gradient, sliced by the flat parameter's layout) and, after 3 Adam steps,
 // the stage's full parameters (gathered with summon_full_params), all within 1e-5; gradients
 // reduced per micro-batch and once per step (reduce_once_per_step).
+#include "pipe/fsdp_stage.h"
+
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
 #include <torch/optim/adam.h>
@@ -22,7 +24,6 @@
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "pipe/fsdp_stage.h"
 #include "pipe/grid.h"
 #include "pipe/pipe.h"
 #include "pipe/test_util.h"
@@ -186,11 +187,6 @@ TEST(FsdpStageTest, MatchesOneProcessAdam) {
   }
 }
 
-// bf16 compute over f32 master shards (reduce in f32): the activations between the stages are
-// bf16, the shards the optimizer steps f32, and after 3 Adam steps every full parameter is within
-// fsdp's mixed-precision tolerance (edge_case_test's kMixedRtol: 6e-2 relative) of the f32
-// one-process run, as is every replica loss. Both strategies, both schedules, chunks 3,
-// checkpoint except_last.
 // reduce_once_per_step: a step of 3 micro-batches reduce-scatters each stage's gradient once
 // (3 times without it), both strategies and schedules; the gradients are checked by
 // MatchesOneProcessAdam.
@@ -238,8 +234,14 @@ at::Tensor MseInF32(const at::Tensor& output, const at::Tensor& target) {
   return testing::Mse(output.to(at::kFloat), target);
 }
 
+// bf16 compute over f32 master shards (reduce in f32): the activations between the stages are
+// bf16, the shards the optimizer steps f32, and against the f32 one-process run every replica
+// loss is within kMixedLossRtol and, after 3 Adam steps, every full parameter within
+// kMixedParamRtol (relative). Both strategies, both schedules, chunks 3, checkpoint except_last.
 TEST(FsdpStageTest, Bf16ComputeWithF32MastersTracksTheReference) {
-  constexpr double kMixedRtol = 6e-2;
+  // Measured at most 6.5e-4 (loss) and 2.7e-3 (parameter) over the 4 cases, 3 steps, 4 ranks.
+  constexpr double kMixedLossRtol = 2e-3;
+  constexpr double kMixedParamRtol = 1e-2;
   const at::Tensor x = testing::Inputs(kRows, 1);
   const at::Tensor y = testing::Targets(kRows, 2);
   const ReferenceRun ref = RunAdamReference(x, y, 2);
@@ -281,7 +283,7 @@ TEST(FsdpStageTest, Bf16ComputeWithF32MastersTracksTheReference) {
               FS_RETURN_IF_ERROR(testing::ExpectClose(
                   absl::StrCat(what, " step ", step, " loss"), loss,
                   at::scalar_tensor(ref.half_losses[step][grid.replica], at::kDouble),
-                  kMixedRtol));
+                  kMixedLossRtol));
               opt.step();
             }
             for (c10::ScalarType t : sent) {
@@ -296,7 +298,7 @@ TEST(FsdpStageTest, Bf16ComputeWithF32MastersTracksTheReference) {
             for (const auto& item : pipe->stage_module()->named_parameters()) {
               FS_RETURN_IF_ERROR(testing::ExpectClose(
                   absl::StrCat(what, " parameter ", item.key()), item.value().to(at::kFloat),
-                  ref.params.at(item.key()), kMixedRtol));
+                  ref.params.at(item.key()), kMixedParamRtol));
             }
             return absl::OkStatus();
           });

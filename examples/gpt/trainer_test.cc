@@ -344,8 +344,9 @@ TEST(TrainRankTest, PipelineWithFsdpInsideStagesMatchesTheUnpipelinedRun) {
 
 // bf16 in pipeline mode (FSDP inside the stages, bf16 compute and boundary activations over f32
 // master shards, gradients reduced in f32): 2 stages x 2 replicas track the unpipelined fsdp bf16
-// run at 2 ranks within fsdp's mixed-precision tolerance (6e-2 relative, fsdp/edge_case_test's
-// kMixedRtol) at every step, and the loss falls as much.
+// run at 2 ranks within 5e-4 relative at every step (bf16 against bf16: the same kernels on the
+// same rows, summed in another order; measured at most 1.2e-4 over the 8 steps), and the loss
+// falls as much.
 TEST(TrainRankTest, PipelineBf16TracksTheUnpipelinedBf16Run) {
   TrainConfig plain = TinyConfig("");
   plain.precision = "bf16";
@@ -357,7 +358,8 @@ TEST(TrainRankTest, PipelineBf16TracksTheUnpipelinedBf16Run) {
   ASSERT_EQ(pipe4.losses.size(), ref2.losses.size());
   double max_rel = 0;
   for (size_t i = 0; i < ref2.losses.size(); ++i) {
-    EXPECT_NEAR(pipe4.losses[i], ref2.losses[i], 6e-2 * std::abs(ref2.losses[i])) << "step " << i + 1;
+    EXPECT_NEAR(pipe4.losses[i], ref2.losses[i], 5e-4 * std::abs(ref2.losses[i]))
+        << "step " << i + 1;
     max_rel = std::max(max_rel, std::abs(pipe4.losses[i] - ref2.losses[i]) / ref2.losses[i]);
   }
   std::printf("pipeline bf16 vs unpipelined bf16: max relative loss difference %.3g; 2x2 loss "
