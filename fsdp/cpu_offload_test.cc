@@ -1,12 +1,15 @@
 // move_params_to_cpu / move_grads_to_cpu / compute_device (FsdpOptions, FairScale's CPU
 // offload). On a CPU-only machine:
 // * bad combinations are errors naming the options;
-// * with the compute device on the CPU the options change nothing: losses, shards and their
-//   gradients bitwise equal to a run without them (worlds 1-4, every strategy, nested);
+// * with the compute device on the CPU the options take no copy path (an unsharded unit's
+//   parameters still view its shard: no second buffer) and the model trains like the
+//   single-process reference (losses, gradient and parameter shards within 1e-5; worlds 1-4,
+//   every strategy, nested);
 // * the offloaded path itself (separate compute buffers, copies to the compute device before
 //   each all-gather, reduced gradients copied back to the CPU shard) is forced with
-//   internal::SetOffloadOnCpuForTesting and must give bitwise the same results too (f32), and
-//   the same as the un-offloaded bf16 run under mixed precision.
+//   internal::SetOffloadOnCpuForTesting; each run checks that it was taken (an unsharded unit's
+//   parameters no longer view its shard) and gives bitwise the results of the run without
+//   offload (f32, bucketed), or of the un-offloaded bf16 run under mixed precision.
 // The CudaOffload tests need LibTorch with CUDA and a GPU; without one they are skipped (see
 // fsdp/README.md for the command).
 #include <ATen/ops/equal.h>
@@ -33,15 +36,64 @@ using testing::ExpectError;
 using testing::OptimizerKind;
 
 constexpr int kSteps = 3;
+constexpr ShardingStrategy kStrategies[] = {
+    ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
+    ShardingStrategy::kHybridShard};
+
+// `base` with `strategy`; HYBRID_SHARD in groups of 2 at even world sizes (by host, one group,
+// at odd ones).
+FsdpOptions WithStrategy(FsdpOptions base, ShardingStrategy strategy, int world) {
+  base.sharding_strategy(strategy);
+  if (strategy == ShardingStrategy::kHybridShard && world % 2 == 0) {
+    base.hybrid_shard_group_size(2);
+  }
+  return base;
+}
 
 // Losses and, per step, every flat parameter's shard and gradient.
 struct Trace {
   std::vector<at::Tensor> tensors;
 };
 
+// Whether the parameters of the model's unsharded units view its flat shards (the same memory,
+// as without offload) or none of them does (separate compute buffers: the offloaded path, or
+// mixed precision); kInternal naming the first parameter that breaks `expect_views`, or saying
+// that no unit was unsharded. Sharded units have nothing to show: their parameters view the
+// gathered full buffer on either path.
+absl::Status CheckComputeBuffers(FullyShardedDataParallel& model, bool expect_views,
+                                 const std::string& what) {
+  const std::vector<at::Tensor> shards = model->parameters();
+  int checked = 0;
+  for (FullyShardedDataParallelImpl* u : model->fsdp_units()) {
+    if (u->shard_world_size() > 1 &&
+        u->options().sharding_strategy() != ShardingStrategy::kNoShard) {
+      continue;
+    }
+    for (const auto& item : u->module()->named_parameters()) {
+      if (item.key().find("flat_param") != std::string::npos) continue;
+      bool views = false;
+      for (const at::Tensor& shard : shards) views = views || item.value().is_alias_of(shard);
+      FS_RETURN_IF_ERROR(
+          Check(views == expect_views,
+                absl::StrCat(what, ": parameter '", item.key(), "' of unit '", u->prefix(),
+                             views ? "' views" : "' does not view", " its shard")));
+      ++checked;
+    }
+  }
+  return Check(checked > 0, what + ": no unsharded unit to check");
+}
+
+bool Unsharded(const FsdpOptions& opts, int world) {
+  return world == 1 || opts.sharding_strategy() == ShardingStrategy::kNoShard;
+}
+
+// With `expect_views` set (and an unsharded model), first checks CheckComputeBuffers.
 Trace Train(std::shared_ptr<comm::Communicator> comm, const FsdpOptions& opts, bool nested,
-            int rank, int world) {
+            int rank, int world, bool expect_views, absl::Status* buffers) {
   FullyShardedDataParallel model(testing::NestedNet(nested ? comm : nullptr, opts), comm, opts);
+  if (Unsharded(opts, world)) {
+    *buffers = CheckComputeBuffers(model, expect_views, "compute buffers");
+  }
   auto opt = testing::MakeOptimizer(OptimizerKind::kAdam, model->parameters());
   Trace t;
   for (int step = 0; step < kSteps; ++step) {
@@ -82,30 +134,32 @@ absl::Status SameTrace(const Trace& a, const Trace& b, const std::string& what) 
   return absl::OkStatus();
 }
 
-// Runs Train with `base` and with `base` + move_params_to_cpu at worlds 1-4 for every strategy,
-// flat and nested, and expects bitwise the same trace.
-void ExpectOffloadChangesNothing(const std::string& what, FsdpOptions base) {
-  for (ShardingStrategy strategy :
-       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
-        ShardingStrategy::kHybridShard}) {
+// With the offloaded path forced: runs Train with `base` and with `base` + move_params_to_cpu at
+// worlds 1-4 for every strategy, flat and nested, and expects bitwise the same trace; where the
+// model is unsharded, also that the offloaded run used separate compute buffers (and the plain
+// f32 run did not), i.e. that the comparison is between two paths.
+void ExpectCopyPathChangesNothing(const std::string& what, FsdpOptions base) {
+  ASSERT_TRUE(internal::OffloadOnCpuForTesting());
+  const bool mixed = base.mixed_precision().param_dtype().has_value();
+  for (ShardingStrategy strategy : kStrategies) {
     for (bool nested : {false, true}) {
       for (int world = 1; world <= 4; ++world) {
         ExpectAllOk(
             comm::testing::RunInprocRanks(
                 world,
                 [&](int rank, int w, std::shared_ptr<comm::Communicator> c) -> absl::Status {
-                  FsdpOptions plain = base;
-                  plain.sharding_strategy(strategy);
-                  if (strategy == ShardingStrategy::kHybridShard && w % 2 == 0) {
-                    plain.hybrid_shard_group_size(2);
-                  }
+                  const FsdpOptions plain = WithStrategy(base, strategy, w);
                   FsdpOptions offload = plain;
                   offload.move_params_to_cpu(true).compute_device(c10::Device(c10::kCPU));
-                  const Trace a = Train(c, plain, nested, rank, w);
-                  const Trace b = Train(c, offload, nested, rank, w);
+                  absl::Status plain_buffers, offload_buffers;
+                  const Trace a = Train(c, plain, nested, rank, w, !mixed, &plain_buffers);
+                  const Trace b = Train(c, offload, nested, rank, w, false, &offload_buffers);
+                  FS_RETURN_IF_ERROR(plain_buffers);
+                  FS_RETURN_IF_ERROR(offload_buffers);
                   return SameTrace(a, b, "offloaded vs not");
                 }),
-            absl::StrCat(what, " ", ShardingStrategyName(strategy), nested ? " nested" : " flat"));
+            absl::StrCat(what, " ", ShardingStrategyName(strategy), nested ? " nested" : " flat",
+                         " world ", world));
       }
     }
   }
@@ -139,8 +193,35 @@ TEST(CpuOffload, BadCombinationsAreNamedErrors) {
       "bad options");
 }
 
-TEST(CpuOffload, OnTheCpuItChangesNothing) {
-  ExpectOffloadChangesNothing("cpu no-op", FsdpOptions());
+// Without the test hook the CPU compute device takes no copy path: the unsharded units'
+// parameters view their shards as without the options, and every strategy trains like the
+// single-process reference.
+TEST(CpuOffload, OnTheCpuTheOptionsTakeNoCopyPathAndTrainLikeTheReference) {
+  ASSERT_FALSE(internal::OffloadOnCpuForTesting());
+  const auto ref = testing::RunReference(OptimizerKind::kAdam, kSteps);
+  for (ShardingStrategy strategy : kStrategies) {
+    for (bool nested : {false, true}) {
+      for (int world = 1; world <= 4; ++world) {
+        ExpectAllOk(
+            comm::testing::RunInprocRanks(
+                world,
+                [&](int rank, int w, std::shared_ptr<comm::Communicator> c) -> absl::Status {
+                  const FsdpOptions opts = WithStrategy(
+                      FsdpOptions().move_params_to_cpu(true).compute_device(c10::Device(c10::kCPU)),
+                      strategy, w);
+                  FullyShardedDataParallel model(testing::NestedNet(nested ? c : nullptr, opts), c,
+                                                 opts);
+                  if (Unsharded(opts, w)) {
+                    FS_RETURN_IF_ERROR(CheckComputeBuffers(model, true, "compute buffers"));
+                  }
+                  auto opt = testing::MakeOptimizer(OptimizerKind::kAdam, model->parameters());
+                  return testing::TrainMatchesReference(model, *opt, ref, rank, w);
+                }),
+            absl::StrCat(ShardingStrategyName(strategy), nested ? " nested" : " flat", " world ",
+                         world));
+      }
+    }
+  }
 }
 
 // Restores the hook when the test ends.
@@ -151,11 +232,11 @@ struct ForceOffloadPath {
 
 TEST(CpuOffload, TheCopyPathGivesBitwiseTheSameResults) {
   ForceOffloadPath force;
-  ExpectOffloadChangesNothing("forced copy path f32", FsdpOptions());
-  ExpectOffloadChangesNothing(
+  ExpectCopyPathChangesNothing("forced copy path f32", FsdpOptions());
+  ExpectCopyPathChangesNothing(
       "forced copy path bf16",
       FsdpOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
-  ExpectOffloadChangesNothing("forced copy path bucketed", FsdpOptions().bucket_cap_mb(1.0));
+  ExpectCopyPathChangesNothing("forced copy path bucketed", FsdpOptions().bucket_cap_mb(1.0));
   // The per-parameter layout has no offloaded path (yet): a clear error.
   ExpectAllOk(comm::testing::RunInprocRanks(
                   1,
