@@ -150,7 +150,7 @@ struct FsdpOptions {
   //     group must hold the same shard (same shard->rank()); checked at construction.
   // The groups are made with Communicator::Split (collective, two per choice). Units built over
   // the same communicator with the same group size (or by host) share them: the first unit
-  // splits, the others reuse its communicators, which then live as long as that communicator.
+  // splits, the others reuse its communicators, which live as long as some unit uses them.
   TORCH_ARG(int, hybrid_shard_group_size) = 0;
 
   // CPU offload (FairScale's move_params_to_cpu / move_grads_to_cpu, PyTorch's

@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "comm/testing/counting_communicator.h"
+#include "comm/testing/inproc_ranks.h"
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/internal/param_sync.h"
-#include "fsdp/test_util.h"
-#include "fsdp/testing/counting_communicator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -59,7 +59,7 @@ TORCH_MODULE(Parent);
 template <typename Body>
 std::vector<std::vector<absl::Status>> ForWorlds(Body body) {
   std::vector<std::vector<absl::Status>> out;
-  for (int world = 1; world <= 4; ++world) out.push_back(testing::RunRanks(world, body));
+  for (int world = 1; world <= 4; ++world) out.push_back(comm::testing::RunInprocRanks(world, body));
   return out;
 }
 
@@ -67,7 +67,7 @@ TEST(SyncModuleStates, DifferentValuesFailNamingTheFirstParameterOnEveryRank) {
   // Rank 2 (or the last rank) shifts one element of "b"; "a" agrees.
   for (int world = 2; world <= 4; ++world) {
     const int odd = world - 1;
-    std::vector<absl::Status> st = testing::RunRanks(
+    std::vector<absl::Status> st = comm::testing::RunInprocRanks(
         world, [odd](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
           Net net(rank == odd ? "b" : "", 1e-6);
           FullyShardedDataParallel model(net, comm);
@@ -85,7 +85,7 @@ TEST(SyncModuleStates, DifferentValuesFailNamingTheFirstParameterOnEveryRank) {
 }
 
 TEST(SyncModuleStates, TheFirstDifferingParameterIsNamedWhenSeveralDiffer) {
-  std::vector<absl::Status> st = testing::RunRanks(
+  std::vector<absl::Status> st = comm::testing::RunInprocRanks(
       2, [](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
         Net net(rank == 1 ? "a" : "", 1.0);
         if (rank == 1) {
@@ -133,7 +133,7 @@ TEST(SyncModuleStates, BroadcastGivesEveryRankRankZerosParameters) {
 }
 
 TEST(SyncModuleStates, NestedUnitsAreCheckedWithTheirOwnNames) {
-  std::vector<absl::Status> st = testing::RunRanks(
+  std::vector<absl::Status> st = comm::testing::RunInprocRanks(
       3, [](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
         Parent p(comm, Net(rank == 2 ? "a" : "", 0.5), FsdpOptions());
         FullyShardedDataParallel model(p, comm);
@@ -147,7 +147,7 @@ TEST(SyncModuleStates, NestedUnitsAreCheckedWithTheirOwnNames) {
 
 TEST(SyncModuleStates, ShapeOrCountDifferencesFailEvenWithBroadcast) {
   for (const bool broadcast : {false, true}) {
-    std::vector<absl::Status> st = testing::RunRanks(
+    std::vector<absl::Status> st = comm::testing::RunInprocRanks(
         2, [=](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
           Net net;
           if (rank == 1) net->a_.set_data(at::zeros({3, 2}));  // same name, other shape
@@ -157,7 +157,7 @@ TEST(SyncModuleStates, ShapeOrCountDifferencesFailEvenWithBroadcast) {
     for (const absl::Status& s : st) {
       EXPECT_THAT(s.message(), HasSubstr("name, shape or dtype differs between rank 0 and rank 1"));
     }
-    st = testing::RunRanks(
+    st = comm::testing::RunInprocRanks(
         2, [=](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
           Net net;
           if (rank == 0) net->register_parameter("extra", at::zeros({1}));
@@ -172,9 +172,9 @@ TEST(SyncModuleStates, ShapeOrCountDifferencesFailEvenWithBroadcast) {
 TEST(SyncModuleStates, AgreeingRanksCostTwoAllGathersAndNoBroadcastOfParameters) {
   for (int world = 1; world <= 4; ++world) {
     for (const bool broadcast : {false, true}) {
-      std::vector<absl::Status> st = testing::RunRanks(
+      std::vector<absl::Status> st = comm::testing::RunInprocRanks(
           world, [=](int, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-            auto counting = std::make_shared<testing::CountingCommunicator>(comm);
+            auto counting = std::make_shared<comm::testing::CountingCommunicator>(comm);
             FullyShardedDataParallel model(Net(), counting,
                                            FsdpOptions().sync_module_states(broadcast));
             const int64_t gathers = counting->count(comm::OpType::kAllGather).ops;
