@@ -21,11 +21,13 @@
 #include <vector>
 
 #include "testing/c10_error.h"
+#include "testing/tmp.h"
 
 namespace fairscale::amp {
 namespace {
 
 using ::fairscale::testing::ErrorOf;
+using ::fairscale::testing::TmpPath;
 using ::testing::HasSubstr;
 
 std::vector<float> Values(const at::Tensor& t) {
@@ -322,16 +324,11 @@ TEST(GradScalerTest, StateDictRoundTripContinuesIdentically) {
   EXPECT_THAT(ErrorOf([&] { restored.load_state_dict(bad); }), HasSubstr("growth tracker"));
 }
 
-std::string TempPath(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return std::string(dir != nullptr ? dir : "/tmp") + "/" + name;
-}
-
 TEST(GradScalerTest, FileRoundTrip) {
   GradScaler original(GradScalerOptions().init_scale(16).growth_interval(4).backoff_factor(0.25));
   Problem p;
   Train(original, p, 5);
-  const std::string path = TempPath("scaler.pt");
+  const std::string path = TmpPath("scaler.pt");
   save_grad_scaler(original, path);
   EXPECT_EQ(std::fopen((path + ".tmp").c_str(), "r"), nullptr);  // renamed away
 
@@ -343,13 +340,13 @@ TEST(GradScalerTest, FileRoundTrip) {
   Train(restored, q, 2);
   ExpectSameState(restored.state_dict(), original.state_dict());
 
-  EXPECT_THAT(ErrorOf([&] { load_grad_scaler(restored, TempPath("missing.pt")); }),
+  EXPECT_THAT(ErrorOf([&] { load_grad_scaler(restored, TmpPath("missing.pt")); }),
               HasSubstr("missing.pt"));
   // An archive that holds something else.
   torch::serialize::OutputArchive other;
   other.write("weights", at::zeros({2}));
-  other.save_to(TempPath("other.pt"));
-  const std::string error = ErrorOf([&] { load_grad_scaler(restored, TempPath("other.pt")); });
+  other.save_to(TmpPath("other.pt"));
+  const std::string error = ErrorOf([&] { load_grad_scaler(restored, TmpPath("other.pt")); });
   EXPECT_THAT(error, HasSubstr("other.pt"));
   EXPECT_THAT(error, HasSubstr("not a GradScaler state"));
 }
@@ -363,7 +360,7 @@ TEST(GradScalerTest, ArchiveNestsInsideAnotherArchive) {
   original.save(inner);
   outer.write("scaler", inner);
   outer.write("weights", at::full({2}, 7.0));
-  const std::string path = TempPath("outer.pt");
+  const std::string path = TmpPath("outer.pt");
   outer.save_to(path);
 
   torch::serialize::InputArchive in;

@@ -29,6 +29,7 @@
 #include "base/subprocess.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/tmp.h"
 
 namespace fairscale::examples {
 namespace {
@@ -60,9 +61,8 @@ struct JobResult {
 class TrainGptTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const char* tmp = std::getenv("TEST_TMPDIR");
-    dir_ = absl::StrCat(tmp ? tmp : "/tmp", "/train_gpt_",
-                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fairscale::testing::TmpPath(absl::StrCat(
+        "train_gpt_", ::testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }

@@ -34,6 +34,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "launch/launcher.h"
+#include "testing/tmp.h"
 
 namespace fairscale::launch {
 namespace {
@@ -63,9 +64,7 @@ std::vector<std::string> Lines(const std::string& text) {
 
 // A fresh directory under TEST_TMPDIR.
 std::string NewDir() {
-  static int n = 0;
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(tmp ? tmp : "/tmp", "/fs_launch_test_", getpid(), "_", n++);
+  const std::string dir = fairscale::testing::UniqueTmpPath("fs_launch_test");
   mkdir(dir.c_str(), 0700);
   return dir;
 }

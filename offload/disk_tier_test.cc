@@ -12,19 +12,16 @@
 #include <vector>
 
 #include "base/status_matchers.h"
+#include "testing/tmp.h"
 
 namespace fairscale::offload {
 namespace {
 
 using ::fairscale::base::testing::IsOk;
 using ::fairscale::base::testing::StatusIs;
+using ::fairscale::testing::TmpPath;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-std::string TmpPath(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return std::string(dir ? dir : "/tmp") + "/" + name;
-}
 
 std::vector<TensorSpec> Specs() {
   return {{"a", c10::kFloat, {3, 5}}, {"b", c10::kFloat, {37}}, {"empty", c10::kFloat, {0}},

@@ -16,6 +16,7 @@
 
 #include "base/tracking_allocator.h"
 #include "offload/offload_model.h"
+#include "testing/tmp.h"
 
 namespace fairscale::offload {
 namespace {
@@ -41,8 +42,7 @@ at::Tensor Input(int step) {
 
 TEST(OffloadModelMemoryTest, TrainsUnderABudgetSmallerThanItsState) {
   base::TrackingCpuAllocator* alloc = base::TrackingCpuAllocator::Install();
-  const std::string dir = std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR")
-                                                                 : "/tmp") + "/budget";
+  const std::string dir = fairscale::testing::TmpPath("budget");
   std::vector<std::pair<std::string, at::Tensor>> offloaded;
   int64_t param_bytes = 0;
   {

@@ -19,13 +19,12 @@
 #include <string>
 #include <tuple>
 
+#include "testing/tmp.h"
+
 namespace fairscale::offload {
 namespace {
 
-std::string TmpDir(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return std::string(dir ? dir : "/tmp") + "/" + name;
-}
+using ::fairscale::testing::TmpPath;
 
 // 7 modules, so 2 and 3 slices cut unevenly.
 torch::nn::Sequential MakeModel() {
@@ -65,7 +64,7 @@ TEST_P(OffloadModelTest, TrainsLikeTheInMemoryModel) {
   torch::nn::Sequential ref = MakeModel();
   torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(0.01));
   OffloadModel model(MakeModel(),
-                     OffloadModelOptions(TmpDir("m"))
+                     OffloadModelOptions(TmpPath("m"))
                          .num_slices(slices)
                          .num_microbatches(microbatches)
                          .checkpoint_activation(ckpt)
@@ -102,7 +101,7 @@ TEST(OffloadModelOtherTest, InputGradientsAndAccumulationMatch) {
     torch::nn::Sequential ref = MakeModel();
     torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(0.01));
     OffloadModel model(MakeModel(),
-                       OffloadModelOptions(TmpDir("acc"))
+                       OffloadModelOptions(TmpPath("acc"))
                            .balance({1, 4, 2})
                            .num_microbatches(2)
                            .checkpoint_activation(ckpt),
@@ -135,9 +134,9 @@ TEST(OffloadModelOtherTest, DropoutMatchesWithAndWithoutCheckpointing) {
   for (bool ckpt : {false, true}) {
     torch::nn::Sequential ref = make();
     torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(0.01));
-    OffloadModel model(make(), OffloadModelOptions(TmpDir("drop")).num_slices(3)
-                                   .checkpoint_activation(ckpt),
-                       torch::optim::AdamOptions(0.01));
+    OffloadModel model(
+        make(), OffloadModelOptions(TmpPath("drop")).num_slices(3).checkpoint_activation(ckpt),
+        torch::optim::AdamOptions(0.01));
     for (int step = 0; step < 4; ++step) {
       const at::Tensor x = Input(step), y = Target(step);
       torch::manual_seed(500 + step);  // the same dropout masks in both forwards
@@ -155,13 +154,13 @@ TEST(OffloadModelOtherTest, DropoutMatchesWithAndWithoutCheckpointing) {
 
 TEST(OffloadModelOtherTest, InferenceRunsSliceBySlice) {
   torch::nn::Sequential ref = MakeModel();
-  OffloadModel model(MakeModel(), OffloadModelOptions(TmpDir("inf")).num_slices(3));
+  OffloadModel model(MakeModel(), OffloadModelOptions(TmpPath("inf")).num_slices(3));
   torch::NoGradGuard no_grad;
   EXPECT_TRUE(model(Input(0)).equal(ref->forward(Input(0))));
 }
 
 TEST(OffloadModelOtherTest, ArchiveIsTheSequentials) {
-  OffloadModel model(MakeModel(), OffloadModelOptions(TmpDir("arch")).num_slices(3));
+  OffloadModel model(MakeModel(), OffloadModelOptions(TmpPath("arch")).num_slices(3));
   for (int step = 0; step < 2; ++step) {
     model->zero_grad();
     torch::nn::functional::mse_loss(model(Input(step)), Target(step)).backward();
@@ -207,18 +206,18 @@ TEST(OffloadModelOtherTest, ArchiveIsTheSequentials) {
 }
 
 TEST(OffloadModelOtherTest, BadOptions) {
-  EXPECT_THROW(OffloadModel(MakeModel(), OffloadModelOptions(TmpDir("b1")).balance({1, 2})),
+  EXPECT_THROW(OffloadModel(MakeModel(), OffloadModelOptions(TmpPath("b1")).balance({1, 2})),
                c10::Error);
-  EXPECT_THROW(OffloadModel(MakeModel(), OffloadModelOptions(TmpDir("b2")).num_slices(8)),
+  EXPECT_THROW(OffloadModel(MakeModel(), OffloadModelOptions(TmpPath("b2")).num_slices(8)),
                c10::Error);
   EXPECT_THROW(OffloadModel(MakeModel(), OffloadModelOptions("")), c10::Error);
   torch::nn::Linear shared(4, 4);
   EXPECT_THROW(OffloadModel(torch::nn::Sequential(shared, shared),
-                            OffloadModelOptions(TmpDir("b3")).num_slices(2)),
+                            OffloadModelOptions(TmpPath("b3")).num_slices(2)),
                c10::Error);
   try {
-    OffloadModel first(MakeModel(), OffloadModelOptions(TmpDir("b4")));
-    OffloadModel second(MakeModel(), OffloadModelOptions(TmpDir("b4")));
+    OffloadModel first(MakeModel(), OffloadModelOptions(TmpPath("b4")));
+    OffloadModel second(MakeModel(), OffloadModelOptions(TmpPath("b4")));
     FAIL() << "two models on one file";
   } catch (const c10::Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("in use"));

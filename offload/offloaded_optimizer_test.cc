@@ -17,17 +17,15 @@
 #include <string>
 #include <vector>
 
+#include "testing/tmp.h"
+
 namespace fairscale::offload {
 namespace {
 
+using ::fairscale::testing::TmpPath;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::ThrowsMessage;
-
-std::string TmpDir(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return std::string(dir ? dir : "/tmp") + "/" + name;
-}
 
 // Sizes 0, 1, odd, 2-D, and large enough to span many 16-element chunks.
 std::vector<at::Tensor> MakeParams(c10::ScalarType dtype = c10::kFloat) {
@@ -119,7 +117,7 @@ TEST_P(MatchesTorchTest, TenStepsEqualInMemoryOptimizer) {
   auto ref_opt = Reference(ref, c.adamw);
   auto off_opt =
       Offloaded(off, c.adamw,
-                OffloadOptions(TmpDir(c.adamw ? "w" : "a")).chunk_bytes(64).prefetch(c.prefetch));
+                OffloadOptions(TmpPath(c.adamw ? "w" : "a")).chunk_bytes(64).prefetch(c.prefetch));
   for (int step = 0; step < 10; ++step) {
     if (step == 5) {  // an LR scheduler changes the group lr between steps
       SetLr(*ref_opt, 1, 0.02, c.adamw);
@@ -145,7 +143,7 @@ TEST(OffloadedAdamTest, Bf16ParamsWithF32MasterMatchF32Reference) {
     std::vector<at::Tensor> ref = Clone(off, c10::kFloat);  // the f32 master reference
     auto ref_opt = Reference(ref, adamw);
     auto off_opt =
-        Offloaded(off, adamw, OffloadOptions(TmpDir(adamw ? "bf16w" : "bf16")).chunk_bytes(40));
+        Offloaded(off, adamw, OffloadOptions(TmpPath(adamw ? "bf16w" : "bf16")).chunk_bytes(40));
     for (int step = 0; step < 10; ++step) {
       SetGrads(off, step, c10::kBFloat16);  // bf16 gradients ...
       SetGrads(ref, step, c10::kBFloat16);  // ... and the same values in f32
@@ -160,8 +158,8 @@ TEST(OffloadedAdamTest, Bf16ParamsWithF32MasterMatchF32Reference) {
 
 TEST(OffloadedAdamTest, SaveLoadRoundTripContinuesIdentically) {
   std::vector<at::Tensor> ref = MakeParams(c10::kBFloat16), a = Clone(ref, c10::kBFloat16);
-  auto ref_opt = Offloaded(ref, false, OffloadOptions(TmpDir("rt_ref")).chunk_bytes(64));
-  auto a_opt = Offloaded(a, false, OffloadOptions(TmpDir("rt_a")).chunk_bytes(64));
+  auto ref_opt = Offloaded(ref, false, OffloadOptions(TmpPath("rt_ref")).chunk_bytes(64));
+  auto a_opt = Offloaded(a, false, OffloadOptions(TmpPath("rt_a")).chunk_bytes(64));
   for (int step = 0; step < 5; ++step) {
     SetGrads(ref, step, c10::kBFloat16);
     SetGrads(a, step, c10::kBFloat16);
@@ -170,12 +168,12 @@ TEST(OffloadedAdamTest, SaveLoadRoundTripContinuesIdentically) {
   }
   SetLr(*a_opt, 0, 0.05, false);
   SetLr(*ref_opt, 0, 0.05, false);
-  const std::string ckpt = TmpDir("rt_ckpt.fso");
+  const std::string ckpt = TmpPath("rt_ckpt.fso");
   a_opt->save(ckpt);
   // A new optimizer (new parameters with the saved values, default lr) resumes from the file.
   // ... with another chunk size than the file's.
   std::vector<at::Tensor> b = Clone(a, c10::kBFloat16);
-  auto b_opt = Offloaded(b, false, OffloadOptions(TmpDir("rt_b")).chunk_bytes(36));
+  auto b_opt = Offloaded(b, false, OffloadOptions(TmpPath("rt_b")).chunk_bytes(36));
   b_opt->load(ckpt);
   EXPECT_EQ(static_cast<torch::optim::AdamOptions&>(b_opt->param_groups()[0].options()).lr(),
             0.05);
@@ -191,13 +189,14 @@ TEST(OffloadedAdamTest, SaveLoadRoundTripContinuesIdentically) {
 
 TEST(OffloadedAdamTest, LoadRejectsBadFiles) {
   std::vector<at::Tensor> a = MakeParams();
-  auto a_opt = Offloaded(a, false, OffloadOptions(TmpDir("bad_a")).chunk_bytes(64));
-  const std::string ckpt = TmpDir("bad_ckpt.fso");
+  auto a_opt = Offloaded(a, false, OffloadOptions(TmpPath("bad_a")).chunk_bytes(64));
+  const std::string ckpt = TmpPath("bad_ckpt.fso");
   a_opt->save(ckpt);
   // Another layout (one parameter fewer): INVALID_ARGUMENT naming the file and tensor.
   std::vector<at::Tensor> fewer(a.begin(), a.end() - 1);
   OffloadedAdam f_opt({torch::optim::OptimizerParamGroup(Clone(fewer, c10::kFloat))},
-                      torch::optim::AdamOptions(), OffloadOptions(TmpDir("bad_f")).chunk_bytes(64));
+                      torch::optim::AdamOptions(),
+                      OffloadOptions(TmpPath("bad_f")).chunk_bytes(64));
   EXPECT_THAT([&] { f_opt.load(ckpt); },
               ThrowsMessage<c10::Error>(
                   AllOf(HasSubstr("OffloadedAdam::load: INVALID_ARGUMENT"), HasSubstr(ckpt))));
@@ -206,14 +205,14 @@ TEST(OffloadedAdamTest, LoadRejectsBadFiles) {
   EXPECT_THAT([&] { a_opt->load(ckpt); },
               ThrowsMessage<c10::Error>(AllOf(HasSubstr("OffloadedAdam::load: DATA_LOSS"),
                                               HasSubstr(ckpt), HasSubstr("truncated"))));
-  EXPECT_THAT([&] { a_opt->load(TmpDir("missing.fso")); },
+  EXPECT_THAT([&] { a_opt->load(TmpPath("missing.fso")); },
               ThrowsMessage<c10::Error>(HasSubstr("OffloadedAdam::load: NOT_FOUND")));
 }
 
 TEST(OffloadedAdamTest, ArchiveLayoutIsTorchAdams) {
   for (bool adamw : {false, true}) {
     std::vector<at::Tensor> off = MakeParams(), ref = Clone(off, c10::kFloat);
-    auto off_opt = Offloaded(off, adamw, OffloadOptions(TmpDir("arch")).chunk_bytes(64));
+    auto off_opt = Offloaded(off, adamw, OffloadOptions(TmpPath("arch")).chunk_bytes(64));
     for (int step = 0; step < 3; ++step) {
       SetGrads(off, step, c10::kFloat);
       off_opt->step();
@@ -249,7 +248,7 @@ TEST(OffloadedAdamTest, ArchiveLayoutIsTorchAdams) {
       out.save_to(buf2);
     }
     std::vector<at::Tensor> off2 = Clone(ref, c10::kFloat);
-    auto off2_opt = Offloaded(off2, adamw, OffloadOptions(TmpDir("arch2")).chunk_bytes(64));
+    auto off2_opt = Offloaded(off2, adamw, OffloadOptions(TmpPath("arch2")).chunk_bytes(64));
     {
       torch::serialize::InputArchive in;
       in.load_from(buf2);
@@ -272,19 +271,19 @@ TEST(OffloadedAdamTest, Errors) {
                    OffloadOptions options) {
     OffloadedAdam({torch::optim::OptimizerParamGroup(std::move(params))}, adam, options);
   };
-  EXPECT_THAT([&] { create(ps, torch::optim::AdamOptions().amsgrad(true), TmpDir("e1")); },
+  EXPECT_THAT([&] { create(ps, torch::optim::AdamOptions().amsgrad(true), TmpPath("e1")); },
               ThrowsMessage<c10::Error>(
                   AllOf(HasSubstr("OffloadedAdam: INVALID_ARGUMENT"), HasSubstr("amsgrad"))));
   EXPECT_THAT([&] { create(ps, torch::optim::AdamOptions(), OffloadOptions("")); },
               ThrowsMessage<c10::Error>(
                   AllOf(HasSubstr("OffloadedAdam: INVALID_ARGUMENT"), HasSubstr("dir"))));
   std::vector<at::Tensor> dbl = {torch::zeros({3}, at::kDouble).requires_grad_(true)};
-  EXPECT_THAT([&] { create(dbl, torch::optim::AdamOptions(), TmpDir("e2")); },
+  EXPECT_THAT([&] { create(dbl, torch::optim::AdamOptions(), TmpPath("e2")); },
               ThrowsMessage<c10::Error>(
                   AllOf(HasSubstr("OffloadedAdam: INVALID_ARGUMENT"), HasSubstr("Double"))));
-  auto first = Offloaded(ps, false, OffloadOptions(TmpDir("e3")));
+  auto first = Offloaded(ps, false, OffloadOptions(TmpPath("e3")));
   // The same file twice: the second is refused while the first holds it.
-  EXPECT_THAT([&] { create(Clone(ps, c10::kFloat), torch::optim::AdamOptions(), TmpDir("e3")); },
+  EXPECT_THAT([&] { create(Clone(ps, c10::kFloat), torch::optim::AdamOptions(), TmpPath("e3")); },
               ThrowsMessage<c10::Error>(
                   AllOf(HasSubstr("OffloadedAdam: FAILED_PRECONDITION"), HasSubstr("in use"))));
   // A parameter whose shape changed since the optimizer was created.
@@ -301,7 +300,7 @@ TEST(OffloadedAdamTest, Errors) {
 
 TEST(OffloadedAdamTest, CorruptStateFileFailsTheStep) {
   std::vector<at::Tensor> ps = MakeParams();
-  auto opt = Offloaded(ps, false, OffloadOptions(TmpDir("corrupt")).chunk_bytes(64));
+  auto opt = Offloaded(ps, false, OffloadOptions(TmpPath("corrupt")).chunk_bytes(64));
   SetGrads(ps, 0, c10::kFloat);
   opt->step();
   // Overwrite the tail of the data region (the last tensors' chunks) behind the optimizer's back.
@@ -321,8 +320,8 @@ TEST(OffloadedAdamTest, CorruptStateFileFailsTheStep) {
 
 TEST(OffloadedAdamTest, ReplacedStateFileFailsTheStep) {
   std::vector<at::Tensor> ps = MakeParams();
-  auto opt = Offloaded(ps, false, OffloadOptions(TmpDir("replaced")));
-  const std::string other = TmpDir("replaced_other.fso");
+  auto opt = Offloaded(ps, false, OffloadOptions(TmpPath("replaced")));
+  const std::string other = TmpPath("replaced_other.fso");
   opt->save(other);
   ASSERT_EQ(std::rename(other.c_str(), opt->path().c_str()), 0);
   SetGrads(ps, 0, c10::kFloat);

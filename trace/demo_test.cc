@@ -15,6 +15,7 @@
 #include "base/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/tmp.h"
 #include <nlohmann/json.hpp>
 #include "trace/internal/demo.h"
 
@@ -22,13 +23,9 @@ namespace fairscale::trace::internal {
 namespace {
 
 using ::fairscale::base::testing::StatusIs;
+using ::fairscale::testing::TmpPath;
 using ::testing::HasSubstr;
 using nlohmann::json;
-
-std::string TempPath(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/", name);
-}
 
 TEST(TraceDemo, WritesAValidMergedTraceAndAProfileTable) {
   for (int ranks : {2, 3}) {
@@ -36,7 +33,7 @@ TEST(TraceDemo, WritesAValidMergedTraceAndAProfileTable) {
     options.ranks = ranks;
     options.steps = 2;
     options.compute_rounds = 4;
-    options.trace_path = TempPath(absl::StrCat("demo", ranks, ".json"));
+    options.trace_path = TmpPath(absl::StrCat("demo", ranks, ".json"));
     ASSERT_OK_AND_ASSIGN(std::string table, RunDemo(options));
 
     std::ifstream in(options.trace_path);

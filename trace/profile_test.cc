@@ -8,6 +8,7 @@
 #include "base/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/tmp.h"
 #include "trace/chrome_trace.h"
 
 namespace fairscale::trace {
@@ -156,8 +157,7 @@ TEST(Profile, TableHasOneAlignedRowPerRankAndTheTopCollectives) {
 }
 
 TEST(Profile, SummarizeTraceFileReadsAMergedFile) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  const std::string path = std::string(dir != nullptr ? dir : "/tmp") + "/profile.json";
+  const std::string path = fairscale::testing::TmpPath("profile.json");
   ASSERT_OK(WriteChromeTrace(path, Timeline()));
   ASSERT_OK_AND_ASSIGN(std::vector<ProfileSummary> s, SummarizeTraceFile(path));
   ASSERT_EQ(s.size(), 2u);

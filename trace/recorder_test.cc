@@ -18,6 +18,7 @@
 #include "base/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/tmp.h"
 #include <nlohmann/json.hpp>
 #include "trace/chrome_trace.h"
 
@@ -25,13 +26,9 @@ namespace fairscale::trace {
 namespace {
 
 using ::fairscale::base::testing::StatusIs;
+using ::fairscale::testing::TmpPath;
 using ::testing::HasSubstr;
 using nlohmann::json;
-
-std::string TempPath(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/", name);
-}
 
 std::string ReadAll(const std::string& path) {
   std::ifstream in(path);
@@ -182,7 +179,7 @@ TEST(ChromeTrace, WritesTheTraceEventFormatAndReadsItBack) {
   recorder.Complete("backwards", kCategoryCompute, 50, 40);  // end < start: zero length
   recorder.Counter("memory_mb", 12.5);
   recorder.Instant("step_end", "app");
-  const std::string path = TempPath("format.json");
+  const std::string path = TmpPath("format.json");
   ASSERT_OK(recorder.WriteChromeTrace(path));
 
   const json doc = json::parse(ReadAll(path));
@@ -234,7 +231,7 @@ TEST(ChromeTrace, WritesTheTraceEventFormatAndReadsItBack) {
 }
 
 TEST(ChromeTrace, WriteIsAtomicAndReportsTheFile) {
-  const std::string dir = TempPath("atomic");
+  const std::string dir = TmpPath("atomic");
   ASSERT_EQ(system(absl::StrCat("mkdir -p ", dir).c_str()), 0);
   const std::string path = dir + "/t.json";
   {
@@ -259,20 +256,20 @@ TEST(ChromeTrace, WriteIsAtomicAndReportsTheFile) {
 }
 
 TEST(ChromeTrace, ReadRejectsMissingAndCorruptFiles) {
-  EXPECT_THAT(ReadChromeTrace(TempPath("nope.json")),
+  EXPECT_THAT(ReadChromeTrace(TmpPath("nope.json")),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope.json")));
-  const std::string corrupt = TempPath("corrupt.json");
+  const std::string corrupt = TmpPath("corrupt.json");
   std::ofstream(corrupt) << "{\"traceEvents\": [";
   EXPECT_THAT(ReadChromeTrace(corrupt),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("corrupt.json")));
-  const std::string no_ts = TempPath("no_ts.json");
+  const std::string no_ts = TmpPath("no_ts.json");
   std::ofstream(no_ts) << R"({"traceEvents": [{"name": "a", "ph": "X", "pid": 0, "tid": 1}]})";
   EXPECT_THAT(ReadChromeTrace(no_ts),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("event 0: missing \"ts\"")));
 }
 
 TEST(ChromeTrace, MergesRankFilesIntoOneTrackPerRank) {
-  const std::string path = TempPath("merged.json");
+  const std::string path = TmpPath("merged.json");
   std::vector<std::string> inputs;
   size_t total = 0;
   for (int rank = 0; rank < 2; ++rank) {
@@ -301,7 +298,7 @@ TEST(ChromeTrace, MergesRankFilesIntoOneTrackPerRank) {
 
   EXPECT_THAT(MergeChromeTraces({inputs[0], inputs[0]}, path),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pid (rank) 0")));
-  EXPECT_THAT(MergeChromeTraces({inputs[0], TempPath("absent.rank1")}, path),
+  EXPECT_THAT(MergeChromeTraces({inputs[0], TmpPath("absent.rank1")}, path),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("absent.rank1")));
   EXPECT_EQ(json::parse(ReadAll(path))["traceEvents"].size(), total);  // failed merges wrote nothing
 }

@@ -9,7 +9,6 @@
 #include <sys/file.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -24,6 +23,7 @@
 #include "base/subprocess.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/tmp.h"
 
 namespace fairscale::comm {
 namespace {
@@ -34,11 +34,7 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::StartsWith;
 
-std::string NewDir() {
-  static std::atomic<int> counter{0};
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/fs_", getpid(), "_", counter.fetch_add(1));
-}
+std::string NewDir() { return fairscale::testing::UniqueTmpPath("fs"); }
 
 // "adder <dir> <n>": n Adds of 1 to "counter" and one CompareSet race on "leader".
 int ChildAdder(const std::string& dir, int n) {

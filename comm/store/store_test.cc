@@ -26,6 +26,7 @@
 #include "comm/store/tcp_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/tmp.h"
 
 namespace fairscale::comm {
 namespace {
@@ -50,12 +51,7 @@ struct StoreKind {
 
 void PrintTo(const StoreKind& kind, std::ostream* os) { *os << kind.name; }
 
-std::string TempDir() {
-  static std::atomic<int> counter{0};
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/file_store_", getpid(), "_",
-                      counter.fetch_add(1));
-}
+std::string TempDir() { return fairscale::testing::UniqueTmpPath("file_store"); }
 
 std::vector<StoreKind> Kinds() {
   return {

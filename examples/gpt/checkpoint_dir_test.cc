@@ -2,7 +2,6 @@
 
 #include <unistd.h>
 
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -12,6 +11,7 @@
 #include "base/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/tmp.h"
 
 namespace fairscale::examples::gpt {
 namespace {
@@ -23,9 +23,8 @@ using ::testing::HasSubstr;
 class CheckpointDirTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const char* tmp = std::getenv("TEST_TMPDIR");
-    root_ = absl::StrCat(tmp ? tmp : "/tmp", "/ckpt_", getpid(), "_",
-                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    root_ = fairscale::testing::TmpPath(absl::StrCat(
+        "ckpt_", getpid(), "_", ::testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(root_);
     fs::create_directories(root_);
   }

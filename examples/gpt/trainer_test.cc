@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -31,6 +30,7 @@
 #include "examples/gpt/model.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/tmp.h"
 
 namespace fairscale::examples::gpt {
 namespace {
@@ -102,8 +102,7 @@ TrainConfig TinyConfig(const std::string& metrics) {
 }
 
 TEST(TrainRankTest, TwoRanksMatchASingleProcessReference) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string metrics = absl::StrCat(tmp ? tmp : "/tmp", "/trainer_test_metrics.jsonl");
+  const std::string metrics = fairscale::testing::TmpPath("trainer_test_metrics.jsonl");
   const TrainConfig config = TinyConfig(metrics);
   std::vector<absl::Status> st = comm::testing::RunProcesses(
       2,
@@ -169,13 +168,17 @@ struct JobOutput {
   std::vector<nlohmann::json> resumes;      // the "resume" records
 };
 
+// <TEST_TMPDIR>/trainer_test_<name>.jsonl: where RunJob(..., name) has rank 0 write its metrics.
+std::string MetricsPath(const std::string& name) {
+  return fairscale::testing::TmpPath(absl::StrCat("trainer_test_", name, ".jsonl"));
+}
+
 // Runs TrainRank at `world` ranks (processes over tcp) and returns what rank 0 recorded in the
-// metrics file <TEST_TMPDIR>/trainer_test_<name>.jsonl (a resumed run continues the file of its
-// first part when given the same name). Empty in the rank processes (see RunProcesses' rules for
-// several calls in one test).
+// metrics file MetricsPath(name) (a resumed run continues the file of its first part when given
+// the same name). Empty in the rank processes (see RunProcesses' rules for several calls in one
+// test).
 JobOutput RunJob(TrainConfig config, int world, const std::string& name) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  config.metrics_path = absl::StrCat(tmp ? tmp : "/tmp", "/trainer_test_", name, ".jsonl");
+  config.metrics_path = MetricsPath(name);
   std::vector<absl::Status> st = comm::testing::RunProcesses(
       world,
       [&](int) -> absl::Status {
@@ -376,8 +379,7 @@ TEST(TrainRankTest, PipelineBf16TracksTheUnpipelinedBf16Run) {
 // every stage's shard files and manifest exist.
 TEST(TrainRankTest, PipelineWithFsdpResumesWithAnotherReplicaCount) {
   namespace fs = std::filesystem;
-  const char* tmp_env = std::getenv("TEST_TMPDIR");
-  const std::string tmp = absl::StrCat(tmp_env ? tmp_env : "/tmp", "/trainer_test_pipe_reshard");
+  const std::string tmp = fairscale::testing::TmpPath("trainer_test_pipe_reshard");
   JobOutput runs[2][2];  // [unpipelined, pipelined][first, resumed]
   for (int piped = 0; piped < 2; ++piped) {
     TrainConfig first = TinyConfig("");
@@ -489,8 +491,7 @@ TEST(TrainRankTest, CheckpointedActivationsGiveBitwiseTheSameLosses) {
 // step 6 and resumed from its step-4 checkpoint matches, whether its first part was offloaded or
 // not (the setting may change across a resume).
 TEST(TrainRankTest, OptimizerOffloadGivesTheSameLossesAndResumes) {
-  const char* tmp_env = std::getenv("TEST_TMPDIR");
-  const std::string tmp = absl::StrCat(tmp_env ? tmp_env : "/tmp", "/trainer_test_offload");
+  const std::string tmp = fairscale::testing::TmpPath("trainer_test_offload");
   for (const std::string precision : {"fp32", "bf16"}) {
     TrainConfig config = TinyConfig("");
     config.precision = precision;
@@ -547,15 +548,13 @@ TEST(TrainRankTest, OptimizerOffloadGivesTheSameLossesAndResumes) {
 // (the global batch changes with the world size), and the loss keeps falling.
 TEST(TrainRankTest, ResumesAtAnotherWorldSize) {
   namespace fs = std::filesystem;
-  const char* tmp_env = std::getenv("TEST_TMPDIR");
-  const std::string tmp = absl::StrCat(tmp_env ? tmp_env : "/tmp", "/trainer_test_reshard");
+  const std::string tmp = fairscale::testing::TmpPath("trainer_test_reshard");
   TrainConfig first = TinyConfig("");
   first.checkpoint_every = 4;
   first.stop_after = 4;
   first.checkpoint_dir = tmp + "/ck4";
   const JobOutput saved = RunJob(first, 4, "reshard_4");
-  const std::string metrics4 =
-      absl::StrCat(tmp_env ? tmp_env : "/tmp", "/trainer_test_reshard_4.jsonl");
+  const std::string metrics4 = MetricsPath("reshard_4");
   JobOutput resumed[2];
   const int worlds[2] = {2, 3};
   for (int i = 0; i < 2; ++i) {
@@ -569,9 +568,7 @@ TEST(TrainRankTest, ResumesAtAnotherWorldSize) {
     if (!comm::testing::IsRankProcess()) {
       fs::remove_all(second.checkpoint_dir);
       fs::copy(first.checkpoint_dir, second.checkpoint_dir, fs::copy_options::recursive);
-      fs::copy_file(metrics4,
-                    absl::StrCat(tmp_env ? tmp_env : "/tmp", "/trainer_test_", name, ".jsonl"),
-                    fs::copy_options::overwrite_existing);
+      fs::copy_file(metrics4, MetricsPath(name), fs::copy_options::overwrite_existing);
     }
     if (worlds[i] == 3) {
       second.optimizer_offload = "disk";

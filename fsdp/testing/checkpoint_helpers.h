@@ -1,11 +1,10 @@
 // Helpers shared by the state-dict and checkpoint tests (testonly): building the test model,
 // training steps, comparing losses with the reference run and state dicts with each other; the
-// generic checks (Check, ExpectAllOk, ExpectError) under the names these tests use.
+// generic checks (Check, ExpectAllOk, ExpectError, TmpPath) under the names these tests use.
 #pragma once
 
 #include <ATen/ops/equal.h>
 
-#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
@@ -17,17 +16,14 @@
 #include "fsdp/state_dict.h"
 #include "fsdp/test_util.h"
 #include "testing/c10_error.h"
+#include "testing/tmp.h"
 
 namespace fairscale::fsdp::testing {
 
 using comm::testing::Check;
 using comm::testing::ExpectAllOk;
 using fairscale::testing::ExpectError;
-
-inline std::string TmpPath(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/", name);
-}
+using fairscale::testing::TmpPath;
 
 inline FullyShardedDataParallel MakeModel(std::shared_ptr<comm::Communicator> comm,
                                    ShardingStrategy strategy, bool nested) {
