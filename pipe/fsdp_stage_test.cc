@@ -8,8 +8,6 @@
 // reduced per micro-batch and once per step (reduce_once_per_step).
 #include "pipe/fsdp_stage.h"
 
-#include <ATen/ops/cat.h>
-#include <ATen/ops/zeros.h>
 #include <torch/optim/adam.h>
 
 #include <map>
@@ -22,6 +20,7 @@
 #include "base/status_matchers.h"
 #include "comm/testing/counting_communicator.h"
 #include "fsdp/fully_sharded_data_parallel.h"
+#include "fsdp/test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "pipe/grid.h"
@@ -79,17 +78,6 @@ ReferenceRun RunAdamReference(const at::Tensor& x, const at::Tensor& y, int64_t 
   return ref;
 }
 
-// This rank's shard of the reference gradient, in the layout of the stage's flat parameter.
-at::Tensor ShardOf(const fsdp::FlatParamInfo& info, const std::map<std::string, at::Tensor>& full) {
-  std::vector<at::Tensor> parts;
-  for (const fsdp::FlatParamInfo::Entry& e : info.params) {
-    parts.push_back(full.at(e.name).reshape({-1}));
-  }
-  at::Tensor flat = at::zeros({info.padded_numel}, at::kFloat);
-  flat.narrow(0, 0, info.numel).copy_(at::cat(parts));
-  return flat.narrow(0, info.shard_offset, info.shard_numel);
-}
-
 struct Case {
   int world;
   fsdp::ShardingStrategy strategy;
@@ -138,9 +126,10 @@ absl::Status RunRank(const Case& c, const ReferenceRun& ref, const at::Tensor& x
         at::scalar_tensor(ref.half_losses[step][grid.replica], at::kDouble), 1e-5));
     if (step == 0) {
       const std::vector<fsdp::FlatParamInfo> infos = unit->flat_param_info();
-      FS_RETURN_IF_ERROR(testing::ExpectClose(what + " first gradient shard",
-                                              pipe->parameters()[0].grad(),
-                                              ShardOf(infos.at(0), ref.first_grads), 1e-5));
+      // This rank's shard of the reference gradient, in the layout of the stage's flat parameter.
+      FS_RETURN_IF_ERROR(testing::ExpectClose(
+          what + " first gradient shard", pipe->parameters()[0].grad(),
+          fsdp::testing::ShardOf(infos.at(0), ref.first_grads), 1e-5));
     }
     opt.step();
   }

@@ -5,7 +5,6 @@
 #include <ATen/ops/mse_loss.h>
 #include <ATen/ops/sin.h>
 #include <ATen/ops/zeros_like.h>
-#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
@@ -19,17 +18,6 @@
 #include "comm/testing/inproc_ranks.h"
 
 namespace fairscale::pipe::testing {
-
-void InitDeterministic(torch::nn::Module& m) {
-  c10::NoGradGuard no_grad;
-  for (const auto& item : m.named_parameters()) {
-    double phase = 0;
-    for (char c : item.key()) phase = std::fmod(phase * 31 + static_cast<unsigned char>(c), 997.0);
-    at::Tensor p = item.value();
-    at::Tensor v = at::sin(at::arange(p.numel(), p.options()) * 0.731 + phase * 0.1) * 0.5;
-    p.copy_(v.view(p.sizes()));
-  }
-}
 
 torch::nn::Sequential MakeMlp() {
   torch::nn::Sequential m(torch::nn::Linear(4, 6), torch::nn::Tanh(), torch::nn::Linear(6, 6),

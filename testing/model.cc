@@ -41,14 +41,14 @@ std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(OptimizerKind kind,
   return nullptr;
 }
 
-void InitDeterministic(torch::nn::Module& m, const std::string& prefix) {
+void InitDeterministic(torch::nn::Module& m, const std::string& prefix, double amplitude) {
   c10::NoGradGuard no_grad;
   for (const auto& item : m.named_parameters()) {
     const std::string name = prefix + item.key();
     double phase = 0;
     for (char c : name) phase = std::fmod(phase * 31 + static_cast<unsigned char>(c), 997.0);
     at::Tensor p = item.value();
-    at::Tensor v = at::sin(at::arange(p.numel(), p.options()) * 0.731 + phase * 0.1) * 0.4;
+    at::Tensor v = at::sin(at::arange(p.numel(), p.options()) * 0.731 + phase * 0.1) * amplitude;
     p.copy_(v.view(p.sizes()));
   }
 }
