@@ -31,6 +31,12 @@ constexpr const char* kVars[] = {
     "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_orte_jobfam_session_dir", "OMPI_MCA_ess_base_jobid"};
 
 // Clears the contract's variables for each test and restores them afterwards.
+// Environment variables that ParseEnv rejects.
+struct BadCase {
+  std::map<std::string, std::string> vars;
+  std::string message;  // must appear in the kInvalidArgument message
+};
+
 class EnvTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -50,6 +56,22 @@ class EnvTest : public ::testing::Test {
     }
   }
   static void Set(const char* name, const char* value) { setenv(name, value, 1); }
+
+  // For each case, in a cleared environment: ParseEnv with exactly c.vars set is kInvalidArgument
+  // containing c.message.
+  static void ExpectEachRejected(const std::vector<BadCase>& cases) {
+    for (const BadCase& c : cases) {
+      for (const char* v : kVars) unsetenv(v);
+      std::string desc;
+      for (const auto& [k, v] : c.vars) {
+        Set(k.c_str(), v.c_str());
+        desc += k + "=" + v + " ";
+      }
+      EXPECT_THAT(ParseEnv().status(),
+                  StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)))
+          << desc;
+    }
+  }
 
   std::map<std::string, std::optional<std::string>> saved_;
 };
@@ -102,11 +124,6 @@ TEST_F(EnvTest, EveryVariable) {
   EXPECT_FALSE(env.use_agent_store);
 }
 
-struct BadCase {
-  std::map<std::string, std::string> vars;
-  std::string message;  // must appear in the kInvalidArgument message
-};
-
 TEST_F(EnvTest, ErrorsNameTheVariableAndItsValue) {
   const std::map<std::string, std::string> ok1 = {{"RANK", "0"}, {"WORLD_SIZE", "1"}};
   const std::map<std::string, std::string> ok2 = {
@@ -146,17 +163,7 @@ TEST_F(EnvTest, ErrorsNameTheVariableAndItsValue) {
       {with(ok1, {{"TORCHELASTIC_USE_AGENT_STORE", "maybe"}}),
        "TORCHELASTIC_USE_AGENT_STORE='maybe'"},
   };
-  for (const BadCase& c : cases) {
-    for (const char* v : kVars) unsetenv(v);
-    std::string desc;
-    for (const auto& [k, v] : c.vars) {
-      Set(k.c_str(), v.c_str());
-      desc += k + "=" + v + " ";
-    }
-    EXPECT_THAT(ParseEnv().status(),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)))
-        << desc;
-  }
+  ExpectEachRejected(cases);
 }
 
 TEST_F(EnvTest, StoreTokenAndPrefix) {
@@ -413,11 +420,7 @@ TEST_F(EnvTest, MpiWinsOverSlurm) {
 }
 
 TEST_F(EnvTest, LauncherVariablesThatDoNotAddUpNameTheVariables) {
-  struct Case {
-    std::map<std::string, std::string> vars;
-    std::string message;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<BadCase> cases = {
       {{{"OMPI_COMM_WORLD_RANK", "4"}, {"OMPI_COMM_WORLD_SIZE", "4"}},
        "OMPI_COMM_WORLD_RANK='4' is not below OMPI_COMM_WORLD_SIZE='4'"},
       {{{"OMPI_COMM_WORLD_RANK", "1"}}, "OMPI_COMM_WORLD_SIZE is not set (set by mpirun)"},
@@ -441,17 +444,7 @@ TEST_F(EnvTest, LauncherVariablesThatDoNotAddUpNameTheVariables) {
        "WORLD_SIZE is not set"},
       {{}, "WORLD_SIZE is not set (set by torchrun / fs_launch, or OMPI_COMM_WORLD_*"},
   };
-  for (const Case& c : cases) {
-    for (const char* v : kVars) unsetenv(v);
-    std::string desc;
-    for (const auto& [k, v] : c.vars) {
-      Set(k.c_str(), v.c_str());
-      desc += k + "=" + v + " ";
-    }
-    EXPECT_THAT(ParseEnv().status(),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)))
-        << desc;
-  }
+  ExpectEachRejected(cases);
 }
 
 TEST_F(EnvTest, SingleRankNeedsNoMasterButValidatesOneIfGiven) {

@@ -38,16 +38,17 @@
 namespace fairscale::comm {
 namespace {
 
+using ::fairscale::base::testing::StatusIs;
+using ::fairscale::comm::testing::Check;
 using ::fairscale::comm::testing::DecodeValue;
 using ::fairscale::comm::testing::EncodeValue;
 using ::fairscale::comm::testing::MovementKey;
 using ::fairscale::comm::testing::MovementValue;
+using ::fairscale::comm::testing::RankBody;
 using ::fairscale::comm::testing::RankConfig;
 using ::fairscale::comm::testing::ReductionInput;
 using ::fairscale::comm::testing::ReferenceReduction;
-using ::fairscale::comm::testing::RankBody;
 using ::fairscale::comm::testing::RunThreads;
-using ::fairscale::base::testing::StatusIs;
 using ::testing::HasSubstr;
 
 constexpr DataType kDataTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
@@ -175,10 +176,6 @@ class DeviceArray {
   cudaError_t status_ = cudaSuccess;
 };
 
-absl::Status Expect(bool ok, const std::string& what) {
-  return ok ? absl::OkStatus() : absl::InternalError(absl::StrCat("wrong result: ", what));
-}
-
 // Element `index` of a reduction over n ranks: exact for every op but kAvg. NCCL computes a
 // floating-point average as the sum of the inputs each premultiplied by 1/n (ncclDevPreMulSum),
 // so its rounding error scales with the inputs, not with the result (which may cancel): the
@@ -237,13 +234,13 @@ TEST(NcclBackend, RejectsHostBuffersNamingTheOp) {
     absl::Status s = comm->AllReduce(MakeConstBuffer(x.data(), 4), MakeBuffer(y.data(), 4),
                                      ReduceOp::kSum)
                          .Wait(absl::Seconds(30));
-    FS_RETURN_IF_ERROR(Expect(absl::IsInvalidArgument(s) &&
-                                  absl::StrContains(s.message(), "all_reduce #1 rank 0/1 [nccl]") &&
-                                  absl::StrContains(s.message(), "cpu"),
-                              absl::StrCat("host all_reduce: ", s.ToString())));
+    FS_RETURN_IF_ERROR(Check(absl::IsInvalidArgument(s) &&
+                                 absl::StrContains(s.message(), "all_reduce #1 rank 0/1 [nccl]") &&
+                                 absl::StrContains(s.message(), "cpu"),
+                             absl::StrCat("host all_reduce: ", s.ToString())));
     s = comm->Broadcast(MakeBuffer(y.data(), 4), 0).Wait(absl::Seconds(30));
-    return Expect(absl::IsInvalidArgument(s) && absl::StrContains(s.message(), "broadcast"),
-                  absl::StrCat("host broadcast: ", s.ToString()));
+    return Check(absl::IsInvalidArgument(s) && absl::StrContains(s.message(), "broadcast"),
+                 absl::StrCat("host broadcast: ", s.ToString()));
   }, kRunTimeout);
   EXPECT_OK(results[0]);
 }
@@ -331,10 +328,10 @@ absl::Status MovementAt(Communicator& comm) {
         FS_RETURN_IF_ERROR(comm.AllGather(in, recv.buffer()).Wait(absl::Seconds(60)));
         FS_ASSIGN_OR_RETURN(std::vector<long double> got, recv.Read());
         for (size_t i = 0; i < n * count; ++i) {
-          FS_RETURN_IF_ERROR(Expect(
-              got[i] == MovementValue(dtype, MovementKey(i / count, i % count, salt)),
-              absl::StrCat(Case("all_gather", dtype, ReduceOp::kSum, count, n), " index ", i,
-                           ": got ", static_cast<double>(got[i]))));
+          FS_RETURN_IF_ERROR(
+              Check(got[i] == MovementValue(dtype, MovementKey(i / count, i % count, salt)),
+                    absl::StrCat(Case("all_gather", dtype, ReduceOp::kSum, count, n), " index ", i,
+                                 ": got ", static_cast<double>(got[i]))));
         }
       }
       // broadcast from a rotating root.
@@ -347,10 +344,9 @@ absl::Status MovementAt(Communicator& comm) {
         FS_RETURN_IF_ERROR(comm.Broadcast(buf.buffer(), root).Wait(absl::Seconds(60)));
         FS_ASSIGN_OR_RETURN(std::vector<long double> got, buf.Read());
         for (size_t i = 0; i < count; ++i) {
-          FS_RETURN_IF_ERROR(
-              Expect(got[i] == MovementValue(dtype, MovementKey(root, i, salt)),
-                     absl::StrCat(Case("broadcast", dtype, ReduceOp::kSum, count, n), " index ",
-                                  i)));
+          FS_RETURN_IF_ERROR(Check(
+              got[i] == MovementValue(dtype, MovementKey(root, i, salt)),
+              absl::StrCat(Case("broadcast", dtype, ReduceOp::kSum, count, n), " index ", i)));
         }
       }
       // all_to_all: block j of send goes to rank j.
@@ -363,10 +359,10 @@ absl::Status MovementAt(Communicator& comm) {
         FS_ASSIGN_OR_RETURN(std::vector<long double> got, recv.Read());
         for (size_t i = 0; i < n * count; ++i) {
           const size_t from = i / count;
-          FS_RETURN_IF_ERROR(Expect(
-              got[i] == MovementValue(dtype, MovementKey(from * 64 + r, i % count, salt)),
-              absl::StrCat(Case("all_to_all", dtype, ReduceOp::kSum, count, n), " index ", i,
-                           ": got ", static_cast<double>(got[i]))));
+          FS_RETURN_IF_ERROR(
+              Check(got[i] == MovementValue(dtype, MovementKey(from * 64 + r, i % count, salt)),
+                    absl::StrCat(Case("all_to_all", dtype, ReduceOp::kSum, count, n), " index ", i,
+                                 ": got ", static_cast<double>(got[i]))));
         }
       }
       // send/recv: a ring as one BatchP2P, then rank 0 -> rank 1 as plain Send/Recv.
@@ -380,9 +376,9 @@ absl::Status MovementAt(Communicator& comm) {
                                .Wait(absl::Seconds(60)));
         FS_ASSIGN_OR_RETURN(std::vector<long double> got, recv.Read());
         for (size_t i = 0; i < count; ++i) {
-          FS_RETURN_IF_ERROR(Expect(got[i] == MovementValue(dtype, MovementKey(prev, i, salt)),
-                                    absl::StrCat("batch_p2p ", DataTypeName(dtype), " count ",
-                                                 count, " index ", i)));
+          FS_RETURN_IF_ERROR(Check(
+              got[i] == MovementValue(dtype, MovementKey(prev, i, salt)),
+              absl::StrCat("batch_p2p ", DataTypeName(dtype), " count ", count, " index ", i)));
         }
         if (r == 0) {
           FS_RETURN_IF_ERROR(comm.Send(send.buffer(), 1).Wait(absl::Seconds(60)));
@@ -390,9 +386,9 @@ absl::Status MovementAt(Communicator& comm) {
           FS_RETURN_IF_ERROR(comm.Recv(recv.buffer(), 0).Wait(absl::Seconds(60)));
           FS_ASSIGN_OR_RETURN(got, recv.Read());
           for (size_t i = 0; i < count; ++i) {
-            FS_RETURN_IF_ERROR(Expect(got[i] == MovementValue(dtype, MovementKey(0, i, salt)),
-                                      absl::StrCat("recv ", DataTypeName(dtype), " count ",
-                                                   count, " index ", i)));
+            FS_RETURN_IF_ERROR(
+                Check(got[i] == MovementValue(dtype, MovementKey(0, i, salt)),
+                      absl::StrCat("recv ", DataTypeName(dtype), " count ", count, " index ", i)));
           }
         }
       }
@@ -430,14 +426,14 @@ TEST(NcclBackend, SplitOrdersByKeyAndNoColorGetsNothing) {
       FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Create("split"));
       // Halves by parity, reverse rank order (key = -rank).
       FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> half, comm->Split(r % 2, -r));
-      FS_RETURN_IF_ERROR(Expect(half != nullptr, "split returned no child"));
+      FS_RETURN_IF_ERROR(Check(half != nullptr, "split returned no child"));
       std::vector<int> members;
       for (int i = r % 2; i < n; i += 2) members.push_back(i);
       std::reverse(members.begin(), members.end());
       const int want_rank = std::find(members.begin(), members.end(), r) - members.begin();
-      FS_RETURN_IF_ERROR(Expect(half->size() == static_cast<int>(members.size()) &&
-                                    half->rank() == want_rank,
-                                absl::StrCat("child is rank ", half->rank(), "/", half->size())));
+      FS_RETURN_IF_ERROR(
+          Check(half->size() == static_cast<int>(members.size()) && half->rank() == want_rank,
+                absl::StrCat("child is rank ", half->rank(), "/", half->size())));
       DeviceArray x(r, 3, DataType::kI64);
       FS_RETURN_IF_ERROR(x.Fill([&](size_t i) { return r + i; }));
       FS_RETURN_IF_ERROR(
@@ -446,14 +442,14 @@ TEST(NcclBackend, SplitOrdersByKeyAndNoColorGetsNothing) {
       long double sum = 0;
       for (int m : members) sum += m;
       for (size_t i = 0; i < 3; ++i) {
-        FS_RETURN_IF_ERROR(Expect(got[i] == sum + members.size() * i, "split all_reduce"));
+        FS_RETURN_IF_ERROR(Check(got[i] == sum + members.size() * i, "split all_reduce"));
       }
       // Rank 0 opts out; the rest form one group.
       FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> rest,
                           comm->Split(r == 0 ? kNoColor : 0, r));
-      FS_RETURN_IF_ERROR(Expect((rest == nullptr) == (r == 0), "kNoColor split"));
+      FS_RETURN_IF_ERROR(Check((rest == nullptr) == (r == 0), "kNoColor split"));
       if (rest != nullptr) {
-        FS_RETURN_IF_ERROR(Expect(rest->size() == n - 1 && rest->rank() == r - 1, "rest ranks"));
+        FS_RETURN_IF_ERROR(Check(rest->size() == n - 1 && rest->rank() == r - 1, "rest ranks"));
         FS_RETURN_IF_ERROR(rest->Barrier().Wait(absl::Seconds(60)));
       }
       // The parent still works after its children.
@@ -506,10 +502,10 @@ TEST(NcclBackend, AbortBreaksTheCommunicator) {
     FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, Create("abort1"));
     FS_RETURN_IF_ERROR(comm->Barrier().Wait(absl::Seconds(60)));
     comm->Abort(absl::Status());
-    FS_RETURN_IF_ERROR(Expect(absl::IsAborted(comm->status()), comm->status().ToString()));
+    FS_RETURN_IF_ERROR(Check(absl::IsAborted(comm->status()), comm->status().ToString()));
     absl::Status s = comm->Barrier().Wait(absl::Seconds(30));
-    return Expect(absl::IsAborted(s) && absl::StrContains(s.message(), "barrier #2 rank 0/1"),
-                  absl::StrCat("barrier after abort: ", s.ToString()));
+    return Check(absl::IsAborted(s) && absl::StrContains(s.message(), "barrier #2 rank 0/1"),
+                 absl::StrCat("barrier after abort: ", s.ToString()));
   }, kRunTimeout);
   EXPECT_OK(results[0]);
 }
@@ -533,15 +529,15 @@ void PendingRecvEndsWith(bool abort) {
     absl::Status s = work.Wait(absl::Seconds(60));
     FS_RETURN_IF_ERROR(store->Set("rank0_done", "1"));
     if (abort) {
-      return Expect(absl::IsCancelled(s) && absl::StrContains(s.message(), "recv #1 rank 0/2") &&
-                        absl::StrContains(s.message(), "watchdog gave up"),
-                    absl::StrCat("aborted recv: ", s.ToString()));
+      return Check(absl::IsCancelled(s) && absl::StrContains(s.message(), "recv #1 rank 0/2") &&
+                       absl::StrContains(s.message(), "watchdog gave up"),
+                   absl::StrCat("aborted recv: ", s.ToString()));
     }
-    FS_RETURN_IF_ERROR(Expect(absl::IsDeadlineExceeded(s) &&
-                                  absl::StrContains(s.message(), "recv #1 rank 0/2 [nccl]") &&
-                                  absl::StrContains(s.message(), "timed out"),
-                              absl::StrCat("timed-out recv: ", s.ToString())));
-    return Expect(absl::IsDeadlineExceeded(comm->status()), comm->status().ToString());
+    FS_RETURN_IF_ERROR(Check(absl::IsDeadlineExceeded(s) &&
+                                 absl::StrContains(s.message(), "recv #1 rank 0/2 [nccl]") &&
+                                 absl::StrContains(s.message(), "timed out"),
+                             absl::StrCat("timed-out recv: ", s.ToString())));
+    return Check(absl::IsDeadlineExceeded(comm->status()), comm->status().ToString());
   });
   EXPECT_OK(results[0]);
   EXPECT_OK(results[1]);
@@ -573,10 +569,10 @@ TEST(NcclBackend, KilledPeerFailsTheSurvivorInTime) {
     DeviceArray x(r, 1 << 20, DataType::kF32);
     FS_RETURN_IF_ERROR(x.Fill([](size_t i) { return 1; }));
     absl::Status s = comm->AllReduce(x.buffer(), x.buffer(), ReduceOp::kSum).Wait(absl::Seconds(90));
-    return Expect((absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) &&
-                      absl::StrContains(s.message(), "all_reduce #2 rank 0/2 [nccl]") &&
-                      !comm->status().ok(),
-                  absl::StrCat("all_reduce with a dead peer: ", s.ToString()));
+    return Check((absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) &&
+                     absl::StrContains(s.message(), "all_reduce #2 rank 0/2 [nccl]") &&
+                     !comm->status().ok(),
+                 absl::StrCat("all_reduce with a dead peer: ", s.ToString()));
   }, kRunTimeout);
   EXPECT_OK(results[0]);
   EXPECT_THAT(results[1], StatusIs(absl::StatusCode::kInternal, HasSubstr("signal 9")));

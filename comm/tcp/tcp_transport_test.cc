@@ -20,6 +20,7 @@
 #include "comm/store/hash_store.h"
 #include "comm/tcp/internal/mesh.h"
 #include "comm/tcp/internal/wire.h"
+#include "comm/testing/rank_runner.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -43,32 +44,30 @@ CommConfig Config() {
 
 using Mesh = std::vector<std::unique_ptr<TcpTransport>>;
 
+// Bounds a whole mesh setup or RunRanks (each operation has its own kTimeout deadline).
+constexpr absl::Duration kRunTimeout = absl::Seconds(60);
+
+// n transports over `store`, connected by n rank threads (testing::RunThreads); a failed rank
+// leaves its entry null and is reported by ExpectAllOk.
 Mesh MakeMesh(int n, std::shared_ptr<Store> store = std::make_shared<HashStore>()) {
   Mesh mesh(n);
-  std::vector<absl::Status> status(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      auto t = TcpTransport::Create(store, r, n, Config());
-      status[r] = t.status();
-      if (t.ok()) mesh[r] = *std::move(t);
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < n; ++r) EXPECT_OK(status[r]) << "rank " << r;
+  testing::ExpectAllOk(testing::RunThreads(
+                           n,
+                           [&](int r) -> absl::Status {
+                             FS_ASSIGN_OR_RETURN(mesh[r],
+                                                 TcpTransport::Create(store, r, n, Config()));
+                             return absl::OkStatus();
+                           },
+                           kRunTimeout),
+                       "MakeMesh");
   return mesh;
 }
 
-// Runs fn(rank, transport) on one thread per rank; returns each rank's status.
+// Runs fn(rank, transport) as the ranks of testing::RunThreads; returns each rank's status.
 std::vector<absl::Status> RunRanks(Mesh& mesh,
                                    const std::function<absl::Status(int, Transport&)>& fn) {
-  std::vector<absl::Status> status(mesh.size());
-  std::vector<std::thread> threads;
-  for (size_t r = 0; r < mesh.size(); ++r) {
-    threads.emplace_back([&, r] { status[r] = fn(static_cast<int>(r), *mesh[r]); });
-  }
-  for (auto& t : threads) t.join();
-  return status;
+  return testing::RunThreads(
+      static_cast<int>(mesh.size()), [&](int r) { return fn(r, *mesh[r]); }, kRunTimeout);
 }
 
 std::vector<uint8_t> Pattern(size_t bytes, int seed) {
