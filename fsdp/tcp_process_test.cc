@@ -11,7 +11,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "base/status_matchers.h"
 #include "comm/registry.h"
 #include "comm/testing/connect.h"
 #include "comm/testing/rank_runner.h"
@@ -22,7 +21,6 @@
 namespace fairscale::fsdp {
 namespace {
 
-using base::testing::IsOk;
 using testing::OptimizerKind;
 
 constexpr int kSteps = 5;
@@ -48,19 +46,11 @@ TEST(TcpProcessTest, FullShardNestedAdamMatchesReference) {
   const std::vector<testing::ReferenceStep> ref =
       testing::RunReference(OptimizerKind::kAdam, kSteps);
   for (int world : {2, 3}) {
-    std::vector<absl::Status> statuses = comm::testing::RunProcesses(
-        world,
-        [&](int rank) -> absl::Status {
-          try {
-            return RunRank(rank, world, ref);
-          } catch (const std::exception& e) {
-            return absl::InternalError(e.what());
-          }
-        },
-        absl::Seconds(40));
-    for (int r = 0; r < world; ++r) {
-      EXPECT_THAT(statuses[r], IsOk()) << "world " << world << " rank " << r;
-    }
+    // RunProcesses turns an exception into the rank's kInternal status.
+    comm::testing::ExpectAllOk(
+        comm::testing::RunProcesses(
+            world, [&](int rank) { return RunRank(rank, world, ref); }, absl::Seconds(40)),
+        absl::StrCat("world ", world));
   }
 }
 

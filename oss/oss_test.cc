@@ -38,12 +38,11 @@ using testing::AllReduceGrads;
 using testing::ExpectParams;
 using testing::Factory;
 using testing::Kind;
+using testing::ModeName;
 using testing::Net;
 using testing::TwoGroups;
 
 constexpr double kTol = 1e-6;
-
-const char* ModeName(PartitionMode m) { return m == PartitionMode::kGreedy ? "Greedy" : "Flat"; }
 
 // Forward and backward of this rank's rows, then the DDP-style mean of the gradients.
 absl::Status LocalBackward(Net& net, int step, int rank, int world, comm::Communicator& comm) {

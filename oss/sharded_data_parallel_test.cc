@@ -36,12 +36,11 @@ using fairscale::testing::RankRows;
 using testing::ExpectParams;
 using testing::Factory;
 using testing::Kind;
+using testing::ModeName;
 using testing::Net;
 using testing::TwoGroups;
 
 constexpr double kTol = 1e-6;
-
-const char* ModeName(PartitionMode m) { return m == PartitionMode::kGreedy ? "Greedy" : "Flat"; }
 
 void Backward(ShardedDataParallel& model, int batch, int rank, int world) {
   fairscale::testing::Batch b = GlobalBatch(batch);

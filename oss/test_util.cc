@@ -65,6 +65,10 @@ const char* KindName(Kind kind) {
   return "?";
 }
 
+const char* ModeName(PartitionMode mode) {
+  return mode == PartitionMode::kGreedy ? "Greedy" : "Flat";
+}
+
 OptimizerFactory Factory(Kind kind) {
   return [kind](std::vector<torch::optim::OptimizerParamGroup> groups)
              -> std::unique_ptr<torch::optim::Optimizer> {

@@ -25,6 +25,9 @@ inline constexpr Kind kAllKinds[] = {Kind::kSgd, Kind::kAdam, Kind::kAdamW, Kind
                                      Kind::kRmsprop};
 const char* KindName(Kind kind);
 
+// "Greedy" or "Flat" (test names and messages).
+const char* ModeName(PartitionMode mode);
+
 // Builds `kind` over the groups (momentum, centered, lr_decay... switched on so that every
 // state field is exercised).
 OptimizerFactory Factory(Kind kind);
