@@ -51,11 +51,8 @@ using ::fairscale::comm::testing::ReferenceReduction;
 using ::fairscale::comm::testing::RunThreads;
 using ::testing::HasSubstr;
 
-constexpr DataType kDataTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
-                                   DataType::kBF16, DataType::kI8,  DataType::kU8,
-                                   DataType::kI32, DataType::kI64};
-constexpr ReduceOp kReduceOps[] = {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin,
-                                   ReduceOp::kMax, ReduceOp::kAvg};
+constexpr const auto& kDataTypes = ::fairscale::comm::testing::kAllDataTypes;
+constexpr const auto& kReduceOps = ::fairscale::comm::testing::kAllReduceOps;
 constexpr size_t kCounts[] = {0, 1, 7, 4097, size_t{1} << 20};
 constexpr absl::Duration kRunTimeout = absl::Minutes(4);
 

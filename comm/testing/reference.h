@@ -31,6 +31,14 @@ long double DecodeValue(DataType dtype, const void* src);
 // up to kMaxExactRanks ranks is exact in `dtype` (and, for every op but kAvg, bit-exact whatever
 // the order of the reduction): small integers for sum/min/max/avg, scaled up for i32/i64 so that
 // high bits are exercised; values in {-1, 1, 2} ({1, 2} for u8) for product.
+// Every DataType and ReduceOp of comm/types.h, for the tests that sweep them (the conformance
+// suite, reference_test, nccl_test).
+inline constexpr DataType kAllDataTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
+                                             DataType::kBF16, DataType::kI8,  DataType::kU8,
+                                             DataType::kI32, DataType::kI64};
+inline constexpr ReduceOp kAllReduceOps[] = {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin,
+                                             ReduceOp::kMax, ReduceOp::kAvg};
+
 inline constexpr int kMaxExactRanks = 4;
 long double ReductionInput(DataType dtype, ReduceOp op, int rank, size_t index);
 

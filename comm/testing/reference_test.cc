@@ -11,9 +11,7 @@
 namespace fairscale::comm::testing {
 namespace {
 
-constexpr DataType kDataTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
-                                   DataType::kBF16, DataType::kI8, DataType::kU8,
-                                   DataType::kI32, DataType::kI64};
+constexpr const auto& kDataTypes = ::fairscale::comm::testing::kAllDataTypes;
 constexpr ReduceOp kExactOps[] = {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin,
                                   ReduceOp::kMax};
 

@@ -42,11 +42,8 @@ namespace fairscale::comm::testing::conformance_internal {
 using ::fairscale::base::testing::StatusIs;
 using ::testing::HasSubstr;
 
-constexpr DataType kDataTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
-                                   DataType::kBF16, DataType::kI8, DataType::kU8,
-                                   DataType::kI32, DataType::kI64};
-constexpr ReduceOp kReduceOps[] = {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin,
-                                   ReduceOp::kMax, ReduceOp::kAvg};
+inline constexpr const auto& kDataTypes = ::fairscale::comm::testing::kAllDataTypes;
+inline constexpr const auto& kReduceOps = ::fairscale::comm::testing::kAllReduceOps;
 // Element counts of the small cases: empty, one element, odd, just above a power of two.
 constexpr size_t kCounts[] = {0, 1, 7, 4097};
 constexpr size_t kLargeCount = size_t{1} << 20;
