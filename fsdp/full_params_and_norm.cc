@@ -19,8 +19,7 @@ namespace fairscale::fsdp {
 using internal::FlatParam;
 
 FullyShardedDataParallelImpl::NoSyncGuard FullyShardedDataParallelImpl::no_sync() {
-  if (!unit_->coordinator()) internal::Coordinator::MakeRoot(*unit_);
-  internal::Coordinator& c = *unit_->coordinator();
+  internal::Coordinator& c = internal::Coordinator::RootOf(*unit_);
   TORCH_CHECK(is_root(), label(), ": no_sync() is for the root unit");
   TORCH_CHECK(!c.backward_active(), label(), ": no_sync() inside backward");
   const bool previous = c.no_sync();
@@ -33,8 +32,7 @@ FullyShardedDataParallelImpl::NoSyncGuard::~NoSyncGuard() {
 }
 
 at::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double norm_type) {
-  if (!unit_->coordinator()) internal::Coordinator::MakeRoot(*unit_);
-  const internal::Coordinator& c = *unit_->coordinator();
+  const internal::Coordinator& c = internal::Coordinator::RootOf(*unit_);
   TORCH_CHECK(is_root(), label(), ": clip_grad_norm_() is for the root unit");
   TORCH_CHECK(!c.backward_active(), label(), ": clip_grad_norm_() inside backward");
   TORCH_CHECK(!c.no_sync(), label(),

@@ -38,7 +38,7 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule 
   internal::ValidateOptions(options);
   module_ = module_any_.ptr();
   TORCH_CHECK(dynamic_cast<FullyShardedDataParallelImpl*>(module_.get()) == nullptr,
-              "FSDP unit '' (", module_->name(), ") rank ", comm->rank(), "/", comm->size(),
+              internal::UnitLabel("", module_->name(), comm->rank(), comm->size()),
               ": wrapping a FullyShardedDataParallel directly in another is not supported");
   unit_ = std::make_shared<internal::Unit>(module_->name(), std::move(comm), std::move(options));
   shard_module();
@@ -166,16 +166,16 @@ std::vector<FullyShardedDataParallelImpl*> FullyShardedDataParallelImpl::fsdp_un
 }
 
 void FullyShardedDataParallelImpl::check_root_idle(const char* what) {
-  if (!unit_->coordinator()) internal::Coordinator::MakeRoot(*unit_);
+  const internal::Coordinator& c = internal::Coordinator::RootOf(*unit_);
   TORCH_CHECK(is_root(), label(), ": ", what, " is for the root unit");
-  TORCH_CHECK(!unit_->coordinator()->backward_active() && !unit_->progress.in_forward, label(),
+  TORCH_CHECK(!c.backward_active() && !unit_->progress.in_forward, label(),
               ": ", what, " inside forward or backward");
 }
 
 std::vector<FullyShardedDataParallelImpl*> FullyShardedDataParallelImpl::root_units() {
-  if (!unit_->coordinator()) internal::Coordinator::MakeRoot(*unit_);
+  const internal::Coordinator& c = internal::Coordinator::RootOf(*unit_);
   TORCH_CHECK(is_root(), label(), ": the state dicts are taken from the root unit");
-  TORCH_CHECK(!unit_->coordinator()->backward_active() && !unit_->progress.in_forward, label(),
+  TORCH_CHECK(!c.backward_active() && !unit_->progress.in_forward, label(),
               ": state dicts are not available inside forward or backward");
   return fsdp_units();  // the root's units, in the coordinator's order
 }
@@ -218,8 +218,7 @@ at::Tensor FullyShardedDataParallelImpl::cast_tensor(const at::Tensor& t) const 
 
 void FullyShardedDataParallelImpl::pre_forward() {
   TORCH_CHECK(!unit_->progress.summoned, label(), ": forward inside summon_full_params");
-  if (!unit_->coordinator()) internal::Coordinator::MakeRoot(*unit_);
-  unit_->coordinator()->PreForward(*unit_);
+  internal::Coordinator::RootOf(*unit_).PreForward(*unit_);
 }
 
 void FullyShardedDataParallelImpl::post_forward(const std::vector<at::Tensor>& outputs) {

@@ -47,6 +47,11 @@ Coordinator& Coordinator::Of(Unit& unit) {
   return *unit.coordinator();
 }
 
+Coordinator& Coordinator::RootOf(Unit& unit) {
+  if (!unit.coordinator()) MakeRoot(unit);
+  return *unit.coordinator();
+}
+
 void Coordinator::MakeRoot(Unit& root) {
   std::shared_ptr<Coordinator> c(new Coordinator(&root));
   const bool flatten = root.options().flatten_parameters();

@@ -23,10 +23,11 @@ namespace fairscale::fsdp::internal {
 
 class Coordinator {
  public:
-  // Makes `root` the root of itself and its nested units (with their prefixes set, parents
-  // before children), replacing any coordinator they had. Raises if a unit's backward is
-  // running or the units' layouts (flatten_parameters) differ.
-  static void MakeRoot(Unit& root);
+  // The coordinator of `unit`. A unit that has none yet (before its first forward, state dict,
+  // no_sync, ...) becomes the root of itself and its nested units (with their prefixes set,
+  // parents before children), replacing any coordinator those had. Raises if a unit's backward
+  // is running or the units' layouts (flatten_parameters) differ.
+  static Coordinator& RootOf(Unit& unit);
 
   Unit* root() const { return root_; }
   const std::vector<Unit*>& units() const { return units_; }
@@ -44,6 +45,7 @@ class Coordinator {
 
  private:
   explicit Coordinator(Unit* root) : root_(root) {}
+  static void MakeRoot(Unit& root);
   friend class PostBackwardHook;
   friend void AttachGradHooks(Unit& unit);
 

@@ -90,9 +90,8 @@ UnitGroups MakeUnitGroups(const std::shared_ptr<comm::Communicator>& world,
 
 Unit::Unit(std::string module_name, std::shared_ptr<comm::Communicator> comm, FsdpOptions options)
     : module_name_(std::move(module_name)), options_(std::move(options)) {
-  groups_.rank = comm->rank();
-  groups_.world_size = comm->size();
-  groups_ = MakeUnitGroups(comm, options_, label());
+  groups_ = MakeUnitGroups(comm, options_,
+                           UnitLabel(prefix_, module_name_, comm->rank(), comm->size()));
 }
 
 Unit::~Unit() {
@@ -113,9 +112,13 @@ Unit::~Unit() {
   if (coordinator_ && coordinator_->root() == this) coordinator_->reductions().WaitIgnoringErrors();
 }
 
+std::string UnitLabel(const std::string& prefix, const std::string& module_name, int rank,
+                      int world_size) {
+  return absl::StrCat("FSDP unit '", prefix, "' (", module_name, ") rank ", rank, "/", world_size);
+}
+
 std::string Unit::label() const {
-  return absl::StrCat("FSDP unit '", prefix_, "' (", module_name_, ") rank ", groups_.rank, "/",
-                      groups_.world_size);
+  return UnitLabel(prefix_, module_name_, groups_.rank, groups_.world_size);
 }
 
 bool Unit::sharded() const {

@@ -48,6 +48,10 @@ struct UnitGroups {
 UnitGroups MakeUnitGroups(const std::shared_ptr<comm::Communicator>& world,
                           const FsdpOptions& options, const std::string& label);
 
+// How errors name a unit: "FSDP unit 'blocks.0.' (Block) rank 1/4".
+std::string UnitLabel(const std::string& prefix, const std::string& module_name, int rank,
+                      int world_size);
+
 // Raises c10::Error (prefixed "FullyShardedDataParallel: ") for options no unit can run with.
 void ValidateOptions(const FsdpOptions& options);
 
