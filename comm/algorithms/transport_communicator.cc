@@ -1,5 +1,7 @@
 #include "comm/algorithms/transport_communicator.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <deque>
 #include <functional>
@@ -182,7 +184,12 @@ class TransportCommunicator final : public Communicator {
         store_(std::move(store)),
         factory_(std::move(factory)),
         transport_(std::move(transport)) {
-    worker_ = std::thread([this] { WorkerLoop(); });
+    worker_ = std::thread([this] {
+      // Named so that top -H, perf and /proc/<pid>/task/*/comm tell it from the training
+      // thread (the kernel keeps 15 characters): "fs-comm tcp".
+      pthread_setname_np(pthread_self(), absl::StrCat("fs-comm ", this->backend()).substr(0, 15).c_str());
+      WorkerLoop();
+    });
   }
 
   std::string Who() const {
