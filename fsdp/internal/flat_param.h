@@ -41,6 +41,9 @@ struct ParamSlot {
   int64_t rank_numel = 0;  // rows_per_rank * row_numel
   std::vector<int64_t> local_shape;
   at::Tensor shard_grad;  // param's shard-shaped .grad, kept aside while param views `full`
+  // Flat layout: whether this slot of FlatParam::full_grad holds a gradient yet (the buffer is
+  // allocated uninitialized; a slot's first gradient is copied in, later ones added).
+  bool grad_written = false;
   // The parameter's AccumulateGrad node, kept alive so the post-backward hook stays attached.
   std::shared_ptr<torch::autograd::Node> grad_accumulator;
   uintptr_t hook_key = 0;

@@ -464,10 +464,23 @@ bool Unit::AccumulateGrad(size_t flat, size_t slot_index) {
   } else {
     // On the compute device (where autograd's gradients are), also when offloaded.
     if (!fp.full_grad.defined()) {
-      fp.full_grad = at::zeros({fp.padded_numel}, fp.full.options().dtype(fp.reduce_dtype));
+      const auto options = fp.full.options().dtype(fp.reduce_dtype);
+      if (fp.per_param) {
+        fp.full_grad = at::zeros({fp.padded_numel}, options);
+      } else {
+        // Uninitialized: each slot's first gradient is copied in (no memset of the whole
+        // buffer and no read-modify-write pass); the padding is zeroed here, and slots that get
+        // no gradient in TakeGradient.
+        fp.full_grad = at::empty({fp.padded_numel}, options);
+        fp.full_grad.narrow(0, fp.numel, fp.padded_numel - fp.numel).zero_();
+        for (ParamSlot& s : fp.slots) s.grad_written = false;
+      }
     }
     if (fp.per_param) {
       AddDim0Grad(fp, slot, grad, dim0_world());
+    } else if (!slot.grad_written) {
+      fp.full_grad.narrow(0, slot.offset, slot.numel).copy_(grad.reshape({-1}));
+      slot.grad_written = true;
     } else {
       fp.full_grad.narrow(0, slot.offset, slot.numel).add_(grad.reshape({-1}));
     }
@@ -505,6 +518,10 @@ at::Tensor Unit::TakeGradient(size_t flat) {
   fp.full_grad = at::Tensor();
   if (!send.defined()) {
     send = at::zeros({fp.padded_numel}, fp.full.options().dtype(fp.reduce_dtype));
+  } else if (!fp.per_param) {
+    for (const ParamSlot& slot : fp.slots) {
+      if (!slot.grad_written) send.narrow(0, slot.offset, slot.numel).zero_();
+    }
   }
   if (pre != 1.0) send.div_(pre);
   return send;
@@ -525,9 +542,13 @@ void Unit::AddReduced(size_t flat, const at::Tensor& reduced, bool in_place) {
   at::Tensor& grad = fp.shard.mutable_grad();
   if (grad.defined()) {
     grad.add_(recv.device() == grad.device() ? recv : recv.to(grad.device()));
+  } else if (recv.numel() == fp.shard_numel && recv.storage_offset() == 0 &&
+             recv.storage().nbytes() == recv.nbytes() && recv.device() == fp.shard.device() &&
+             recv.scalar_type() == fp.shard.scalar_type()) {
+    grad = recv;  // a buffer of its own, as the shard's gradient needs: adopted, not copied
   } else {
-    // A copy: recv views the whole send buffer (the unit's full gradient, or a bucket), which
-    // must not stay alive as the shard's gradient.
+    // A copy: recv views a larger buffer (a bucket), which must not stay alive as the shard's
+    // gradient, or is on another device or in another dtype.
     grad = recv.to(fp.shard.device(), fp.shard.scalar_type(), /*non_blocking=*/false,
                    /*copy=*/true);
   }
