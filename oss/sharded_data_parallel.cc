@@ -191,6 +191,7 @@ void ShardedDataParallelImpl::on_grad_ready(size_t index) {
 }
 
 void ShardedDataParallelImpl::issue_ready() {
+  if (comm_->size() == 1) return;  // the mean over one rank: finalize() only fills in zeros
   while (next_bucket_ < buckets_.size() &&
          buckets_[next_bucket_].ready == buckets_[next_bucket_].shards.size()) {
     issue(buckets_[next_bucket_++]);
@@ -249,6 +250,19 @@ void ShardedDataParallelImpl::reduce() {
 void ShardedDataParallelImpl::finalize() {
   backward_active_ = false;
   for (Hooked& h : hooked_) h.ready = false;
+  if (comm_->size() == 1) {
+    // Nothing to reduce and the mean over one rank is the gradient itself: no bucket copies.
+    // As at any world size, a parameter unused in this backward gets a zero gradient.
+    c10::NoGradGuard no_grad;
+    for (const ParamShard& s : optimizer_->shards()) {
+      if (!s.param.requires_grad()) continue;
+      at::Tensor& g = s.param.mutable_grad();
+      if (!g.defined()) g = at::zeros_like(s.param);
+    }
+    for (Bucket& b : buckets_) b.ready = 0;
+    next_bucket_ = 0;
+    return;
+  }
   // Parameters unused in this backward never fired their hook: zero gradients, issued now in the
   // same order on every rank.
   while (next_bucket_ < buckets_.size()) issue(buckets_[next_bucket_++]);

@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
@@ -179,6 +180,70 @@ TEST(SdpTest, NoSyncAccumulatesLocallyThenReducesTheSum) {
       }
       return absl::OkStatus();
     }));
+  }
+}
+
+// A Linear(5, 3) used by forward and one that is not.
+class WithUnusedImpl : public torch::nn::Module {
+ public:
+  WithUnusedImpl() {
+    used = register_module("used", torch::nn::Linear(5, 3));
+    unused = register_module("unused", torch::nn::Linear(5, 3));
+  }
+  at::Tensor forward(at::Tensor x) { return used(x); }
+  torch::nn::Linear used{nullptr}, unused{nullptr};
+};
+TORCH_MODULE(WithUnused);
+
+// At every world size (1 included, where nothing is reduced or copied): the owner's gradient of
+// a used parameter is the global batch's (a single-process backward), an unused parameter's is
+// zero (so Adam steps it as it would any rank's), and a non-owner holds none.
+TEST(SdpTest, UsedGradientsAreTheGlobalOnesAndUnusedOnesZeroAtEveryWorldSize) {
+  torch::manual_seed(3);
+  WithUnused ref;
+  fairscale::testing::Batch b = GlobalBatch(0);
+  Mse(ref(b.x), b.y).backward();
+  std::map<std::string, at::Tensor> want;
+  for (const auto& item : ref->named_parameters()) {
+    want[item.key()] =
+        item.value().grad().defined() ? item.value().grad().clone() : at::zeros_like(item.value());
+  }
+  for (int world : {1, 2, 3}) {
+    ExpectAllOk(RunInprocRanks(
+        world, [&](int rank, int world, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+          torch::manual_seed(3);
+          WithUnused m;
+          std::shared_ptr<OSS> opt =
+              OSS::make<torch::optim::Adam>(m->parameters(), torch::optim::AdamOptions(0.1), comm);
+          ShardedDataParallel model(torch::nn::AnyModule(m), opt);
+          for (int step = 0; step < 2;
+               ++step) {  // the second backward runs after a refresh of state
+            opt->zero_grad();
+            Backward(model, 0, rank, world);
+            for (const auto& item : m->named_parameters()) {
+              const at::Tensor& g = item.value().grad();
+              bool mine = false;  // greedy partition: one shard per parameter
+              for (const ParamShard& sh : opt->shards()) {
+                if (sh.param.is_same(item.value())) mine = sh.rank == rank;
+              }
+              if (!mine) {
+                if (g.defined())
+                  return absl::InternalError(
+                      absl::StrCat(item.key(), ": a non-owner holds a gradient"));
+                continue;
+              }
+              if (!g.defined())
+                return absl::InternalError(
+                    absl::StrCat(item.key(), ": no gradient at world ", world));
+              const double err = (g - want[item.key()]).abs().max().item<double>();
+              if (err > kTol) {
+                return absl::InternalError(
+                    absl::StrCat(item.key(), " at world ", world, ": off by ", err));
+              }
+            }
+          }
+          return absl::OkStatus();
+        }));
   }
 }
 

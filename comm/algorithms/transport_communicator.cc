@@ -187,7 +187,8 @@ class TransportCommunicator final : public Communicator {
     worker_ = std::thread([this] {
       // Named so that top -H, perf and /proc/<pid>/task/*/comm tell it from the training
       // thread (the kernel keeps 15 characters): "fs-comm tcp".
-      pthread_setname_np(pthread_self(), absl::StrCat("fs-comm ", this->backend()).substr(0, 15).c_str());
+      pthread_setname_np(pthread_self(),
+                         absl::StrCat("fs-comm ", this->backend()).substr(0, 15).c_str());
       WorkerLoop();
     });
   }

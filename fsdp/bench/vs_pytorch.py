@@ -230,6 +230,16 @@ def torch_worker(args):
         json.dump(result, f)
 
 
+def cpu_ticks():
+    """(busy, steal, total) jiffies of all CPUs from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]
+    steal = v[7] if len(v) > 7 else 0
+    total = sum(v[:8])
+    return total - idle - steal, steal, total
+
+
 def write_data(path, spec, steps, seed):
     import torch
     import torch.nn as nn
@@ -365,6 +375,7 @@ def main():
     data_path = os.path.join(work, "data.pt")
     write_data(data_path, spec, args.warmup + args.steps, seed=0)
     load_start = open("/proc/loadavg").read().split()[:3]
+    ticks_start = cpu_ticks()
     started = time.time()
     runs = {}  # (config, n) -> [summary per repeat]
     for rep in range(args.repeats):
@@ -374,6 +385,9 @@ def main():
                 print("repeat %d, %d ranks, %s..." % (rep + 1, n, c), file=sys.stderr, flush=True)
                 runs.setdefault((c, n), []).append(summarize(run_config(args, c, n, data_path, work), args.steps))
     load_end = open("/proc/loadavg").read().split()[:3]
+    ticks_end = cpu_ticks()
+    d = [b - a for a, b in zip(ticks_start, ticks_end)]
+    cpu_note = "CPUs %.0f%% busy, %.1f%% stolen by the hypervisor" % (100.0 * d[0] / max(1, d[2]), 100.0 * d[1] / max(1, d[2]))
     shutil.rmtree(work, ignore_errors=True)
 
     med = statistics.median
@@ -382,9 +396,9 @@ def main():
     lines = [
         "%s; global batch %d split over the ranks; Adam(lr %g); %d warm-up + %d timed steps; "
         "1 intra-op thread per rank; %d interleaved repeats (order reversed every repeat); "
-        "load average %s at start, %s at end; %.0f s" % (
+        "load average %s at start, %s at end; %s; %d cores; %.0f s" % (
             shape, args.global_batch, args.lr, args.warmup, args.steps, args.repeats,
-            " ".join(load_start), " ".join(load_end), time.time() - started),
+            " ".join(load_start), " ".join(load_end), cpu_note, os.cpu_count(), time.time() - started),
         "",
         "| ranks | config | step ms (median, min-max) | vs %s | vs own 1 rank | forward (off-CPU) | backward (off-CPU) | optimizer (off-CPU) "
         "| train thread cpu / runq / blocked ms | other threads cpu ms | page faults | peak RSS MiB | max loss diff vs %s |" % (base, base),

@@ -14,7 +14,6 @@
 // mean over ranks of each rank's mean loss, the same number PyTorch's side reports.
 #include <ATen/Parallel.h>
 #include <dirent.h>
-#include <unistd.h>
 #include <sys/resource.h>
 #include <time.h>
 #include <torch/csrc/jit/serialization/pickle.h>
@@ -24,6 +23,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -49,7 +49,8 @@
 #include "oss/oss.h"
 #include "oss/sharded_data_parallel.h"
 
-ABSL_FLAG(std::string, config, "NO_SHARD", "NO_SHARD, FULL_SHARD, SHARD_GRAD_OP, OSS_SDP, unwrapped");
+ABSL_FLAG(std::string, config, "NO_SHARD",
+          "NO_SHARD, FULL_SHARD, SHARD_GRAD_OP, OSS_SDP, unwrapped");
 ABSL_FLAG(std::string, data, "", "the driver's torch.save file (weights, batches, shape)");
 ABSL_FLAG(std::string, out, "", "where to write this rank's JSON result");
 ABSL_FLAG(int, warmup, 3, "untimed steps");
@@ -99,7 +100,8 @@ std::map<int, ThreadTime> ThreadTimesNow() {
 
 // {"main": {...}, "others": [{"name", "run_s", "runq_s"}...]}: what each thread used between
 // the two samples (a thread born in between counts from zero).
-std::string ThreadJson(const std::map<int, ThreadTime>& before, const std::map<int, ThreadTime>& after) {
+std::string ThreadJson(const std::map<int, ThreadTime>& before,
+                       const std::map<int, ThreadTime>& after) {
   const int self = getpid();
   std::string main_json, others;
   for (const auto& [tid, t] : after) {
@@ -160,14 +162,16 @@ TORCH_MODULE(Mlp);
 
 std::string Json(const std::vector<double>& v) {
   std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) absl::StrAppend(&s, i ? ", " : "", absl::StrFormat("%.9g", v[i]));
+  for (size_t i = 0; i < v.size(); ++i)
+    absl::StrAppend(&s, i ? ", " : "", absl::StrFormat("%.9g", v[i]));
   return s + "]";
 }
 
 template <typename M>
-int Train(M model, const c10::Dict<c10::IValue, c10::IValue>& data, const comm::bench::BenchRank& me,
-          std::shared_ptr<comm::Communicator> comm, const std::string& config,
-          const FsdpOptions& opts, const at::Tensor& inputs, const at::Tensor& targets) {
+int Train(M model, const c10::Dict<c10::IValue, c10::IValue>& data,
+          const comm::bench::BenchRank& me, std::shared_ptr<comm::Communicator> comm,
+          const std::string& config, const FsdpOptions& opts, const at::Tensor& inputs,
+          const at::Tensor& targets) {
   const bool gpt_model = data.at("model").toStringRef() == "gpt";
   const int64_t steps = inputs.size(0), local = inputs.size(1) / me.size;
   // The driver's weights, by name (PyTorch's state_dict names are the unwrapped model's).
@@ -188,7 +192,8 @@ int Train(M model, const c10::Dict<c10::IValue, c10::IValue>& data, const comm::
   std::shared_ptr<torch::optim::Optimizer> opt;
   std::function<at::Tensor(const at::Tensor&)> forward;
   if (config == "OSS_SDP") {
-    std::shared_ptr<oss::OSS> sharded = oss::OSS::make<torch::optim::Adam>(model->parameters(), adam, comm);
+    std::shared_ptr<oss::OSS> sharded =
+        oss::OSS::make<torch::optim::Adam>(model->parameters(), adam, comm);
     opt = sharded;
     load_plain();
     sdp = oss::ShardedDataParallel(torch::nn::AnyModule(model), sharded);
@@ -227,10 +232,9 @@ int Train(M model, const c10::Dict<c10::IValue, c10::IValue>& data, const comm::
     const auto t0 = Clock::now();
     opt->zero_grad();
     at::Tensor out = forward(x);
-    at::Tensor loss = gpt_model
-                          ? torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}),
-                                                                 y.reshape({-1}))
-                          : torch::nn::functional::mse_loss(out, y);
+    at::Tensor loss = gpt_model ? torch::nn::functional::cross_entropy(
+                                      out.reshape({-1, out.size(-1)}), y.reshape({-1}))
+                                : torch::nn::functional::mse_loss(out, y);
     const double t_fwd = Since(t0), b1 = ThreadBusy();
     const auto t1 = Clock::now();
     loss.backward();
@@ -262,7 +266,8 @@ int Train(M model, const c10::Dict<c10::IValue, c10::IValue>& data, const comm::
   std::ofstream out(absl::GetFlag(FLAGS_out));
   out << "{\"losses\": " << Json(losses) << ", \"step_s\": " << Json(step_s)
       << ", \"fwd_s\": " << Json(fwd_s) << ", \"bwd_s\": " << Json(bwd_s)
-      << ", \"opt_s\": " << Json(opt_s) << ", \"blocked_s\": " << Json(blocked_s) << ", \"window_s\": " << window_s << ", \"peak_rss_kib\": " << ru.ru_maxrss
+      << ", \"opt_s\": " << Json(opt_s) << ", \"blocked_s\": " << Json(blocked_s)
+      << ", \"window_s\": " << window_s << ", \"peak_rss_kib\": " << ru.ru_maxrss
       << ", \"page_faults\": " << (ru.ru_minflt + ru.ru_majflt - faults_before)
       << ", \"threads\": " << ThreadJson(threads_before, threads_after) << "}\n";
   out.close();
@@ -282,8 +287,10 @@ int RunRank(const comm::bench::BenchRank& me) {
   std::shared_ptr<comm::Communicator> comm = *std::move(created);
 
   const std::string config = absl::GetFlag(FLAGS_config);
-  const bool fsdp_config = config == "NO_SHARD" || config == "FULL_SHARD" || config == "SHARD_GRAD_OP";
-  if (!fsdp_config && config != "OSS_SDP" && config != "unwrapped") Die("unknown --config " + config);
+  const bool fsdp_config =
+      config == "NO_SHARD" || config == "FULL_SHARD" || config == "SHARD_GRAD_OP";
+  if (!fsdp_config && config != "OSS_SDP" && config != "unwrapped")
+    Die("unknown --config " + config);
 
   FsdpOptions opts;
   if (fsdp_config) {
@@ -293,7 +300,9 @@ int RunRank(const comm::bench::BenchRank& me) {
         .bucket_cap_mb(absl::GetFlag(FLAGS_bucket_cap_mb));
   }
   torch::manual_seed(0);  // the same (overwritten) initial weights on every rank
-  auto run = [&](auto model) { return Train(model, data, me, comm, config, opts, inputs, targets); };
+  auto run = [&](auto model) {
+    return Train(model, data, me, comm, config, opts, inputs, targets);
+  };
   if (model_kind == "gpt") {
     auto build = [&] {
       return gpt::Gpt(gpt::GptConfig()
