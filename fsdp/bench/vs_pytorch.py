@@ -37,6 +37,11 @@ import time
 
 TORCH_CONFIGS = ("DDP", "ZERO_DDP", "torch_unwrapped")
 OUR_CONFIGS = ("NO_SHARD", "FULL_SHARD", "SHARD_GRAD_OP", "OSS_SDP", "unwrapped")
+# Our backends, as a configuration suffix ("FULL_SHARD@ucx-shm"; none: tcp): --backend and the
+# environment of the ranks.
+BACKENDS = {"tcp": ("tcp", {}),
+            "ucx-shm": ("ucx", {"UCX_TLS": "posix,sysv,self"}),
+            "ucx-cma": ("ucx", {"UCX_TLS": "posix,sysv,cma,self"})}
 
 
 def build_model(nn, torch, spec):
@@ -228,6 +233,13 @@ def torch_worker(args):
               "threads": thread_json(before, after)}
     with open(args.out, "w") as f:
         json.dump(result, f)
+    # PyTorch 1.13 sometimes aborts in its teardown ("terminate called without an active
+    # exception", a gloo thread still joinable) after all the work is done: the process group is
+    # destroyed first, and the interpreter's own teardown skipped.
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def cpu_ticks():
@@ -272,8 +284,11 @@ def run_config(args, config, n, data_path, work):
         if config in TORCH_CONFIGS:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config=" + config] + common
         else:
-            cmd = [args.binary, "--config=" + config] + common
-            if config != "unwrapped" and args.bucket_cap_mb:
+            ours, _, backend = config.partition("@")
+            backend, backend_env = BACKENDS[backend or "tcp"]
+            env.update(backend_env)
+            cmd = [args.binary, "--config=" + ours, "--backend=" + backend] + common
+            if ours != "unwrapped" and args.bucket_cap_mb:
                 cmd.append("--bucket_cap_mb=%g" % args.bucket_cap_mb)
         log = open(os.path.join(run_dir, "rank%d.log" % r), "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
@@ -330,7 +345,9 @@ def main():
     ap.add_argument("--model", default="gpt", choices=["gpt", "mlp"])
     ap.add_argument("--configs", default="DDP,NO_SHARD,FULL_SHARD,ZERO_DDP,OSS_SDP",
                     help="PyTorch's: DDP, ZERO_DDP, torch_unwrapped; ours: NO_SHARD, FULL_SHARD, "
-                         "SHARD_GRAD_OP, OSS_SDP, unwrapped. The first is the baseline. The unwrapped "
+                         "SHARD_GRAD_OP, OSS_SDP, unwrapped, over tcp, or with a suffix @ucx-shm "
+                         "(the ucx backend over UCX's shared memory) or @ucx-cma (shared memory + "
+                         "cross-memory attach). The first is the baseline. The unwrapped "
                          "ones at n ranks: n independent trainings side by side on the ranks' shares "
                          "(the per-rank compute and core contention without communication; their "
                          "losses are not compared).")
@@ -348,15 +365,23 @@ def main():
     ap.add_argument("--global_batch", type=int, default=16)
     ap.add_argument("--binary", default="bazel-bin/fsdp/bench/vs_pytorch_rank")
     ap.add_argument("--run_timeout_s", type=int, default=600)
+    ap.add_argument("--summarize", default="", help="only print the report of a run's saved results "
+                    "(the --out file + .runs.json)")
     args = ap.parse_args()
     if args.worker:
         return torch_worker(args)
+    if args.summarize:
+        with open(args.summarize) as f:
+            saved = json.load(f)
+        return report(args, saved["configs"], saved["worlds"], saved["spec"], saved["shape"],
+                      saved["header"], {(c, n): v for c, n, v in saved["runs"]})
 
     configs = args.configs.split(",")
     for c in configs:
-        if c not in TORCH_CONFIGS + OUR_CONFIGS:
+        if c not in TORCH_CONFIGS and (c.split("@")[0] not in OUR_CONFIGS or
+                                       ("@" in c and c.split("@", 1)[1] not in BACKENDS)):
             raise SystemExit("vs_pytorch: unknown configuration " + c)
-    if any(c in OUR_CONFIGS for c in configs) and not os.access(args.binary, os.X_OK):
+    if any(c not in TORCH_CONFIGS for c in configs) and not os.access(args.binary, os.X_OK):
         raise SystemExit("vs_pytorch: %s not found: ./bazelw build -c opt //fsdp/bench:vs_pytorch_rank" % args.binary)
     args.binary = os.path.abspath(args.binary)
     worlds = [int(x) for x in args.ranks.split(",")]
@@ -390,15 +415,24 @@ def main():
     cpu_note = "CPUs %.0f%% busy, %.1f%% stolen by the hypervisor" % (100.0 * d[0] / max(1, d[2]), 100.0 * d[1] / max(1, d[2]))
     shutil.rmtree(work, ignore_errors=True)
 
+    header = "load average %s at start, %s at end; %s; %d cores; %.0f s" % (
+        " ".join(load_start), " ".join(load_end), cpu_note, os.cpu_count(), time.time() - started)
+    if args.out:  # the raw results first: a report can be made again from them (--summarize)
+        with open(args.out + ".runs.json", "w") as f:
+            json.dump({"configs": configs, "worlds": worlds, "spec": spec, "shape": shape, "header": header,
+                       "runs": [[c, n, v] for (c, n), v in runs.items()]}, f)
+    return report(args, configs, worlds, spec, shape, header, runs)
+
+
+def report(args, configs, worlds, spec, shape, header, runs):
     med = statistics.median
     base = configs[0]
     fails = []
     lines = [
         "%s; global batch %d split over the ranks; Adam(lr %g); %d warm-up + %d timed steps; "
-        "1 intra-op thread per rank; %d interleaved repeats (order reversed every repeat); "
-        "load average %s at start, %s at end; %s; %d cores; %.0f s" % (
-            shape, args.global_batch, args.lr, args.warmup, args.steps, args.repeats,
-            " ".join(load_start), " ".join(load_end), cpu_note, os.cpu_count(), time.time() - started),
+        "1 intra-op thread per rank; %d interleaved repeats (order reversed every repeat); %s" % (
+            shape, spec["global_batch"], args.lr, args.warmup, args.steps,
+            len(next(iter(runs.values()))), header),
         "",
         "| ranks | config | step ms (median, min-max) | vs %s | vs own 1 rank | forward (off-CPU) | backward (off-CPU) | optimizer (off-CPU) "
         "| train thread cpu / runq / blocked ms | other threads cpu ms | page faults | peak RSS MiB | max loss diff vs %s |" % (base, base),
@@ -453,27 +487,28 @@ def main():
         if value is not None:
             lines.append("%s: %.3f (target <= %.2f) %s" % (name, value, bound, "met" if value <= bound else "MISSED"))
 
-    def info(name, value):
+    def info(name, value, bound=None):
         if value is not None:
             lines.append("%s: %.3f" % (name, value))
 
-    scaling = target if spec["model"] == "gpt" else (lambda name, value, bound: info(name, value))
+    scaling = target if spec["model"] == "gpt" else info
+    bounds = {"NO_SHARD": 0.95, "FULL_SHARD": 1.0}
+    ours = [c for c in configs if c not in TORCH_CONFIGS and not c.startswith("unwrapped")]
     if base == "DDP":
-        target("NO_SHARD / DDP at 2 ranks", ratios.get(("NO_SHARD", 2)), 0.95)
-        target("FULL_SHARD / DDP at 2 ranks", ratios.get(("FULL_SHARD", 2)), 1.0)
-        for n in worlds:
-            if n > 2:
-                info("NO_SHARD / DDP at %d ranks" % n, ratios.get(("NO_SHARD", n)))
-                info("FULL_SHARD / DDP at %d ranks" % n, ratios.get(("FULL_SHARD", n)))
-    scaling("NO_SHARD 2 ranks / 1 rank", ratios.get(("NO_SHARD", 2, "vs1")), 0.6)
-    scaling("FULL_SHARD 2 ranks / 1 rank", ratios.get(("FULL_SHARD", 2, "vs1")), 0.6)
+        for n in worlds[1:]:
+            for c in ours:
+                if c.split("@")[0] in bounds:
+                    (target if n == 2 else info)("%s / DDP at %d ranks" % (c, n), ratios.get((c, n)),
+                                                 bounds[c.split("@")[0]])
+    for c in ours:
+        scaling("%s 2 ranks / 1 rank" % c, ratios.get((c, 2, "vs1")), 0.6)
     info("DDP 2 ranks / 1 rank (PyTorch)", ratios.get(("DDP", 2, "vs1")))
-    for n in worlds:
-        if n > 1 and ("OSS_SDP", n) in runs and ("ZERO_DDP", n) in runs:
-            (target if n == 2 else info)(
-                "OSS_SDP / ZERO_DDP at %d ranks" % n,
-                med([a["step"] / b["step"] for a, b in zip(runs[("OSS_SDP", n)], runs[("ZERO_DDP", n)])]), 1.0)
-    scaling("OSS_SDP 2 ranks / 1 rank", ratios.get(("OSS_SDP", 2, "vs1")), 0.6)
+    for n in worlds[1:]:
+        for c in ours:
+            if c.split("@")[0] == "OSS_SDP" and (c, n) in runs and ("ZERO_DDP", n) in runs:
+                (target if n == 2 else info)(
+                    "%s / ZERO_DDP at %d ranks" % (c, n),
+                    med([a["step"] / b["step"] for a, b in zip(runs[(c, n)], runs[("ZERO_DDP", n)])]), 1.0)
     table = "\n".join(lines) + "\n"
     sys.stdout.write(table)
     if args.out:

@@ -56,6 +56,9 @@ ABSL_FLAG(std::string, out, "", "where to write this rank's JSON result");
 ABSL_FLAG(int, warmup, 3, "untimed steps");
 ABSL_FLAG(double, lr, 1e-3, "Adam learning rate");
 ABSL_FLAG(double, bucket_cap_mb, 0, "FsdpOptions::bucket_cap_mb");
+ABSL_FLAG(std::string, backend, "tcp",
+          "our backend: tcp, or ucx (UCX picks its transports from UCX_TLS, e.g. posix,sysv,self "
+          "for shared memory)");
 
 namespace fairscale::fsdp::bench {
 namespace {
@@ -282,7 +285,7 @@ int RunRank(const comm::bench::BenchRank& me) {
   const at::Tensor inputs = data.at("inputs").toTensor(), targets = data.at("targets").toTensor();
   if (inputs.size(1) % me.size != 0) Die("the global batch is not divisible by the world size");
 
-  auto created = comm::bench::Connect(me);
+  auto created = comm::bench::Connect(me, absl::GetFlag(FLAGS_backend));
   if (!created.ok()) Die(created.status().ToString());
   std::shared_ptr<comm::Communicator> comm = *std::move(created);
 

@@ -1,7 +1,6 @@
 #include "fsdp/internal/collectives.h"
 
 #include <ATen/ops/cat.h>
-#include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -53,9 +52,8 @@ void ReductionQueue::Submit(Unit& unit, size_t flat, at::Tensor send, bool in_pl
       return;
     }
     if (unit.sharded()) {
-      // Into a buffer of its own (not this rank's block of the send buffer): AddReduced adopts
-      // it as the shard's gradient without a copy, and the full gradient is freed on completion.
-      p.recv = at::empty({fp.shard_numel}, send.options());
+      // In place: this rank's block of the send buffer, no separate receive buffer.
+      p.recv = send.narrow(0, fp.shard_offset, fp.shard_numel);
       p.work = g.shard->ReduceScatter(Buf(send, context), Buf(p.recv, context),
                                       comm::ReduceOp::kSum);
       p.replicate = g.replicate;

@@ -542,13 +542,10 @@ void Unit::AddReduced(size_t flat, const at::Tensor& reduced, bool in_place) {
   at::Tensor& grad = fp.shard.mutable_grad();
   if (grad.defined()) {
     grad.add_(recv.device() == grad.device() ? recv : recv.to(grad.device()));
-  } else if (recv.numel() == fp.shard_numel && recv.storage_offset() == 0 &&
-             recv.storage().nbytes() == recv.nbytes() && recv.device() == fp.shard.device() &&
-             recv.scalar_type() == fp.shard.scalar_type()) {
-    grad = recv;  // a buffer of its own, as the shard's gradient needs: adopted, not copied
   } else {
-    // A copy: recv views a larger buffer (a bucket), which must not stay alive as the shard's
-    // gradient, or is on another device or in another dtype.
+    // A copy: recv views the whole send buffer (the unit's full gradient, or a bucket), which
+    // must not stay alive as the shard's gradient. (Reducing into a buffer of its own instead
+    // would save this copy but hold one more shard per reduction in flight: +1 shard of peak.)
     grad = recv.to(fp.shard.device(), fp.shard.scalar_type(), /*non_blocking=*/false,
                    /*copy=*/true);
   }
