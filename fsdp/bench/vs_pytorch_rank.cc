@@ -90,7 +90,8 @@ std::map<int, ThreadTime> ThreadTimesNow() {
     if (tid <= 0) continue;
     const std::string base = absl::StrCat("/proc/self/task/", tid);
     ThreadTime t;
-    std::ifstream(base + "/comm") >> t.name;
+    std::ifstream comm_file(base + "/comm");
+    std::getline(comm_file, t.name);  // may contain spaces: "fs-comm tcp"
     unsigned long long run = 0, wait = 0;
     std::ifstream(base + "/schedstat") >> run >> wait;
     t.run_s = run * 1e-9;
@@ -99,6 +100,22 @@ std::map<int, ThreadTime> ThreadTimesNow() {
   }
   closedir(dir);
   return out;
+}
+
+// A JSON string literal of `s` (thread names are chosen by whoever started the thread).
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (const unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      out += absl::StrFormat("\\u%04x", c);
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
 }
 
 // {"main": {...}, "others": [{"name", "run_s", "runq_s"}...]}: what each thread used between
@@ -113,8 +130,8 @@ std::string ThreadJson(const std::map<int, ThreadTime>& before,
       d.run_s -= it->second.run_s;
       d.runq_s -= it->second.runq_s;
     }
-    const std::string j = absl::StrFormat("{\"name\": \"%s\", \"run_s\": %.6f, \"runq_s\": %.6f}",
-                                          d.name, d.run_s, d.runq_s);
+    const std::string j = absl::StrFormat("{\"name\": %s, \"run_s\": %.6f, \"runq_s\": %.6f}",
+                                          JsonString(d.name), d.run_s, d.runq_s);
     if (tid == self) {
       main_json = j;
     } else {
