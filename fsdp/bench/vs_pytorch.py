@@ -292,18 +292,30 @@ def run_config(args, config, n, data_path, work):
                 cmd.append("--bucket_cap_mb=%g" % args.bucket_cap_mb)
         log = open(os.path.join(run_dir, "rank%d.log" % r), "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    # Every rank is watched at once: once one fails, the others get a short grace to fail too
+    # (ours notice a dead peer at once, gloo may not) and are then killed, so a broken run ends
+    # in seconds, not at --run_timeout_s.
     deadline = time.time() + args.run_timeout_s
-    failed = []
-    for r, (p, log) in enumerate(procs):
-        try:
-            rc = p.wait(timeout=max(1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            rc = "timed out after %d s" % args.run_timeout_s
-            for q, _ in procs:
-                q.kill()
+    codes = [None] * n
+    while any(c is None for c in codes):
+        for r, (p, _) in enumerate(procs):
+            if codes[r] is None:
+                codes[r] = p.poll()
+        if any(c not in (None, 0) for c in codes):
+            deadline = min(deadline, time.time() + 20)
+        if time.time() > deadline:
+            for r, (p, _) in enumerate(procs):
+                if codes[r] is None:
+                    p.kill()
+                    p.wait()
+                    codes[r] = "killed: still running %s" % (
+                        "after another rank failed" if any(c not in (None, 0) for c in codes)
+                        else "after %d s" % args.run_timeout_s)
+            break
+        time.sleep(0.05)
+    for _, log in procs:
         log.close()
-        if rc != 0:
-            failed.append((r, rc))
+    failed = [(r, c) for r, c in enumerate(codes) if c != 0]
     if failed:
         detail = "\n".join("rank %d: %s\n%s" % (r, rc, open(os.path.join(run_dir, "rank%d.log" % r)).read()[-3000:])
                            for r, rc in failed)
