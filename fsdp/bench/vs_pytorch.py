@@ -446,7 +446,7 @@ def report(args, configs, worlds, spec, shape, header, runs):
             shape, spec["global_batch"], args.lr, args.warmup, args.steps,
             len(next(iter(runs.values()))), header),
         "",
-        "| ranks | config | step ms (median, min-max) | vs %s | vs own 1 rank | forward (off-CPU) | backward (off-CPU) | optimizer (off-CPU) "
+        "| ranks | config | step ms (median, min-max) | vs %s (median, min-max of the repeats' ratios) | vs own 1 rank | forward (off-CPU) | backward (off-CPU) | optimizer (off-CPU) "
         "| train thread cpu / runq / blocked ms | other threads cpu ms | page faults | peak RSS MiB | max loss diff vs %s |" % (base, base),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -458,11 +458,15 @@ def report(args, configs, worlds, spec, shape, header, runs):
             rs = runs[(c, n)]
             steps_ms = [r["step"] * 1e3 for r in rs]
             vs_base = "-"
+
+            def paired(others):
+                """Median (min-max) of this configuration's step over `others`', repeat by repeat."""
+                q = [a["step"] / b["step"] for a, b in zip(rs, others)]
+                return med(q), "%.3f (%.2f-%.2f)" % (med(q), min(q), max(q))
+
             if (base, n) in runs and (n == 1 or "unwrapped" not in c):
                 rb = runs[(base, n)]
-                ratio = med([a["step"] / b["step"] for a, b in zip(rs, rb)])
-                ratios[(c, n)] = ratio
-                vs_base = "%.3f" % ratio
+                ratios[(c, n)], vs_base = paired(rb)
                 diff = max(abs(x - y) for a, b in zip(rs, rb) for x, y in zip(a["losses"], b["losses"]))
                 diff_s = "%.1e" % diff
                 if diff > args.loss_tol:
@@ -471,12 +475,10 @@ def report(args, configs, worlds, spec, shape, header, runs):
             else:
                 diff_s = "-"
                 if (base, n) in runs:
-                    vs_base = "%.3f" % med([a["step"] / b["step"] for a, b in zip(rs, runs[(base, n)])])
+                    vs_base = paired(runs[(base, n)])[1]
             vs_one = "-"
             if n != 1 and (c, 1) in runs:
-                r1 = runs[(c, 1)]
-                vs_one = "%.3f" % med([a["step"] / b["step"] for a, b in zip(rs, r1)])
-                ratios[(c, n, "vs1")] = float(vs_one)
+                ratios[(c, n, "vs1")], vs_one = paired(runs[(c, 1)])
             names = {}
             for r in rs:
                 for k, v in r["others"].items():
