@@ -26,6 +26,7 @@
 #include "fsdp/test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/c10_error.h"
 
 namespace fairscale::fsdp {
 namespace {
@@ -147,17 +148,10 @@ TEST(FsdpEdgeCases, TiedWeightsAcrossUnitsAreAClearError) {
       comm::testing::RunInprocRanks(
           2,
           [](int rank, int world, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-            try {
-              FullyShardedDataParallel model(Tied(comm, FsdpOptions()), comm);
-            } catch (const c10::Error& e) {
-              const std::string msg = e.what();
-              return Check(msg.find("parameter 'w' is the same tensor as "
-                                    "'sub.w'") != std::string::npos &&
-                               msg.find(absl::StrCat("rank ", rank, "/2")) != std::string::npos &&
-                               msg.find("Tied weights") != std::string::npos,
-                           "unexpected message: " + msg);
-            }
-            return absl::InternalError("no error");
+            return fairscale::testing::ExpectError(
+                [&] { FullyShardedDataParallel model(Tied(comm, FsdpOptions()), comm); },
+                {"parameter 'w' is the same tensor as 'sub.w'", absl::StrCat("rank ", rank, "/2"),
+                 "Tied weights"});
           }),
       "tied across units");
 }
@@ -347,14 +341,9 @@ TEST(FsdpMixedPrecision, WritebackSummonIsAnError) {
                     FullyShardedDataParallel model(
                         testing::Net(), comm,
                         FsdpOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
-                    try {
-                      auto guard = model->summon_full_params(true);
-                    } catch (const c10::Error& e) {
-                      return Check(
-                          std::string(e.what()).find("round the master") != std::string::npos,
-                          e.what());
-                    }
-                    return absl::InternalError("no error");
+                    return fairscale::testing::ExpectError(
+                        [&] { auto guard = model->summon_full_params(true); },
+                        {"round the master"});
                   }),
               "mixed summon");
 }

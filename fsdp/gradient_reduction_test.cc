@@ -25,6 +25,7 @@
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/test_util.h"
 #include "gtest/gtest.h"
+#include "testing/c10_error.h"
 
 namespace fairscale::fsdp {
 namespace {
@@ -140,17 +141,12 @@ TEST(GradientReductionTest, LowMemorySettingMatchesReference) {
 TEST(GradientReductionTest, NegativeReductionsInFlightIsRejected) {
   std::vector<absl::Status> statuses = comm::testing::RunInprocRanks(
       1, [&](int, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
-        try {
-          FullyShardedDataParallel model(InitBlock("b"), comm,
-                                         FsdpOptions().reductions_in_flight(-1));
-        } catch (const c10::Error& e) {
-          if (std::string(e.what()).find("reductions_in_flight must be >= 0") !=
-              std::string::npos) {
-            return absl::OkStatus();
-          }
-          return absl::InternalError(e.what());
-        }
-        return absl::InternalError("no error for reductions_in_flight(-1)");
+        return fairscale::testing::ExpectError(
+            [&] {
+              FullyShardedDataParallel model(InitBlock("b"), comm,
+                                             FsdpOptions().reductions_in_flight(-1));
+            },
+            {"reductions_in_flight must be >= 0"});
       });
   EXPECT_THAT(statuses[0], IsOk());
 }

@@ -23,6 +23,7 @@
 #include "fsdp/testing/checkpoint_helpers.h"
 #include "fsdp/testing/per_param_helpers.h"
 #include "gtest/gtest.h"
+#include "testing/c10_error.h"
 
 namespace fairscale::fsdp {
 namespace {
@@ -256,15 +257,9 @@ TEST(PerParamLocalStateTest, RoundTripsAndRejectsTheOtherLayout) {
             RunSetup flat = s;
             flat.per_param = false;
             FullyShardedDataParallel c = MakeFsdp(testing::MakeNet(), flat, comm);
-            try {
-              c->load_local_state_dict(local);
-            } catch (const c10::Error& e) {
-              if (std::string(e.what()).find("flatten_parameters(false)") != std::string::npos) {
-                return absl::OkStatus();
-              }
-              return absl::InternalError(std::string("unexpected error: ") + e.what());
-            }
-            return absl::InternalError("a per-parameter local state dict loaded into a flat model");
+            // A per-parameter local state dict does not load into a flat model.
+            return fairscale::testing::ExpectError([&] { c->load_local_state_dict(local); },
+                                                   {"flatten_parameters(false)"});
           }),
       "local state dict");
 }

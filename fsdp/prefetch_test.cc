@@ -45,6 +45,7 @@
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/test_util.h"
 #include "gtest/gtest.h"
+#include "testing/c10_error.h"
 
 namespace fairscale::fsdp {
 namespace {
@@ -364,25 +365,12 @@ TEST(BackwardPrefetchTest, BoolSpellingAndBadOptions) {
         auto make = [&](FsdpOptions opts) {
           return FullyShardedDataParallel(torch::nn::Linear(2, 2), comm, opts);
         };
-        try {
-          make(FsdpOptions().all_gathers_in_flight(-1));
-          return absl::InternalError("all_gathers_in_flight(-1) accepted");
-        } catch (const c10::Error& e) {
-          if (std::string(e.what()).find("all_gathers_in_flight must be >= 0") ==
-              std::string::npos) {
-            return absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
-          }
-        }
-        try {
-          make(FsdpOptions().backward_prefetch(static_cast<BackwardPrefetch>(7)));
-          return absl::InternalError("backward_prefetch(7) accepted");
-        } catch (const c10::Error& e) {
-          if (std::string(e.what()).find("backward_prefetch is not a BackwardPrefetch") ==
-              std::string::npos) {
-            return absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
-          }
-        }
-        return absl::OkStatus();
+        FS_RETURN_IF_ERROR(fairscale::testing::ExpectError(
+            [&] { make(FsdpOptions().all_gathers_in_flight(-1)); },
+            {"all_gathers_in_flight must be >= 0"}));
+        return fairscale::testing::ExpectError(
+            [&] { make(FsdpOptions().backward_prefetch(static_cast<BackwardPrefetch>(7))); },
+            {"backward_prefetch is not a BackwardPrefetch"});
       });
   ASSERT_EQ(statuses.size(), 1u);
   EXPECT_THAT(statuses[0], IsOk());

@@ -19,6 +19,7 @@
 #include <string>
 #include <tuple>
 
+#include "testing/c10_error.h"
 #include "testing/tmp.h"
 
 namespace fairscale::offload {
@@ -215,13 +216,12 @@ TEST(OffloadModelOtherTest, BadOptions) {
   EXPECT_THROW(OffloadModel(torch::nn::Sequential(shared, shared),
                             OffloadModelOptions(TmpPath("b3")).num_slices(2)),
                c10::Error);
-  try {
-    OffloadModel first(MakeModel(), OffloadModelOptions(TmpPath("b4")));
-    OffloadModel second(MakeModel(), OffloadModelOptions(TmpPath("b4")));
-    FAIL() << "two models on one file";
-  } catch (const c10::Error& e) {
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("in use"));
-  }
+  // Two models on one file.
+  OffloadModel first(MakeModel(), OffloadModelOptions(TmpPath("b4")));
+  EXPECT_THAT(fairscale::testing::ErrorOf([&] {
+                OffloadModel second(MakeModel(), OffloadModelOptions(TmpPath("b4")));
+              }),
+              ::testing::HasSubstr("in use"));
 }
 
 }  // namespace

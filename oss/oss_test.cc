@@ -19,10 +19,12 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "base/status_matchers.h"
 #include "comm/testing/inproc_ranks.h"
 #include "comm/testing/rank_runner.h"
 #include "oss/test_util.h"
+#include "testing/c10_error.h"
 #include "testing/model.h"
 
 namespace fairscale::oss {
@@ -288,13 +290,9 @@ std::pair<std::string, std::map<std::string, at::Tensor>> TrainAndSave(Kind kind
       bytes = testing::SaveToBytes(opt);
       params = testing::Snapshot(net);
     } else {
-      bool threw = false;
-      try {
-        testing::SaveToBytes(opt);
-      } catch (const c10::Error&) {
-        threw = true;
+      if (fairscale::testing::ErrorOf([&] { testing::SaveToBytes(opt); }).empty()) {
+        return absl::InternalError("save on a non-recipient did not raise");
       }
-      if (!threw) return absl::InternalError("save on a non-recipient did not raise");
     }
     return absl::OkStatus();
   }));
@@ -379,30 +377,12 @@ TEST(OssTest, ErrorsNameTheOperation) {
     at::Tensor a = at::ones({4}).requires_grad_();
     auto opt = OSS::make<torch::optim::SGD>(std::vector<at::Tensor>{a},
                                             torch::optim::SGDOptions(0.1), comm);
-    try {
-      opt->consolidated();
-      return absl::InternalError("consolidated() before consolidate_state_dict did not raise");
-    } catch (const c10::Error& e) {
-      if (std::string(e.what()).find("consolidate_state_dict") == std::string::npos) {
-        return absl::InternalError(e.what());
-      }
-    }
-    try {
-      opt->consolidate_state_dict(7);
-      return absl::InternalError("bad recipient did not raise");
-    } catch (const c10::Error& e) {
-      if (std::string(e.what()).find("recipient_rank 7") == std::string::npos) {
-        return absl::InternalError(e.what());
-      }
-    }
-    try {
-      opt->add_param_group(torch::optim::OptimizerParamGroup({a}));
-      return absl::InternalError("a duplicate parameter did not raise");
-    } catch (const c10::Error& e) {
-      if (std::string(e.what()).find("appears twice") == std::string::npos) {
-        return absl::InternalError(e.what());
-      }
-    }
+    FS_RETURN_IF_ERROR(fairscale::testing::ExpectError([&] { opt->consolidated(); },
+                                                       {"consolidate_state_dict"}));
+    FS_RETURN_IF_ERROR(fairscale::testing::ExpectError([&] { opt->consolidate_state_dict(7); },
+                                                       {"recipient_rank 7"}));
+    FS_RETURN_IF_ERROR(fairscale::testing::ExpectError(
+        [&] { opt->add_param_group(torch::optim::OptimizerParamGroup({a})); }, {"appears twice"}));
     return absl::OkStatus();
   }));
 }

@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "pipe/pipe.h"
 #include "pipe/test_util.h"
+#include "testing/c10_error.h"
 
 namespace fairscale::pipe {
 namespace {
@@ -82,7 +83,7 @@ void ExpectEveryRankNamesTheFailure(const Case& c, int world, const PipeOptions&
         // while other ranks may still be finishing Create's closing barrier: they report the
         // same failure from Create (a peer's abort breaks every pending operation at once).
         std::unique_ptr<Pipe> pipe;
-        const absl::Status created = testing::CatchErrors([&] {
+        const absl::Status created = fairscale::testing::CatchErrors([&] {
           pipe = Pipe::Create(MakeModel(c.boom), comm,
                               PipeOptions(options).timeout(absl::Seconds(20)));
           return absl::OkStatus();
@@ -93,7 +94,7 @@ void ExpectEveryRankNamesTheFailure(const Case& c, int world, const PipeOptions&
           return testing::Mse(out, y);
         };
         // The c10::Errors train_step raises, as Statuses carrying their messages.
-        const absl::Status first = testing::CatchErrors([&] {
+        const absl::Status first = fairscale::testing::CatchErrors([&] {
           pipe->train_step(testing::Inputs(c.input_rows, 1), testing::Targets(12, 2), loss);
           return absl::InternalError("train_step succeeded");
         });
@@ -103,7 +104,7 @@ void ExpectEveryRankNamesTheFailure(const Case& c, int world, const PipeOptions&
                                                   "', error() is '", pipe->error(), "'"));
         }
         // A failed pipe stays failed.
-        const absl::Status again = testing::CatchErrors([&] {
+        const absl::Status again = fairscale::testing::CatchErrors([&] {
           pipe->train_step(testing::Inputs(12, 1), testing::Targets(12, 2), testing::Mse);
           return absl::OkStatus();
         });

@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "pipe/pipe.h"
 #include "pipe/test_util.h"
+#include "testing/c10_error.h"
 
 namespace fairscale::pipe {
 namespace {
@@ -47,7 +48,7 @@ TEST(TcpProcessTest, ThreeStagesMatchOneProcess) {
               std::shared_ptr<comm::Communicator> comm,
               comm::CreateCommunicator("tcp", comm::testing::RankConfig(absl::Seconds(20))));
           // The pipe raises c10::Error: reported as this rank's Status (without the backtrace).
-          return testing::CatchErrors([&]() -> absl::Status {
+          return fairscale::testing::CatchErrors([&]() -> absl::Status {
             std::unique_ptr<Pipe> pipe =
                 Pipe::Create(testing::MakeMlp(), comm,
                              PipeOptions().chunks(3).schedule(schedule).virtual_stages(v));
@@ -103,7 +104,7 @@ TEST(TcpProcessTest, DeadStageFailsTheOthers) {
             if (l == 3) model->push_back(Die(rank == 1));  // stage 1 gets layers 3, 4, 5
             model->push_back(*(mlp->begin() + l));
           }
-          return testing::CatchErrors([&]() -> absl::Status {
+          return fairscale::testing::CatchErrors([&]() -> absl::Status {
             std::unique_ptr<Pipe> pipe =
                 Pipe::Create(model, comm,
                              PipeOptions()

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/tensor_close.h"
 #include "comm/testing/inproc_ranks.h"
+#include "testing/c10_error.h"
 
 namespace fairscale::pipe::testing {
 
@@ -129,16 +130,6 @@ std::vector<absl::Status> RunParity(int ranks,
       });
 }
 
-absl::Status CatchErrors(const std::function<absl::Status()>& body) {
-  try {
-    return body();
-  } catch (const c10::Error& e) {
-    return absl::InternalError(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return absl::InternalError(e.what());
-  }
-}
-
 std::vector<absl::Status> RunInproc(
     int world,
     const std::function<absl::Status(int rank, std::shared_ptr<comm::Communicator>)>& body,
@@ -146,7 +137,7 @@ std::vector<absl::Status> RunInproc(
   return comm::testing::RunInprocRanks(
       world,
       [&body](int rank, int, std::shared_ptr<comm::Communicator> comm) {
-        return CatchErrors([&] { return body(rank, comm); });
+        return fairscale::testing::CatchErrors([&] { return body(rank, comm); });
       },
       timeout);
 }

@@ -69,14 +69,9 @@ absl::Status CheckStageGrads(const Pipe& pipe, const std::map<std::string, at::T
 absl::Status ExpectClose(const std::string& what, const at::Tensor& actual,
                          const at::Tensor& expected, double rtol);
 
-// body(), with an exception it raises returned as kInternal carrying its message (a c10::Error's
-// without the backtrace: "<function>: <CODE>: <message>" for the pipe's API), so that a rank
-// body can report the pipe's errors through its Status.
-absl::Status CatchErrors(const std::function<absl::Status()>& body);
-
 // comm::testing::RunInprocRanks for bodies that do not need the world size: body(rank, comm) on
 // `world` threads over fresh inproc communicators (operation timeout `timeout`), then a barrier
-// (also after a failed body); exceptions become kInternal (CatchErrors).
+// (also after a failed body); exceptions become kInternal (fairscale::testing::CatchErrors).
 std::vector<absl::Status> RunInproc(
     int world, const std::function<absl::Status(int rank, std::shared_ptr<comm::Communicator>)>& body,
     absl::Duration timeout = absl::Seconds(30));

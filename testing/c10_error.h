@@ -3,10 +3,12 @@
 //
 //   EXPECT_THAT(ErrorOf([&] { scaler.step(opt); }), HasSubstr("rank 1/2"));
 //   FS_RETURN_IF_ERROR(ExpectError([&] { load(dir); }, {"shard 3", "missing"}));  // rank bodies
+//   return CatchErrors([&] { pipe->train_step(x, y, loss); return absl::OkStatus(); });
 #pragma once
 
 #include <c10/util/Exception.h>
 
+#include <exception>
 #include <functional>
 #include <string>
 #include <vector>
@@ -46,6 +48,19 @@ inline absl::Status ExpectError(const std::function<void()>& f,
     }
   }
   return absl::OkStatus();
+}
+
+// body()'s status, or kInternal carrying the message of the exception it raises (a c10::Error's
+// without the backtrace: "<function>: <CODE>: <message>" for our user APIs), so that a rank body
+// can report a user API's errors through its Status.
+inline absl::Status CatchErrors(const std::function<absl::Status()>& body) {
+  try {
+    return body();
+  } catch (const c10::Error& e) {
+    return absl::InternalError(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return absl::InternalError(e.what());
+  }
 }
 
 }  // namespace fairscale::testing
