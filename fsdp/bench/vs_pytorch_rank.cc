@@ -18,8 +18,6 @@
 #include <time.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/nn/functional/loss.h>
-#include <torch/nn/modules/activation.h>
-#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
@@ -301,16 +299,17 @@ int RunRank(const comm::bench::BenchRank& me) {
   const std::string model_kind = data.at("model").toStringRef();
   const at::Tensor inputs = data.at("inputs").toTensor(), targets = data.at("targets").toTensor();
   if (inputs.size(1) % me.size != 0) Die("the global batch is not divisible by the world size");
+  if (model_kind != "gpt" && model_kind != "mlp") Die("unknown model " + model_kind);
+  const std::string config = absl::GetFlag(FLAGS_config);
+  const bool fsdp_config =
+      config == "NO_SHARD" || config == "FULL_SHARD" || config == "SHARD_GRAD_OP";
+  if (!fsdp_config && config != "OSS_SDP" && config != "unwrapped") {
+    Die("unknown --config " + config);
+  }
 
   auto created = comm::bench::Connect(me, absl::GetFlag(FLAGS_backend));
   if (!created.ok()) Die(created.status().ToString());
   std::shared_ptr<comm::Communicator> comm = *std::move(created);
-
-  const std::string config = absl::GetFlag(FLAGS_config);
-  const bool fsdp_config =
-      config == "NO_SHARD" || config == "FULL_SHARD" || config == "SHARD_GRAD_OP";
-  if (!fsdp_config && config != "OSS_SDP" && config != "unwrapped")
-    Die("unknown --config " + config);
 
   FsdpOptions opts;
   if (fsdp_config) {
@@ -337,13 +336,10 @@ int RunRank(const comm::bench::BenchRank& me) {
     EnableWrap scope(comm, opts, gpt::GptWrapPolicy());
     return run(build());
   }
-  if (model_kind == "mlp") {
-    auto build = [&] { return Mlp(data.at("width").toInt(), data.at("layers").toInt()); };
-    if (!fsdp_config) return run(build());
-    EnableWrap scope(comm, opts, fsdp::module_type_auto_wrap_policy<torch::nn::LinearImpl>());
-    return run(build());
-  }
-  Die("unknown model " + model_kind);
+  auto build = [&] { return Mlp(data.at("width").toInt(), data.at("layers").toInt()); };
+  if (!fsdp_config) return run(build());
+  EnableWrap scope(comm, opts, fsdp::module_type_auto_wrap_policy<torch::nn::LinearImpl>());
+  return run(build());
 }
 
 }  // namespace
