@@ -44,8 +44,8 @@ Transport::Request MakeRequest(int peer, bool recv, uint64_t index) {
          static_cast<uint64_t>(peer);
 }
 
-FrameHeader DataHeader(uint64_t tag, size_t bytes) {
-  return FrameHeader{static_cast<uint32_t>(FrameKind::kData), 0, tag, bytes, 0};
+FrameHeader MakeHeader(FrameKind kind, uint64_t tag, size_t bytes, uint64_t aux = 0) {
+  return FrameHeader{static_cast<uint32_t>(kind), 0, tag, bytes, aux};
 }
 
 }  // namespace
@@ -56,11 +56,13 @@ absl::StatusOr<TcpOptions> ParseTcpOptions(const CommConfig& config) {
     if (absl::StartsWith(key, "algo.")) continue;  // the algorithms' keys
     int* field = key == "tcp.send_buffer_bytes"   ? &options.send_buffer_bytes
                  : key == "tcp.recv_buffer_bytes" ? &options.recv_buffer_bytes
+                 : key == "tcp.cma_min_bytes"     ? &options.cma_min_bytes
                                                   : nullptr;
     if (field == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           "[tcp] unknown option '", key,
-          "'; the tcp backend accepts tcp.send_buffer_bytes, tcp.recv_buffer_bytes and algo.*"));
+          "'; the tcp backend accepts tcp.send_buffer_bytes, tcp.recv_buffer_bytes, "
+          "tcp.cma_min_bytes and algo.*"));
     }
     if (!absl::SimpleAtoi(value, field) || *field < 0 || *field > (1 << 30)) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -90,6 +92,9 @@ absl::StatusOr<std::unique_ptr<TcpTransport>> TcpTransport::Create(std::shared_p
   mesh_options.recv_buffer_bytes = options.recv_buffer_bytes;
   FS_ASSIGN_OR_RETURN(std::vector<tcp_internal::MeshPeer> mesh,
                       tcp_internal::ConnectMesh(*store, rank, size, mesh_options));
+  FS_ASSIGN_OR_RETURN(std::vector<tcp_internal::SameHostPeer> same_host,
+                      tcp_internal::NegotiateSameHost(mesh, rank, options.cma_min_bytes,
+                                                      absl::Now() + config.timeout));
   UniqueFd event_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!event_fd.valid()) {
     return absl::InternalError(absl::StrCat("[tcp] eventfd: ", ErrnoString(errno)));
@@ -98,6 +103,7 @@ absl::StatusOr<std::unique_ptr<TcpTransport>> TcpTransport::Create(std::shared_p
   for (int p = 0; p < size; ++p) {
     peers[p].fd = std::move(mesh[p].fd);
     peers[p].address = std::move(mesh[p].address);
+    peers[p].same_host = same_host[p];
   }
   return std::unique_ptr<TcpTransport>(
       new TcpTransport(rank, size, std::move(peers), std::move(event_fd)));
@@ -108,6 +114,12 @@ TcpTransport::TcpTransport(int rank, int size, std::vector<Peer> peers, UniqueFd
 
 // The sockets and the eventfd close with their UniqueFds.
 TcpTransport::~TcpTransport() = default;
+
+int TcpTransport::same_host_peers() const {
+  int n = 0;
+  for (const Peer& peer : peers_) n += peer.same_host.pull_from ? 1 : 0;
+  return n;
+}
 
 void TcpTransport::Fail(absl::Status status) {
   if (broken_.ok()) broken_ = std::move(status);
@@ -139,8 +151,14 @@ Transport::Request TcpTransport::Isend(int peer, uint64_t tag, const void* data,
     return kInvalidRequest;
   }
   Peer& p = peers_[peer];
-  const Request request = MakeRequest(peer, /*recv=*/false, p.sends_posted++);
-  SendOp op{static_cast<const char*>(data), bytes, 0, DataHeader(tag, bytes)};
+  const uint64_t index = p.sends_posted++;
+  const Request request = MakeRequest(peer, /*recv=*/false, index);
+  // Large messages to a same-host peer: only their address goes out; the peer copies them.
+  const bool pull = p.same_host.pull_to && bytes >= p.same_host.min_bytes;
+  SendOp op{static_cast<const char*>(data), pull ? 0 : bytes, 0,
+            pull ? MakeHeader(FrameKind::kPull, tag, bytes, reinterpret_cast<uint64_t>(data))
+                 : MakeHeader(FrameKind::kData, tag, bytes),
+            index};
   if (broken_.ok() && p.sends.empty() && p.departed == Departure::kNone) {
     // Latency: most messages fit in the socket buffer, so write header and payload right now
     // with one syscall and never queue them.
@@ -149,8 +167,8 @@ Transport::Request TcpTransport::Isend(int peer, uint64_t tag, const void* data,
     msg.msg_iov = iov;
     msg.msg_iovlen = FrameIov(&op.header, op.data, 0, iov);
     const ssize_t n = ::sendmsg(p.fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n >= 0 && static_cast<size_t>(n) == FrameBytes(bytes)) {
-      ++p.sends_done;
+    if (n >= 0 && static_cast<size_t>(n) == FrameBytes(op.bytes)) {
+      SendWritten(p, op);
       return request;
     }
     if (n > 0) op.done = n;
@@ -177,10 +195,23 @@ Transport::Request TcpTransport::Irecv(int peer, uint64_t tag, void* data, size_
   return MakeRequest(peer, /*recv=*/true, p.recvs_posted++);
 }
 
+void TcpTransport::SendWritten(Peer& peer, const SendOp& op) {
+  if (op.index == kControl) return;
+  ++peer.sends_written;
+  if (op.header.kind == static_cast<uint32_t>(FrameKind::kPull)) {
+    peer.unacked.push_back({op.index, op.header.tag, op.header.bytes});
+  }
+}
+
 bool TcpTransport::IsDone(Request request) const {
   const Peer& p = peers_[request & kPeerMask];
   const uint64_t index = (request >> (kPeerBits + 1)) - 1;
-  return ((request >> kPeerBits) & 1) ? p.recvs_done > index : p.sends_done > index;
+  if ((request >> kPeerBits) & 1) return p.recvs_done > index;
+  if (p.sends_written <= index) return false;
+  // Written; done unless it is a PULL still waiting for its ACK (`unacked` is in index order).
+  const auto it = std::lower_bound(p.unacked.begin(), p.unacked.end(), index,
+                                   [](const Unacked& u, uint64_t i) { return u.index < i; });
+  return it == p.unacked.end() || it->index != index;
 }
 
 absl::Status TcpTransport::Wait(absl::Span<const Request> requests, absl::Time deadline) {
@@ -234,8 +265,19 @@ void TcpTransport::ProgressAll() {
   for (int p = 0; p < size_ && broken_.ok(); ++p) {
     if (p == rank_) continue;
     if (!peers_[p].sends.empty()) PumpSend(p);
-    if (!peers_[p].recvs.empty() && broken_.ok()) ServiceRecv(p);
+    if ((!peers_[p].recvs.empty() || ReadsAhead(peers_[p])) && broken_.ok()) ServiceRecv(p);
   }
+}
+
+// A rank waiting for ACKs reads past the receives it has posted (see the header comment).
+bool TcpTransport::ReadsAhead(const Peer& peer) const {
+  return !peer.unacked.empty() && peer.ahead_bytes < kReadAheadBytes &&
+         peer.rx_mode != RxMode::kParked;
+}
+
+bool TcpTransport::WantsRead(const Peer& peer) const {
+  if (peer.rx_mode == RxMode::kParked) return false;  // resumes when a receive is posted
+  return !peer.recvs.empty() || ReadsAhead(peer);
 }
 
 bool TcpTransport::PollOnce(absl::Duration timeout) {
@@ -248,7 +290,7 @@ bool TcpTransport::PollOnce(absl::Duration timeout) {
     // Always POLLRDHUP: a peer that closes is noticed even when nothing is posted to it. POLLIN
     // only with a posted receive: unrequested data stays in the kernel (back-pressure).
     short events = POLLRDHUP;
-    if (!peer.recvs.empty()) events |= POLLIN;
+    if (WantsRead(peer)) events |= POLLIN;
     if (!peer.sends.empty()) events |= POLLOUT;
     pollfds_.push_back({peer.fd.get(), events, 0});
     poll_peers_.push_back(p);
@@ -301,8 +343,8 @@ void TcpTransport::PumpSend(int p) {
         break;
       }
       left -= remaining;
+      SendWritten(peer, op);
       peer.sends.pop_front();
-      ++peer.sends_done;
     }
     // A short write means the socket buffer is full: wait for POLLOUT instead of an EAGAIN.
     if (static_cast<size_t>(r) < want) return;
@@ -319,22 +361,43 @@ TcpTransport::Pump TcpTransport::PumpRecv(int p, bool drain, int* err) {
   Peer& peer = peers_[p];
   while (true) {
     if (!broken_.ok() || peer.departed != Departure::kNone) return Pump::kStopped;
+    // Messages read ahead come first (the last one may still be arriving).
+    if (!peer.recvs.empty() && !peer.ahead.empty() &&
+        !(peer.rx_mode == RxMode::kStash && peer.ahead.size() == 1)) {
+      ServeAhead(p);
+      continue;
+    }
     iovec iov[3];
     int n = 0;
     switch (peer.rx_mode) {
-      case RxMode::kHeader:
-        if (peer.recvs.empty() && !drain) return Pump::kIdle;
+      case RxMode::kParked: {
+        const FrameHeader& h = peer.rx_header;
+        if (!peer.recvs.empty()) {
+          AcceptData(p, 0);
+          continue;
+        }
+        if (!drain) return Pump::kIdle;
+        peer.ahead.push_back({h.tag, h.bytes, false, 0, {}, false});
+        peer.rx_mode = h.bytes > 0 ? RxMode::kStash : RxMode::kHeader;
+        continue;
+      }
+      case RxMode::kHeader: {
+        if (peer.recvs.empty() && !drain && !ReadsAhead(peer)) return Pump::kIdle;
         // The previous frame's padding, then this frame's header.
         if (peer.rx_skip > 0) iov[n++] = {pad_sink_, peer.rx_skip};
         iov[n++] = {reinterpret_cast<char*>(&peer.rx_header) + peer.rx_header_got,
                     kHeaderBytes - peer.rx_header_got};
         // Speculatively read the payload with the header (one syscall per small message). If
         // the header turns out not to match, the request fails anyway, and nothing lands
-        // outside the posted buffer.
-        if (!peer.recvs.empty() && peer.recvs.front().bytes > 0) {
-          iov[n++] = {peer.recvs.front().data, peer.recvs.front().bytes};
+        // outside the posted buffer. Not where the next frame may have no payload: an ACK
+        // (while PULLs are unacknowledged) or the PULL this receive expects.
+        const RecvOp* front = peer.recvs.empty() ? nullptr : &peer.recvs.front();
+        if (front != nullptr && front->bytes > 0 && peer.unacked.empty() &&
+            !(peer.same_host.pull_from && front->bytes >= peer.same_host.min_bytes)) {
+          iov[n++] = {front->data, front->bytes};
         }
         break;
+      }
       case RxMode::kData: {
         const RecvOp& op = peer.recvs.front();
         iov[n++] = {op.data + peer.rx_got, op.bytes - peer.rx_got};
@@ -373,16 +436,18 @@ TcpTransport::Pump TcpTransport::PumpRecv(int p, bool drain, int* err) {
         left -= header_part;
         if (peer.rx_header_got == kHeaderBytes) {
           peer.rx_header_got = 0;
-          OnHeader(p, left);
+          OnHeader(p, left, drain);
         }
         break;
       }
+      case RxMode::kParked:
+        break;  // not reached: nothing is read while parked
       case RxMode::kData:
         peer.rx_got += r;
         if (peer.rx_got == peer.recvs.front().bytes) CompleteRecv(peer);
         break;
       case RxMode::kStash:
-        peer.stash.back().payload.append(scratch_.data(), r);
+        peer.ahead.back().payload.append(scratch_.data(), r);
         peer.rx_got += r;
         if (peer.rx_got == peer.rx_header.bytes) {
           peer.rx_mode = RxMode::kHeader;
@@ -401,38 +466,70 @@ TcpTransport::Pump TcpTransport::PumpRecv(int p, bool drain, int* err) {
   }
 }
 
-void TcpTransport::OnHeader(int p, size_t spill) {
+void TcpTransport::OnHeader(int p, size_t spill, bool drain) {
   Peer& peer = peers_[p];
   const FrameHeader& h = peer.rx_header;
   peer.rx_got = 0;
-  if (h.kind == static_cast<uint32_t>(FrameKind::kError)) {
-    if (h.bytes > tcp_internal::kMaxErrorReasonBytes) {
-      Fail(absl::InternalError(absl::StrCat("peer ", p, " sent an error frame of ", h.bytes,
-                                            " bytes; the connection is out of sync")));
+  const auto out_of_sync = [&](absl::string_view what) {
+    Fail(absl::InternalError(
+        absl::StrCat("peer ", p, " sent ", what, "; the connection is out of sync")));
+  };
+  switch (static_cast<FrameKind>(h.kind)) {
+    case FrameKind::kError:
+      if (h.bytes > tcp_internal::kMaxErrorReasonBytes) {
+        return out_of_sync(absl::StrCat("an error frame of ", h.bytes, " bytes"));
+      }
+      peer.rx_reason.assign(h.bytes, '\0');
+      // The start of the reason may have landed in the posted buffer (speculative read).
+      if (const size_t take = std::min<size_t>(spill, h.bytes); take > 0) {
+        std::memcpy(&peer.rx_reason[0], peer.recvs.front().data, take);
+        peer.rx_got = take;
+      }
+      peer.rx_mode = RxMode::kError;
+      if (peer.rx_got == h.bytes) FinishErrorFrame(p);
+      return;
+    case FrameKind::kAck:
+      // Never read speculatively (no speculation while PULLs are unacknowledged).
+      if (spill > 0 || peer.unacked.empty() || peer.unacked.front().tag != h.tag ||
+          peer.unacked.front().bytes != h.bytes) {
+        return out_of_sync(absl::StrCat("an acknowledgement of ", DescribeTag(h.tag), " (",
+                                        h.bytes, " bytes) that this rank is not waiting for"));
+      }
+      peer.unacked.pop_front();
+      peer.rx_mode = RxMode::kHeader;
+      return;
+    case FrameKind::kPull: {
+      // A receive that expected a socket message read on past this header: a size mismatch.
+      if (spill > 0) return Fail(MismatchError(p, h.tag, h.bytes));
+      if (!peer.same_host.pull_from || h.bytes < peer.same_host.min_bytes) {
+        return out_of_sync("a same-host PULL frame, which this connection did not negotiate");
+      }
+      peer.rx_mode = RxMode::kHeader;
+      peer.ahead.push_back({h.tag, h.bytes, true, h.aux, {}, false});
+      if (!peer.recvs.empty()) ServeAhead(p);
       return;
     }
-    peer.rx_reason.assign(h.bytes, '\0');
-    // The start of the reason may have landed in the posted buffer (speculative read).
-    const size_t take = std::min<size_t>(spill, h.bytes);
-    if (take > 0) std::memcpy(&peer.rx_reason[0], peer.recvs.front().data, take);
-    peer.rx_got = take;
-    peer.rx_mode = RxMode::kError;
-    if (take == h.bytes) FinishErrorFrame(p);
-    return;
+    case FrameKind::kData:
+      if (!peer.recvs.empty()) return AcceptData(p, spill);
+      // Nobody asked for this message yet: stage it if it is small (reading ahead for ACKs)
+      // or the peer is closing (its stream is drained); otherwise leave it in the socket.
+      if (!drain && (h.bytes > kReadAheadBytes - peer.ahead_bytes)) {
+        peer.rx_mode = RxMode::kParked;
+        return;
+      }
+      peer.ahead.push_back({h.tag, h.bytes, false, 0, {}, !drain});
+      if (!drain) peer.ahead_bytes += h.bytes;
+      peer.rx_mode = h.bytes > 0 ? RxMode::kStash : RxMode::kHeader;
+      return;
   }
-  if (h.kind != static_cast<uint32_t>(FrameKind::kData)) {
-    Fail(absl::InternalError(absl::StrCat("peer ", p, " sent a corrupt frame header (kind 0x",
-                                          absl::Hex(h.kind),
-                                          "); the connection is out of sync")));
-    return;
-  }
-  if (peer.recvs.empty()) {
-    // Draining a peer that is closing: nobody asked for this message yet. Keep it, in case the
-    // peer turns out to have shut down cleanly (see ServeFromStash).
-    peer.stash.push_back({h.tag, {}});
-    peer.rx_mode = h.bytes > 0 ? RxMode::kStash : RxMode::kHeader;
-    return;
-  }
+  out_of_sync(absl::StrCat("a corrupt frame header (kind 0x", absl::Hex(h.kind), ")"));
+}
+
+// The DATA frame in rx_header is for the posted receive at the front; `spill` of its payload
+// bytes already landed there.
+void TcpTransport::AcceptData(int p, size_t spill) {
+  Peer& peer = peers_[p];
+  const FrameHeader& h = peer.rx_header;
   const RecvOp& op = peer.recvs.front();
   if (h.tag != op.tag || h.bytes != op.bytes) return Fail(MismatchError(p, h.tag, h.bytes));
   peer.rx_mode = RxMode::kData;
@@ -440,10 +537,64 @@ void TcpTransport::OnHeader(int p, size_t spill) {
   if (spill == op.bytes) CompleteRecv(peer);
 }
 
-void TcpTransport::CompleteRecv(Peer& peer) {
-  peer.rx_skip = FramePad(peer.recvs.front().bytes);
+// Completes posted receives from the messages read ahead, in order.
+void TcpTransport::ServeAhead(int p) {
+  Peer& peer = peers_[p];
+  while (broken_.ok() && !peer.recvs.empty() && !peer.ahead.empty() &&
+         !(peer.rx_mode == RxMode::kStash && peer.ahead.size() == 1)) {
+    Ahead& m = peer.ahead.front();
+    const RecvOp& op = peer.recvs.front();
+    if (m.tag != op.tag || m.bytes != op.bytes) return Fail(MismatchError(p, m.tag, m.bytes));
+    if (m.pulled) {
+      // A peer that left may have freed the buffer: its message is lost with it.
+      if (peer.departed != Departure::kNone) return Fail(DepartureError(p));
+      if (!Pull(p, op.data, m.address, m.tag, m.bytes)) return;
+      QueueAck(p, m.tag, m.bytes);
+    } else {
+      if (op.bytes > 0) std::memcpy(op.data, m.payload.data(), op.bytes);
+      if (m.counted) peer.ahead_bytes -= m.bytes;
+    }
+    peer.ahead.pop_front();
+    FinishRecv(peer);
+  }
+}
+
+bool TcpTransport::Pull(int p, char* dst, uint64_t address, uint64_t tag, uint64_t bytes) {
+  const pid_t pid = peers_[p].same_host.pid;
+  const int err = tcp_internal::ReadProcessMemory(pid, address, dst, bytes);
+  if (err != 0) {
+    Fail(absl::UnavailableError(absl::StrCat(
+        "reading ", DescribeTag(tag), " (", bytes, " bytes) from the memory of peer ", p,
+        " (pid ", pid, ", same-host copy) failed: ", ErrnoString(err),
+        err == ESRCH ? "; the peer's process is gone" : "")));
+    return false;
+  }
+  ++pulled_messages_;
+  return true;
+}
+
+// Queues (and tries to write at once) the ACK of a pulled message. A write error is left for
+// PumpSend to find, so the receive path never closes a peer under itself.
+void TcpTransport::QueueAck(int p, uint64_t tag, uint64_t bytes) {
+  Peer& peer = peers_[p];
+  SendOp op{nullptr, 0, 0, MakeHeader(FrameKind::kAck, tag, bytes), kControl};
+  if (peer.sends.empty() && peer.fd.valid()) {
+    const ssize_t n =
+        ::send(peer.fd.get(), &op.header, kHeaderBytes, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n == static_cast<ssize_t>(kHeaderBytes)) return;
+    if (n > 0) op.done = n;
+  }
+  peer.sends.push_back(op);
+}
+
+void TcpTransport::FinishRecv(Peer& peer) {
   peer.recvs.pop_front();
   ++peer.recvs_done;
+}
+
+void TcpTransport::CompleteRecv(Peer& peer) {
+  peer.rx_skip = FramePad(peer.recvs.front().bytes);
+  FinishRecv(peer);
   peer.rx_mode = RxMode::kHeader;
   peer.rx_got = 0;
 }

@@ -26,6 +26,16 @@
 //   at the next Poll(). A clean Shutdown(OK) (a communicator that finished) breaks it only when
 //   this rank sends to that peer or posts a receive its stash cannot satisfy. The code is in
 //   tcp_transport_errors.cc.
+// * Same host: where a peer runs on this host and may be read with process_vm_readv (negotiated
+//   per connection at setup, internal/same_host.h; the socket is used wherever it fails), a
+//   message of at least "tcp.cma_min_bytes" travels as a PULL frame naming its address: the
+//   receiver copies it straight from the sender's memory into the posted buffer (one copy
+//   instead of two plus the TCP stack) and answers with an ACK, which completes the send. Such
+//   sends complete only once the receiver has matched them (rendezvous, which the Communicator
+//   contract allows and the collective schedules are built for). To read ACKs while nothing is
+//   posted from that peer, a rank with unacknowledged PULLs reads ahead in the peer's stream:
+//   PULL frames (no payload) are queued, small DATA frames are staged up to kReadAheadBytes, and
+//   a larger one stops the read-ahead until its receive is posted (back-pressure still holds).
 #pragma once
 
 #include <poll.h>
@@ -45,6 +55,7 @@
 #include "comm/algorithms/transport.h"
 #include "comm/config.h"
 #include "comm/store/store.h"
+#include "comm/tcp/internal/same_host.h"
 #include "comm/tcp/internal/socket.h"
 #include "comm/tcp/internal/wire.h"
 
@@ -58,11 +69,19 @@ namespace fairscale::comm {
 //                            1.3-2x for messages of 512 KiB and up.
 //   "tcp.recv_buffer_bytes"  SO_RCVBUF (default 0: autotuning; pinning it only lost bandwidth).
 //                            At least kMinRecvBufferBytes: a window below one segment stalls.
+//   "tcp.cma_min_bytes"      messages of at least this many bytes to a peer on the same host are
+//                            read by the receiver from the sender's memory (default 64 KiB; 0
+//                            keeps everything on the socket). The two ends of a connection use
+//                            the larger of their values.
 inline constexpr int kMinRecvBufferBytes = 64 << 10;
 struct TcpOptions {
   int send_buffer_bytes = 512 << 10;
   int recv_buffer_bytes = 0;
+  int cma_min_bytes = 64 << 10;
 };
+// Read-ahead of a peer that owes this rank ACKs: DATA frames of up to this many bytes in all are
+// staged while no receive is posted for them.
+inline constexpr size_t kReadAheadBytes = 1 << 20;
 absl::StatusOr<TcpOptions> ParseTcpOptions(const CommConfig& config);
 
 class TcpTransport final : public Transport {
@@ -84,46 +103,70 @@ class TcpTransport final : public Transport {
   void Cancel(const absl::Status& reason) override;
   void Shutdown(const absl::Status& reason) override;
 
+  // Peers whose large messages this rank reads from their memory (same-host copies).
+  int same_host_peers() const;
+  // Messages received that way so far.
+  uint64_t pulled_messages() const { return pulled_messages_; }
+
  private:
+  // Index of a SendOp that is not a request (an ACK).
+  static constexpr uint64_t kControl = ~uint64_t{0};
   struct SendOp {
     const char* data;
-    size_t bytes;
-    size_t done;  // of tcp_internal::FrameBytes(bytes)
+    size_t bytes;  // payload bytes on the wire (0 for PULL and ACK frames)
+    size_t done;   // of tcp_internal::FrameBytes(bytes)
     tcp_internal::FrameHeader header;
+    uint64_t index;  // the request's per-peer index, or kControl
+  };
+  // A PULL this rank sent whose ACK has not arrived: its request is not done yet.
+  struct Unacked {
+    uint64_t index;
+    uint64_t tag;
+    uint64_t bytes;
   };
   struct RecvOp {
     char* data;
     size_t bytes;
     uint64_t tag;
   };
-  // What the bytes arriving from a peer are being read into.
-  enum class RxMode { kHeader, kData, kStash, kError };
+  // What the bytes arriving from a peer are being read into. kParked: a DATA header was read
+  // ahead and its payload stays in the socket until a receive is posted for it.
+  enum class RxMode { kHeader, kData, kStash, kError, kParked };
   // How a peer left: Shutdown(OK), Shutdown(error), or without a word (crash, reset).
   enum class Departure { kNone, kShutDown, kFailed, kVanished };
-  // A message read from a closing peer before this rank posted its receive.
-  struct Stashed {
+  // A message read before this rank posted its receive: read ahead (a PULL, or a small DATA
+  // frame) while waiting for ACKs, or drained from a closing peer.
+  struct Ahead {
     uint64_t tag;
-    std::string payload;
+    uint64_t bytes;
+    bool pulled;      // a PULL: the message is still in the peer's memory at `address`
+    uint64_t address;
+    std::string payload;  // DATA: the message
+    bool counted;         // its payload counts towards Peer::ahead_bytes
   };
   struct Peer {
     tcp_internal::UniqueFd fd;
     std::string address;
     std::deque<SendOp> sends;
     std::deque<RecvOp> recvs;
-    // Requests complete in posting order per peer and direction, so "done" is a count.
-    uint64_t sends_posted = 0, sends_done = 0;
+    // Receives complete in posting order, so "done" is a count. Sends are written in order; a
+    // written one is done unless it is a PULL still waiting for its ACK.
+    uint64_t sends_posted = 0, sends_written = 0;
     uint64_t recvs_posted = 0, recvs_done = 0;
+    std::deque<Unacked> unacked;
+    tcp_internal::SameHostPeer same_host;
     tcp_internal::FrameHeader rx_header{};
     size_t rx_header_got = 0;
     RxMode rx_mode = RxMode::kHeader;
     size_t rx_got = 0;  // payload bytes of the current frame consumed so far
     std::string rx_reason;
     size_t rx_skip = 0;  // padding of the previous frame still to be read
-    // Set once the peer is gone (fd closed). `stash` holds the messages it sent before that no
-    // receive had claimed yet; they are still delivered.
+    // Set once the peer is gone (fd closed). `ahead` holds the messages it sent that no receive
+    // has claimed yet (in order); they are still delivered.
     Departure departed = Departure::kNone;
     std::string departure_detail;  // kFailed: the peer's reason; kVanished: the socket error
-    std::deque<Stashed> stash;
+    std::deque<Ahead> ahead;
+    size_t ahead_bytes = 0;  // staged DATA payload in `ahead` while the peer is connected
   };
   enum class Pump { kIdle, kBlocked, kClosed, kStopped };
 
@@ -137,7 +180,15 @@ class TcpTransport final : public Transport {
   void PumpSend(int p);
   Pump PumpRecv(int p, bool drain, int* err);
   void ServiceRecv(int p);
-  void OnHeader(int p, size_t spill);
+  void OnHeader(int p, size_t spill, bool drain);
+  void AcceptData(int p, size_t spill);
+  void ServeAhead(int p);
+  bool Pull(int p, char* dst, uint64_t address, uint64_t tag, uint64_t bytes);
+  void QueueAck(int p, uint64_t tag, uint64_t bytes);
+  void SendWritten(Peer& peer, const SendOp& op);
+  bool ReadsAhead(const Peer& peer) const;
+  bool WantsRead(const Peer& peer) const;
+  void FinishRecv(Peer& peer);
   void CompleteRecv(Peer& peer);
   void FinishErrorFrame(int p);
   void PeerClosed(int p, int err);
@@ -161,6 +212,7 @@ class TcpTransport final : public Transport {
   char pad_sink_[tcp_internal::kStreamAlignment];  // sink for frame padding
   std::vector<pollfd> pollfds_;
   std::vector<int> poll_peers_;
+  uint64_t pulled_messages_ = 0;
 
   std::atomic<bool> cancelled_{false};
   absl::Mutex cancel_mu_;

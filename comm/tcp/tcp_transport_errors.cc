@@ -70,7 +70,15 @@ void TcpTransport::Depart(int p, Departure how, std::string detail) {
   peer.departure_detail = std::move(detail);
   peer.fd.Reset();
   // A message cut off mid-stash can never be delivered.
-  if (peer.rx_mode == RxMode::kStash) peer.stash.pop_back();
+  if (peer.rx_mode == RxMode::kStash) {
+    if (peer.ahead.back().counted) peer.ahead_bytes -= peer.ahead.back().bytes;
+    peer.ahead.pop_back();
+    peer.rx_mode = RxMode::kHeader;
+  }
+  // ACKs owed to it are moot.
+  peer.sends.erase(std::remove_if(peer.sends.begin(), peer.sends.end(),
+                                  [](const SendOp& op) { return op.index == kControl; }),
+                   peer.sends.end());
   ServeDeparted(p);
 }
 
@@ -80,18 +88,11 @@ void TcpTransport::ServeDeparted(int p) {
   if (broken_.ok() && !peer.recvs.empty() && peer.rx_mode == RxMode::kData) {
     return Fail(DepartureError(p));
   }
-  while (broken_.ok() && !peer.recvs.empty()) {
-    if (peer.stash.empty()) return Fail(DepartureError(p));
-    Stashed& m = peer.stash.front();
-    const RecvOp& op = peer.recvs.front();
-    if (m.tag != op.tag || m.payload.size() != op.bytes) {
-      return Fail(MismatchError(p, m.tag, m.payload.size()));
-    }
-    if (op.bytes > 0) std::memcpy(op.data, m.payload.data(), op.bytes);
-    peer.stash.pop_front();
-    CompleteRecv(peer);
+  ServeAhead(p);
+  // Nothing left that the receives could be satisfied from, or sends nobody will read.
+  if (broken_.ok() && (!peer.recvs.empty() || !peer.sends.empty() || !peer.unacked.empty())) {
+    Fail(DepartureError(p));
   }
-  if (broken_.ok() && !peer.sends.empty()) Fail(DepartureError(p));
 }
 
 bool TcpTransport::FailForDepartedPeer(bool idle) {
@@ -101,7 +102,7 @@ bool TcpTransport::FailForDepartedPeer(bool idle) {
     const bool gone =
         peer.departed == Departure::kFailed || peer.departed == Departure::kVanished;
     // While an operation runs, what the peer sent before leaving is consumed first.
-    if (gone && (idle || peer.stash.empty())) culprit = p;
+    if (gone && (idle || peer.ahead.empty())) culprit = p;
   }
   if (culprit < 0 || !broken_.ok()) return false;
   // Messages from the others that caused this departure are already in our sockets (the failure
@@ -134,8 +135,13 @@ std::string TcpTransport::Progress(int p) const {
     const size_t got = peer.rx_mode == RxMode::kData ? peer.rx_got : 0;
     return absl::StrCat(" after ", got, "/", op.bytes, " bytes of ", DescribeTag(op.tag));
   }
-  if (!peer.sends.empty()) {
-    const SendOp& op = peer.sends.front();
+  if (!peer.unacked.empty()) {
+    const Unacked& u = peer.unacked.front();
+    return absl::StrCat(" before reading ", DescribeTag(u.tag), " (", u.bytes,
+                        " bytes) from this rank's memory");
+  }
+  for (const SendOp& op : peer.sends) {
+    if (op.index == kControl) continue;
     return absl::StrCat(" while this rank was sending ", DescribeTag(op.header.tag), " (",
                         PayloadSent(op.done, op.bytes), "/", op.bytes, " bytes sent)");
   }
@@ -156,13 +162,25 @@ absl::Status TcpTransport::DeadlineError() const {
         absl::StrAppend(&what.back(), " (+", peer.recvs.size() - 1, " more receives)");
       }
     }
-    if (!peer.sends.empty()) {
-      const SendOp& op = peer.sends.front();
-      what.push_back(absl::StrCat("sent ", PayloadSent(op.done, op.bytes), "/", op.bytes,
-                                  " bytes of ", DescribeTag(op.header.tag)));
-      if (peer.sends.size() > 1) {
-        absl::StrAppend(&what.back(), " (+", peer.sends.size() - 1, " more sends)");
+    if (!peer.unacked.empty()) {
+      const Unacked& u = peer.unacked.front();
+      what.push_back(absl::StrCat("waiting for peer ", p, " to read ", DescribeTag(u.tag), " (",
+                                  u.bytes, " bytes) from this rank's memory"));
+      if (peer.unacked.size() > 1) {
+        absl::StrAppend(&what.back(), " (+", peer.unacked.size() - 1, " more)");
       }
+    }
+    const auto first = std::find_if(peer.sends.begin(), peer.sends.end(),
+                                    [](const SendOp& op) { return op.index != kControl; });
+    if (first != peer.sends.end()) {
+      const size_t more = std::count_if(first + 1, peer.sends.end(),
+                                        [](const SendOp& op) { return op.index != kControl; });
+      what.push_back(absl::StrCat("sent ", PayloadSent(first->done, first->bytes), "/",
+                                  first->header.kind == static_cast<uint32_t>(FrameKind::kPull)
+                                      ? first->header.bytes
+                                      : first->bytes,
+                                  " bytes of ", DescribeTag(first->header.tag)));
+      if (more > 0) absl::StrAppend(&what.back(), " (+", more, " more sends)");
     }
     if (!what.empty()) {
       waiting.push_back(absl::StrCat("peer ", p, ": ", absl::StrJoin(what, ", ")));

@@ -5,10 +5,12 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -19,6 +21,7 @@
 #include "base/status_matchers.h"
 #include "comm/store/hash_store.h"
 #include "comm/tcp/internal/mesh.h"
+#include "comm/tcp/internal/same_host.h"
 #include "comm/tcp/internal/wire.h"
 #include "comm/testing/rank_runner.h"
 #include "gmock/gmock.h"
@@ -36,9 +39,15 @@ constexpr absl::Duration kTimeout = absl::Seconds(20);
 
 absl::Time Deadline() { return absl::Now() + kTimeout; }
 
-CommConfig Config() {
+// How large messages travel between ranks of this host: through the socket, or read by the
+// receiver from the sender's memory (the default; ranks that are threads of one process do
+// that too).
+enum class Path { kSocket, kSameHost };
+
+CommConfig Config(Path path = Path::kSameHost) {
   CommConfig config;
   config.timeout = kTimeout;
+  if (path == Path::kSocket) config.options["tcp.cma_min_bytes"] = "0";
   return config;
 }
 
@@ -49,13 +58,14 @@ constexpr absl::Duration kRunTimeout = absl::Seconds(60);
 
 // n transports over `store`, connected by n rank threads (testing::RunThreads); a failed rank
 // leaves its entry null and is reported by ExpectAllOk.
-Mesh MakeMesh(int n, std::shared_ptr<Store> store = std::make_shared<HashStore>()) {
+Mesh MakeMesh(int n, Path path = Path::kSameHost,
+              std::shared_ptr<Store> store = std::make_shared<HashStore>()) {
   Mesh mesh(n);
   testing::ExpectAllOk(testing::RunThreads(
                            n,
                            [&](int r) -> absl::Status {
                              FS_ASSIGN_OR_RETURN(mesh[r],
-                                                 TcpTransport::Create(store, r, n, Config()));
+                                                 TcpTransport::Create(store, r, n, Config(path)));
                              return absl::OkStatus();
                            },
                            kRunTimeout),
@@ -78,6 +88,13 @@ std::vector<uint8_t> Pattern(size_t bytes, int seed) {
 
 uint64_t Tag(uint64_t seq) { return MakeTag(OpType::kAllReduce, seq); }
 
+// The data-path tests run over both paths.
+class TcpTransportPath : public ::testing::TestWithParam<Path> {};
+INSTANTIATE_TEST_SUITE_P(Paths, TcpTransportPath, ::testing::Values(Path::kSocket, Path::kSameHost),
+                         [](const ::testing::TestParamInfo<Path>& info) {
+                           return info.param == Path::kSocket ? "Socket" : "SameHost";
+                         });
+
 TEST(TcpTransport, SingleRankNeedsNoPeers) {
   Mesh mesh = MakeMesh(1);
   ASSERT_NE(mesh[0], nullptr);
@@ -85,8 +102,8 @@ TEST(TcpTransport, SingleRankNeedsNoPeers) {
   EXPECT_OK(mesh[0]->Poll());
 }
 
-TEST(TcpTransport, PingPongAllSizes) {
-  Mesh mesh = MakeMesh(2);
+TEST_P(TcpTransportPath, PingPongAllSizes) {
+  Mesh mesh = MakeMesh(2, GetParam());
   const std::vector<size_t> sizes = {0, 1, 7, 8, 4096, 65537, 1 << 20, 5 << 20};
   auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
     uint64_t seq = 0;
@@ -112,8 +129,8 @@ TEST(TcpTransport, PingPongAllSizes) {
   for (const auto& s : statuses) EXPECT_OK(s);
 }
 
-TEST(TcpTransport, ZeroByteMessagesWithNullBuffers) {
-  Mesh mesh = MakeMesh(3);
+TEST_P(TcpTransportPath, ZeroByteMessagesWithNullBuffers) {
+  Mesh mesh = MakeMesh(3, GetParam());
   auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
     std::vector<Transport::Request> reqs;
     for (int round = 1; round <= 50; ++round) {
@@ -130,10 +147,10 @@ TEST(TcpTransport, ZeroByteMessagesWithNullBuffers) {
 
 // Every rank posts many sends of assorted sizes to every other rank before any receive, then
 // all receives, then waits for everything at once.
-TEST(TcpTransport, ManyMessagesAllDirectionsAtOnce) {
+TEST_P(TcpTransportPath, ManyMessagesAllDirectionsAtOnce) {
   constexpr int kRanks = 4;
   constexpr int kMessages = 150;
-  Mesh mesh = MakeMesh(kRanks);
+  Mesh mesh = MakeMesh(kRanks, GetParam());
   auto size_of = [](int from, int to, int i) {
     return static_cast<size_t>((i * 977 + from * 31 + to * 17) % 70000);
   };
@@ -171,9 +188,9 @@ TEST(TcpTransport, ManyMessagesAllDirectionsAtOnce) {
 }
 
 // Both sides send 64 MiB before either receives: progress must interleave reads and writes.
-TEST(TcpTransport, FullDuplexLargeMessagesDoNotDeadlock) {
+TEST_P(TcpTransportPath, FullDuplexLargeMessagesDoNotDeadlock) {
   constexpr size_t kBytes = 64 << 20;
-  Mesh mesh = MakeMesh(2);
+  Mesh mesh = MakeMesh(2, GetParam());
   auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
     std::vector<uint8_t> out = Pattern(kBytes, rank), in(kBytes);
     const int peer = 1 - rank;
@@ -187,8 +204,8 @@ TEST(TcpTransport, FullDuplexLargeMessagesDoNotDeadlock) {
   for (const auto& s : statuses) EXPECT_OK(s);
 }
 
-TEST(TcpTransport, SizeMismatchNamesPeerTagsAndSizes) {
-  Mesh mesh = MakeMesh(2);
+TEST_P(TcpTransportPath, SizeMismatchNamesPeerTagsAndSizes) {
+  Mesh mesh = MakeMesh(2, GetParam());
   std::vector<uint8_t> out(40), in(80);
   auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
     if (rank == 1) return t.Wait({t.Isend(0, Tag(3), out.data(), 40)}, Deadline());
@@ -207,8 +224,8 @@ TEST(TcpTransport, SizeMismatchNamesPeerTagsAndSizes) {
   EXPECT_THAT(mesh[0]->Poll(), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
-TEST(TcpTransport, TagMismatchNamesBothTags) {
-  Mesh mesh = MakeMesh(2);
+TEST_P(TcpTransportPath, TagMismatchNamesBothTags) {
+  Mesh mesh = MakeMesh(2, GetParam());
   std::vector<uint8_t> buf(16);
   auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
     if (rank == 0) {
@@ -239,7 +256,7 @@ TEST(TcpTransport, DeadlineListsWhatIsPending) {
 // not asked for), so the sender's deadline reports how far it got.
 TEST(TcpTransport, UnreceivedDataStaysInTheKernel) {
   constexpr size_t kBytes = 64 << 20;
-  Mesh mesh = MakeMesh(2);
+  Mesh mesh = MakeMesh(2, Path::kSocket);
   std::vector<uint8_t> big(kBytes);
   auto s = mesh[0]->Isend(1, Tag(1), big.data(), kBytes);
   EXPECT_OK(mesh[1]->Poll());  // health check only: must not consume the message
@@ -297,9 +314,9 @@ TEST(TcpTransport, PeerShutdownWithErrorFailsWaitersWithItsReason) {
 // Rank 1 fails halfway through writing a large message while rank 0 streams to it and nobody
 // reads rank 0's bytes on rank 1: the shutdown completes the half-written frame, so the reason
 // still reaches rank 0 behind it.
-TEST(TcpTransport, PeerShutdownMidStreamStillDeliversTheReason) {
+TEST_P(TcpTransportPath, PeerShutdownMidStreamStillDeliversTheReason) {
   constexpr size_t kBytes = 32 << 20;
-  Mesh mesh = MakeMesh(2);
+  Mesh mesh = MakeMesh(2, GetParam());
   std::vector<uint8_t> a(kBytes), b(kBytes), c(kBytes);
   auto s = mesh[0]->Isend(1, Tag(1), a.data(), kBytes);
   auto r = mesh[0]->Irecv(1, Tag(1), b.data(), kBytes);
@@ -330,8 +347,8 @@ TEST(TcpTransport, PeerShutdownOkIsAClosedConnection) {
 
 // Ranks finish at different times: a peer that shut down cleanly after sending still delivers
 // what it sent, even when this rank noticed the close before posting the receives.
-TEST(TcpTransport, CleanShutdownStillDeliversWhatThePeerSent) {
-  Mesh mesh = MakeMesh(3);
+TEST_P(TcpTransportPath, CleanShutdownStillDeliversWhatThePeerSent) {
+  Mesh mesh = MakeMesh(3, GetParam());
   std::vector<uint8_t> a = Pattern(100, 1), b = Pattern(32 << 10, 2);
   std::vector<Transport::Request> sends = {mesh[0]->Isend(1, Tag(1), a.data(), a.size()),
                                            mesh[0]->Isend(1, Tag(2), b.data(), b.size()),
@@ -378,8 +395,8 @@ TEST(TcpTransport, DestroyedPeerIsAClosedConnection) {
                        "peer 0 closed the connection after 0/100 bytes of all_reduce #9"));
 }
 
-TEST(TcpTransport, SendToClosedPeerFailsWithoutSigpipe) {
-  Mesh mesh = MakeMesh(2);
+TEST_P(TcpTransportPath, SendToClosedPeerFailsWithoutSigpipe) {
+  Mesh mesh = MakeMesh(2, GetParam());
   mesh[1].reset();
   std::vector<uint8_t> buf(1 << 20);
   absl::Status s;
@@ -403,8 +420,10 @@ TEST(TcpTransport, PeerClosingMidMessageReportsByteCount) {
   tcp_internal::MeshOptions options;
   options.timeout = kTimeout;
   auto raw = tcp_internal::ConnectMesh(*store, 0, 2, options);
-  t1.join();
+  // The hand-rolled peer declines same-host copies.
   ASSERT_OK(raw.status());
+  ASSERT_OK(tcp_internal::NegotiateSameHost(*raw, 0, 0, Deadline()).status());
+  t1.join();
   ASSERT_OK(rank1_status);
   const uint64_t tag = Tag(12);
   tcp_internal::FrameHeader h{static_cast<uint32_t>(tcp_internal::FrameKind::kData), 0, tag,
@@ -453,7 +472,7 @@ TEST(TcpTransport, TinySocketBuffersStillMoveData) {
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
-      CommConfig config = Config();
+      CommConfig config = Config(Path::kSocket);
       // Small buffers: every message moves in many partial writes and reads.
       config.options["tcp.send_buffer_bytes"] = "4096";
       config.options["tcp.recv_buffer_bytes"] = "65536";
@@ -471,6 +490,221 @@ TEST(TcpTransport, TinySocketBuffersStillMoveData) {
     return in == Pattern(3 << 20, 1 - rank) ? absl::OkStatus() : absl::DataLossError("differs");
   });
   for (const auto& s : statuses) EXPECT_OK(s);
+}
+
+// ---- Same-host copies (PULL frames): which messages take that path, and its semantics.
+
+// n transports whose ranks use the given tcp.cma_min_bytes values ("" = the default).
+Mesh MakeMeshWith(const std::vector<std::string>& cma_min_bytes) {
+  const int n = static_cast<int>(cma_min_bytes.size());
+  auto store = std::make_shared<HashStore>();
+  Mesh mesh(n);
+  testing::ExpectAllOk(testing::RunThreads(
+                           n,
+                           [&](int r) -> absl::Status {
+                             CommConfig config = Config();
+                             if (!cma_min_bytes[r].empty()) {
+                               config.options["tcp.cma_min_bytes"] = cma_min_bytes[r];
+                             }
+                             FS_ASSIGN_OR_RETURN(mesh[r], TcpTransport::Create(store, r, n, config));
+                             return absl::OkStatus();
+                           },
+                           kRunTimeout),
+                       "MakeMeshWith");
+  return mesh;
+}
+
+// Every rank sends every other rank one message of each size (in that order) and checks what
+// it receives.
+absl::Status ExchangeSizes(int rank, Transport& t, const std::vector<size_t>& sizes) {
+  std::vector<std::vector<uint8_t>> out, in;
+  std::vector<Transport::Request> reqs;
+  for (int p = 0; p < t.size(); ++p) {
+    if (p == rank) continue;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      out.push_back(Pattern(sizes[i], rank * 100 + p * 10 + static_cast<int>(i)));
+      in.emplace_back(sizes[i]);
+      reqs.push_back(t.Isend(p, Tag(i + 1), out.back().data(), sizes[i]));
+      reqs.push_back(t.Irecv(p, Tag(i + 1), in.back().data(), sizes[i]));
+    }
+  }
+  FS_RETURN_IF_ERROR(t.Wait(reqs, Deadline()));
+  size_t k = 0;
+  for (int p = 0; p < t.size(); ++p) {
+    if (p == rank) continue;
+    for (size_t i = 0; i < sizes.size(); ++i, ++k) {
+      if (in[k] != Pattern(sizes[i], p * 100 + rank * 10 + static_cast<int>(i))) {
+        return absl::DataLossError(absl::StrCat("message of ", sizes[i], " bytes from ", p));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+TEST(TcpTransportSameHost, LargeMessagesAreReadFromTheSendersMemory) {
+  constexpr size_t kMin = 64 << 10;  // the default threshold
+  Mesh mesh = MakeMesh(3);
+  for (const auto& t : mesh) EXPECT_EQ(t->same_host_peers(), 2);
+  const std::vector<size_t> sizes = {0, 100, kMin - 1, kMin, (3 << 20) + 5};
+  testing::ExpectAllOk(RunRanks(mesh, [&](int rank, Transport& t) {
+    return ExchangeSizes(rank, t, sizes);
+  }));
+  // From each of 2 peers: the two messages of at least kMin.
+  for (const auto& t : mesh) EXPECT_EQ(t->pulled_messages(), 4u);
+}
+
+TEST(TcpTransportSameHost, BothEndsMustAgreeAndTheLargerThresholdWins) {
+  {
+    Mesh mesh = MakeMeshWith({"0", ""});  // rank 0 declines: both directions use the socket
+    for (const auto& t : mesh) EXPECT_EQ(t->same_host_peers(), 0);
+    testing::ExpectAllOk(RunRanks(mesh, [&](int rank, Transport& t) {
+      return ExchangeSizes(rank, t, {1 << 20});
+    }));
+    for (const auto& t : mesh) EXPECT_EQ(t->pulled_messages(), 0u);
+  }
+  Mesh mesh = MakeMeshWith({"1048576", "65536"});
+  for (const auto& t : mesh) EXPECT_EQ(t->same_host_peers(), 1);
+  testing::ExpectAllOk(RunRanks(mesh, [&](int rank, Transport& t) {
+    return ExchangeSizes(rank, t, {512 << 10, (1 << 20) - 1, 1 << 20});
+  }));
+  for (const auto& t : mesh) EXPECT_EQ(t->pulled_messages(), 1u);
+}
+
+TEST(TcpTransportSameHost, OptionMustBeAByteCount) {
+  CommConfig config = Config();
+  config.options["tcp.cma_min_bytes"] = "-1";
+  EXPECT_THAT(ParseTcpOptions(config),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tcp.cma_min_bytes")));
+  config.options["tcp.cma_min_bytes"] = "0";
+  ASSERT_OK_AND_ASSIGN(TcpOptions options, ParseTcpOptions(config));
+  EXPECT_EQ(options.cma_min_bytes, 0);
+}
+
+// A pulled send completes once the receiver has read it, not before (rendezvous), and a
+// deadline says so.
+TEST(TcpTransportSameHost, PulledSendCompletesWhenReceived) {
+  Mesh mesh = MakeMesh(2);
+  std::vector<uint8_t> out = Pattern(1 << 20, 1), in(1 << 20);
+  auto s = mesh[0]->Isend(1, Tag(1), out.data(), out.size());
+  EXPECT_THAT(mesh[0]->Wait({s}, absl::Now() + absl::Milliseconds(100)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       "deadline exceeded while waiting for peer 1: waiting for peer 1 to read "
+                       "all_reduce #1 (1048576 bytes) from this rank's memory"));
+  // The receiver still gets the message: its sender was only too impatient.
+  EXPECT_OK(mesh[1]->Wait({mesh[1]->Irecv(0, Tag(1), in.data(), in.size())}, Deadline()));
+  EXPECT_EQ(in, out);
+}
+
+// A rank waiting for its PULL's ACK reads past what it has not posted yet: small DATA frames
+// are staged and PULL frames queued, so the send completes; a DATA frame larger than the
+// read-ahead budget stays in the kernel until its receive is posted, and the ACK behind it
+// waits with it. Everything is delivered in order once the receives are posted.
+TEST(TcpTransportSameHost, AcksAreReadAheadOfUnpostedMessages) {
+  constexpr size_t kMin = 4 << 20;  // so that a 2 MiB message is a DATA frame
+  Mesh mesh = MakeMeshWith({std::to_string(kMin), std::to_string(kMin)});
+  const std::vector<size_t> sizes = {100, kMin, 0};
+  std::vector<std::vector<uint8_t>> from1, got(3);
+  for (size_t i = 0; i < sizes.size(); ++i) from1.push_back(Pattern(sizes[i], 10 + i));
+  for (size_t i = 0; i < sizes.size(); ++i) got[i].resize(sizes[i]);
+  std::vector<uint8_t> from0 = Pattern(kMin, 1), at1(kMin);
+  // Rank 1 sends its three messages, then receives rank 0's (and acknowledges it).
+  std::thread rank1([&] {
+    std::vector<Transport::Request> reqs;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      reqs.push_back(mesh[1]->Isend(0, Tag(i + 1), from1[i].data(), sizes[i]));
+    }
+    reqs.push_back(mesh[1]->Irecv(0, Tag(9), at1.data(), at1.size()));
+    EXPECT_OK(mesh[1]->Wait(reqs, Deadline()));
+  });
+  // Rank 0 waits for its send alone: the ACK is behind a staged DATA frame and a PULL.
+  EXPECT_OK(mesh[0]->Wait({mesh[0]->Isend(1, Tag(9), from0.data(), from0.size())}, Deadline()));
+  std::vector<Transport::Request> reqs;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    reqs.push_back(mesh[0]->Irecv(1, Tag(i + 1), got[i].data(), sizes[i]));
+  }
+  EXPECT_OK(mesh[0]->Wait(reqs, Deadline()));
+  rank1.join();
+  EXPECT_EQ(at1, from0);
+  for (size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(got[i], from1[i]) << i;
+
+  // Now a 2 MiB DATA frame (over the 1 MiB read-ahead budget) ahead of the ACK.
+  std::vector<uint8_t> mid = Pattern(2 << 20, 5), mid_got(2 << 20), small_got(100);
+  std::thread again([&] {
+    EXPECT_OK(mesh[1]->Wait({mesh[1]->Isend(0, Tag(20), from1[0].data(), 100),
+                             mesh[1]->Isend(0, Tag(21), mid.data(), mid.size()),
+                             mesh[1]->Irecv(0, Tag(22), at1.data(), at1.size())},
+                            Deadline()));
+  });
+  auto s = mesh[0]->Isend(1, Tag(22), from0.data(), from0.size());
+  for (int i = 0; i < 20; ++i) {  // reads ahead as far as it may
+    ASSERT_OK(mesh[0]->Poll());
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_OK(mesh[0]->Wait({mesh[0]->Irecv(1, Tag(20), small_got.data(), 100),
+                           mesh[0]->Irecv(1, Tag(21), mid_got.data(), mid_got.size()), s},
+                          Deadline()));
+  again.join();
+  EXPECT_EQ(small_got, std::vector<uint8_t>(from1[0].begin(), from1[0].end()));
+  EXPECT_EQ(mid_got, mid);
+}
+
+TEST(TcpTransportSameHost, MismatchedPulledMessageNamesBothSizes) {
+  for (const size_t expected : {size_t{512} << 10, size_t{1000}}) {
+    Mesh mesh = MakeMesh(2);
+    std::vector<uint8_t> out(1 << 20), in(expected + 64, 0xAB);
+    auto statuses = RunRanks(mesh, [&](int rank, Transport& t) -> absl::Status {
+      if (rank == 1) return t.Wait({t.Isend(0, Tag(3), out.data(), out.size())}, Deadline());
+      absl::Status status = t.Wait({t.Irecv(1, Tag(3), in.data(), expected)}, Deadline());
+      // As a communicator does when it breaks: the sender, whose send waits for this rank to
+      // read it, learns why at once.
+      if (!status.ok()) t.Shutdown(status);
+      return status;
+    });
+    const std::string error = absl::StrCat(
+        "peer 1 sent all_reduce #3 with 1048576 bytes but this rank expects all_reduce #3 with ",
+        expected, " bytes");
+    EXPECT_THAT(statuses[0], StatusIs(absl::StatusCode::kInvalidArgument, error));
+    EXPECT_THAT(statuses[1],
+                StatusIs(absl::StatusCode::kUnavailable, absl::StrCat("peer 0 failed: ", error)));
+    // Nothing was written past the posted buffer.
+    for (size_t i = expected; i < in.size(); ++i) ASSERT_EQ(in[i], 0xAB) << i;
+  }
+}
+
+// Ranks as processes: the copies cross process boundaries, and a PULL whose sender died is a
+// clear error naming the peer and the message ("peer 1 closed the connection after 0/N bytes of
+// all_reduce #1", or "reading all_reduce #1 (N bytes) from the memory of peer 1 (pid P,
+// same-host copy) failed: No such process").
+TEST(TcpTransportSameHost, AcrossProcesses) {
+  const size_t kBytes = (3 << 20) + 1;
+  testing::ExpectAllOk(testing::RunProcesses(
+      3,
+      [&](int rank) -> absl::Status {
+        const CommConfig config = testing::RankConfig(kTimeout);
+        FS_ASSIGN_OR_RETURN(auto t, TcpTransport::Create(config.store, rank, 3, config));
+        FS_RETURN_IF_ERROR(testing::Check(t->same_host_peers() == 2, "same_host_peers"));
+        FS_RETURN_IF_ERROR(ExchangeSizes(rank, *t, {100, kBytes}));
+        return testing::Check(t->pulled_messages() == 2, "pulled_messages");
+      },
+      kRunTimeout));
+  const auto statuses = testing::RunProcesses(
+      2,
+      [&](int rank) -> absl::Status {
+        const CommConfig config = testing::RankConfig(kTimeout);
+        FS_ASSIGN_OR_RETURN(auto t, TcpTransport::Create(config.store, rank, 2, config));
+        std::vector<uint8_t> buf(kBytes);
+        if (rank == 1) {
+          t->Isend(0, Tag(1), buf.data(), buf.size());
+          std::_Exit(3);  // with its PULL unread
+        }
+        absl::SleepFor(absl::Milliseconds(300));
+        return t->Wait({t->Irecv(1, Tag(1), buf.data(), buf.size())}, Deadline());
+      },
+      kRunTimeout);
+  // Either the close is noticed first or the read finds the process gone.
+  EXPECT_THAT(statuses[0], StatusIs(absl::StatusCode::kUnavailable,
+                                    AllOf(HasSubstr("peer 1 "), HasSubstr("all_reduce #1"))));
+  EXPECT_FALSE(statuses[1].ok());
 }
 
 }  // namespace
