@@ -64,7 +64,8 @@ ABSL_FLAG(int64_t, bytes_per_round, 32 << 20, "iterations per round = this / siz
 ABSL_FLAG(std::string, backends, "tcp,ucx,ucx-shm",
           "our backends to measure: registry names, plus ucx (= ucx with ucx.tls=tcp) and "
           "ucx-shm (= ucx with ucx.tls=posix,sysv,self), ucx-cma (posix,sysv,cma,self), "
-          "ucx-env (= ucx as UCX_TLS says)");
+          "ucx-env (= ucx as UCX_TLS says), tcp-socket (= tcp with tcp.cma_min_bytes=0: no "
+          "same-host copies)");
 ABSL_FLAG(std::string, out, "", "also write the markdown table here");
 ABSL_FLAG(std::string, comm_options, "",
           "CommConfig options for our backends, e.g. "
@@ -101,6 +102,7 @@ std::pair<std::string, std::map<std::string, std::string>> ResolveBackend(const 
   if (b == "ucx-shm") return {"ucx", {{"ucx.tls", kUcxShmTransports}}};
   if (b == "ucx-cma") return {"ucx", {{"ucx.tls", kUcxCmaTransports}}};
   if (b == "ucx-env") return {"ucx", {}};  // UCX's own choice (UCX_TLS etc. from the environment)
+  if (b == "tcp-socket") return {"tcp", {{"tcp.cma_min_bytes", "0"}}};  // no same-host copies
   return {b, {}};
 }
 

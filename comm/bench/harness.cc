@@ -29,10 +29,11 @@ std::optional<BenchRank> RankFromEnv(absl::string_view prefix) {
   return r;
 }
 
-absl::StatusOr<std::shared_ptr<Communicator>> Connect(const BenchRank& rank,
-                                                      absl::string_view backend,
-                                                      absl::Duration timeout) {
+absl::StatusOr<std::shared_ptr<Communicator>> Connect(
+    const BenchRank& rank, absl::string_view backend, absl::Duration timeout,
+    const absl::flat_hash_map<std::string, std::string>& options) {
   CommConfig config;
+  config.options = options;
   config.rank = rank.rank;
   config.size = rank.size;
   config.timeout = timeout;

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -37,10 +38,12 @@ struct BenchRank {
 // _DIR set), else nullopt.
 std::optional<BenchRank> RankFromEnv(absl::string_view prefix);
 
-// The rank's communicator: `backend` over a FileStore in the shared directory.
-absl::StatusOr<std::shared_ptr<Communicator>> Connect(const BenchRank& rank,
-                                                      absl::string_view backend = "tcp",
-                                                      absl::Duration timeout = absl::Minutes(5));
+// The rank's communicator: `backend` over a FileStore in the shared directory, with `options`
+// (CommConfig::options, e.g. {"tcp.cma_min_bytes", "0"}).
+absl::StatusOr<std::shared_ptr<Communicator>> Connect(
+    const BenchRank& rank, absl::string_view backend = "tcp",
+    absl::Duration timeout = absl::Minutes(5),
+    const absl::flat_hash_map<std::string, std::string>& options = {});
 
 // Makes a fresh directory under $TEST_TMPDIR (else /tmp), runs n copies of this binary with
 // `args` and <prefix>_RANK/_SIZE/_DIR, and returns the directory once all exited 0; otherwise

@@ -37,11 +37,12 @@ import time
 
 TORCH_CONFIGS = ("DDP", "ZERO_DDP", "torch_unwrapped")
 OUR_CONFIGS = ("NO_SHARD", "FULL_SHARD", "SHARD_GRAD_OP", "OSS_SDP", "unwrapped")
-# Our backends, as a configuration suffix ("FULL_SHARD@ucx-shm"; none: tcp): --backend and the
-# environment of the ranks.
-BACKENDS = {"tcp": ("tcp", {}),
-            "ucx-shm": ("ucx", {"UCX_TLS": "posix,sysv,self"}),
-            "ucx-cma": ("ucx", {"UCX_TLS": "posix,sysv,cma,self"})}
+# Our backends, as a configuration suffix ("FULL_SHARD@ucx-shm"; none: tcp): --backend, the
+# environment of the ranks and --comm_options. tcp-socket: tcp without its same-host copies.
+BACKENDS = {"tcp": ("tcp", {}, ""),
+            "tcp-socket": ("tcp", {}, "tcp.cma_min_bytes=0"),
+            "ucx-shm": ("ucx", {"UCX_TLS": "posix,sysv,self"}, ""),
+            "ucx-cma": ("ucx", {"UCX_TLS": "posix,sysv,cma,self"}, "")}
 
 
 def build_model(nn, torch, spec):
@@ -285,9 +286,10 @@ def run_config(args, config, n, data_path, work):
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config=" + config] + common
         else:
             ours, _, backend = config.partition("@")
-            backend, backend_env = BACKENDS[backend or "tcp"]
+            backend, backend_env, comm_options = BACKENDS[backend or "tcp"]
             env.update(backend_env)
-            cmd = [args.binary, "--config=" + ours, "--backend=" + backend] + common
+            cmd = [args.binary, "--config=" + ours, "--backend=" + backend,
+                   "--comm_options=" + comm_options] + common
             if ours != "unwrapped" and args.bucket_cap_mb:
                 cmd.append("--bucket_cap_mb=%g" % args.bucket_cap_mb)
         log = open(os.path.join(run_dir, "rank%d.log" % r), "w")
@@ -357,7 +359,8 @@ def main():
     ap.add_argument("--model", default="gpt", choices=["gpt", "mlp"])
     ap.add_argument("--configs", default="DDP,NO_SHARD,FULL_SHARD,ZERO_DDP,OSS_SDP",
                     help="PyTorch's: DDP, ZERO_DDP, torch_unwrapped; ours: NO_SHARD, FULL_SHARD, "
-                         "SHARD_GRAD_OP, OSS_SDP, unwrapped, over tcp, or with a suffix @ucx-shm "
+                         "SHARD_GRAD_OP, OSS_SDP, unwrapped, over tcp, or with a suffix @tcp-socket "
+                         "(tcp without its same-host copies), @ucx-shm "
                          "(the ucx backend over UCX's shared memory) or @ucx-cma (shared memory + "
                          "cross-memory attach). The first is the baseline. The unwrapped "
                          "ones at n ranks: n independent trainings side by side on the ranks' shares "

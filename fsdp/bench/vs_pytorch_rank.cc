@@ -34,9 +34,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "base/flags.h"
 #include "comm/bench/harness.h"
 #include "comm/communicator.h"
@@ -54,6 +56,8 @@ ABSL_FLAG(std::string, out, "", "where to write this rank's JSON result");
 ABSL_FLAG(int, warmup, 3, "untimed steps");
 ABSL_FLAG(double, lr, 1e-3, "Adam learning rate");
 ABSL_FLAG(double, bucket_cap_mb, 0, "FsdpOptions::bucket_cap_mb");
+ABSL_FLAG(std::string, comm_options, "",
+          "CommConfig options of our backend, key=value,... (e.g. tcp.cma_min_bytes=0)");
 ABSL_FLAG(std::string, backend, "tcp",
           "our backend: tcp, or ucx (UCX picks its transports from UCX_TLS, e.g. posix,sysv,self "
           "for shared memory)");
@@ -307,7 +311,14 @@ int RunRank(const comm::bench::BenchRank& me) {
     Die("unknown --config " + config);
   }
 
-  auto created = comm::bench::Connect(me, absl::GetFlag(FLAGS_backend));
+  absl::flat_hash_map<std::string, std::string> comm_options;
+  for (absl::string_view kv :
+       absl::StrSplit(absl::GetFlag(FLAGS_comm_options), ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> parts = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    comm_options[parts.first] = parts.second;
+  }
+  auto created = comm::bench::Connect(me, absl::GetFlag(FLAGS_backend), absl::Minutes(5),
+                                      comm_options);
   if (!created.ok()) Die(created.status().ToString());
   std::shared_ptr<comm::Communicator> comm = *std::move(created);
 
