@@ -310,6 +310,62 @@ TEST(TCPStoreLimits, UnauthenticatedConnectionsAreCapped) {
   for (int fd : fds) close(fd);
 }
 
+// A server that closes a connection before answering its hello (as an overloaded one evicting
+// the oldest unauthenticated connections does) does not fail the client: it reconnects. Here a
+// fake server hangs up on the first connection and answers the hello of the second.
+TEST(TCPStoreLimits, AClientClosedBeforeItsHelloIsAnsweredReconnects) {
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(listener, 8), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  int connections = 0;
+  std::string token_seen;
+  std::thread fake([&] {
+    for (; connections < 2; ++connections) {
+      pollfd p{listener, POLLIN, 0};
+      if (poll(&p, 1, 10000) != 1) return;
+      const int fd = accept(listener, nullptr, nullptr);
+      if (fd < 0) return;
+      if (connections == 0) {
+        close(fd);
+        continue;
+      }
+      wire::Decoder decoder(wire::Decoder::Direction::kRequests);
+      std::vector<wire::Message> requests;
+      char buf[4096];
+      while (requests.empty()) {
+        pollfd q{fd, POLLIN, 0};
+        if (poll(&q, 1, 10000) != 1) break;
+        const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+        if (n <= 0 || !decoder.Feed(absl::string_view(buf, n), &requests).ok()) break;
+      }
+      if (requests.size() == 1 && requests[0].command == wire::WireCommand::kHello) {
+        token_seen = requests[0].value;
+        std::string ok;
+        wire::EncodeOk(requests[0].request_id, &ok);
+        SendAll(fd, ok);
+      }
+      // Held open until the client goes.
+      pollfd q{fd, POLLIN, 0};
+      (void)poll(&q, 1, 10000);
+      close(fd);
+    }
+  });
+  {
+    ASSERT_OK_AND_ASSIGN(auto client, Connect(port));
+  }
+  fake.join();
+  close(listener);
+  EXPECT_EQ(connections, 2);
+  EXPECT_EQ(token_seen, kToken);
+}
+
 // ---- stalls -----------------------------------------------------------------------------------
 
 // An admitted client that sends half a frame and waits is closed after read_timeout; a client
