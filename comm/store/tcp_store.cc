@@ -64,6 +64,19 @@ absl::StatusOr<std::unique_ptr<TCPStore>> TCPStore::Create(TCPStoreOptions optio
                                                    " bytes exceeds the limit of ",
                                                    wire::kMaxTokenBytes));
   }
+  const TCPStoreServerLimits& limits = options.server_limits;
+  if (limits.max_unauthenticated_connections < 1 ||
+      limits.handshake_timeout <= absl::ZeroDuration() ||
+      limits.read_timeout <= absl::ZeroDuration() || limits.max_request_bytes == 0 ||
+      limits.max_buffered_bytes < limits.max_request_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TCPStore: bad server_limits: max_unauthenticated_connections ",
+        limits.max_unauthenticated_connections, " (must be >= 1), handshake_timeout ",
+        absl::FormatDuration(limits.handshake_timeout), " and read_timeout ",
+        absl::FormatDuration(limits.read_timeout), " (must be positive), max_request_bytes ",
+        limits.max_request_bytes, " (must be positive and at most max_buffered_bytes ",
+        limits.max_buffered_bytes, ")"));
+  }
   if (options.wait_for_workers && (!options.is_server || options.num_workers <= 0)) {
     return absl::InvalidArgumentError(
         "TCPStore: wait_for_workers needs is_server and num_workers > 0");
@@ -71,7 +84,8 @@ absl::StatusOr<std::unique_ptr<TCPStore>> TCPStore::Create(TCPStoreOptions optio
   std::unique_ptr<TCPStore> store(new TCPStore(options));
   std::string connect_host = options.host;
   if (options.is_server) {
-    FS_ASSIGN_OR_RETURN(store->server_, Server::Start(options.host, options.port, options.token));
+    FS_ASSIGN_OR_RETURN(store->server_, Server::Start(options.host, options.port, options.token,
+                                                    options.server_limits));
     store->options_.port = store->server_->port();
     // A wildcard bind address is not a destination; its own client goes over loopback.
     if (connect_host.empty() || connect_host == "0.0.0.0") connect_host = "127.0.0.1";

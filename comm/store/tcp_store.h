@@ -18,6 +18,19 @@
 // * A job token (TCPStoreOptions::token) keeps other jobs' and stray clients off the server:
 //   every connection opens with a Hello carrying it, and a wrong or missing token is answered
 //   with kUnauthenticated and the connection closed.
+// * What a client can cost the server is bounded (TCPStoreServerLimits). Until a connection has
+//   presented the token, the server accepts only a Hello of at most 1 KiB and closes the
+//   connection at the header of anything else, without buffering its body; at most
+//   max_unauthenticated_connections (128) wait for their Hello at once (a new one beyond that
+//   evicts the oldest, so a flood cannot lock legitimate clients out, and clients reconnect
+//   when closed before their Hello is answered), and each must present the token within
+//   handshake_timeout (10 s) of being accepted. An admitted connection may announce a request
+//   of at most max_request_bytes, and all partly received requests together may hold at most
+//   max_buffered_bytes (512 MiB): past either the client gets kResourceExhausted and the
+//   connection closes. A connection stalled in the middle of a frame for read_timeout (30 s)
+//   is closed; one idle between requests (a Get parked for an hour) never is. When accept()
+//   runs out of descriptors the server stops polling the listener for 100 ms-1 s (backing
+//   off) instead of spinning, and such events are logged at most once per 10 s with a count.
 //
 // Thread-safety: all methods may be called concurrently. The server, if any, stops (and every
 // client connected to it sees kUnavailable) when the TCPStore that hosts it is destroyed.
@@ -33,6 +46,21 @@
 #include "comm/store/store.h"
 
 namespace fairscale::comm {
+
+// Server only: the bounds on what clients can cost the server (see the header comment).
+struct TCPStoreServerLimits {
+  // Connections that have not presented the job token yet (servers with a token only).
+  int max_unauthenticated_connections = 128;
+  // How long a connection may take to present the job token after it is accepted.
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  // How long a connection may stall in the middle of a frame (idle connections are exempt).
+  absl::Duration read_timeout = absl::Seconds(30);
+  // The largest request frame (header, key and value) a connection may announce. The default
+  // admits every valid request (a CompareSet of two 64 MiB values).
+  uint64_t max_request_bytes = 24 + kMaxStoreKeyBytes + 8 + 2 * uint64_t{kMaxStoreValueBytes};
+  // All partly received requests of all connections together (announced frame sizes).
+  uint64_t max_buffered_bytes = uint64_t{512} << 20;
+};
 
 struct TCPStoreOptions {
   // Server: the address to bind (loopback unless told otherwise). Client: where to connect.
@@ -52,6 +80,8 @@ struct TCPStoreOptions {
   // connect; a server that rejects it makes Create fail with kUnauthenticated at once.
   // Not a substitute for a private network: it travels in clear text.
   std::string token;
+  // Server only.
+  TCPStoreServerLimits server_limits;
 };
 
 namespace tcp_store_internal {

@@ -19,6 +19,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& host,
     if (!addrs.ok()) {
       last_error = std::string(addrs.status().message());
     } else {
+      bool freed = false;
       for (addrinfo* a = *addrs; a != nullptr; a = a->ai_next) {
         const int fd =
             socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
@@ -42,6 +43,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& host,
         }
         if (err == 0) {
           freeaddrinfo(*addrs);
+          freed = true;
           SetNoDelay(fd);
           const int wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
           if (wake_fd < 0) {
@@ -51,14 +53,19 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& host,
           }
           std::unique_ptr<Client> client(new Client(fd, wake_fd, address));
           client->reader_ = std::thread([c = client.get()] { c->ReadLoop(); });
-          // Not retried: a rejected token will not become right.
-          FS_RETURN_IF_ERROR(client->Hello(token, deadline));
-          return client;
+          const absl::Status hello = client->Hello(token, deadline);
+          if (hello.ok()) return client;
+          // A rejected token will not become right: not retried. A connection closed before
+          // its hello was answered is: a busy server sheds connections that have not yet
+          // presented the token (TCPStoreServerLimits::max_unauthenticated_connections).
+          if (!absl::IsUnavailable(hello)) return hello;
+          last_error = std::string(hello.message());
+          break;
         }
         last_error = std::strerror(err);
         close(fd);
       }
-      freeaddrinfo(*addrs);
+      if (!freed) freeaddrinfo(*addrs);
     }
     // The server may not be up yet (other ranks start in any order): retry until the deadline,
     // saying so after 5 s and every 30 s (a rank started without the one hosting the store
@@ -229,6 +236,15 @@ absl::StatusOr<Message> Client::Call(
     absl::MutexLock lock(&mu_);
     writing_ = false;
     if (!written.ok()) {
+      // A server that refuses a request (one over its size limits) answers it and hangs up
+      // while the rest is still being sent: its answer says more than the broken pipe. The
+      // reader files it, then sees the connection end, within moments.
+      auto answered = [this, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return pending_[id].has_value() || !broken_.ok();
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&answered),
+                            std::min(deadline, absl::Now() + absl::Seconds(1)));
+      std::optional<Message> reply = std::move(pending_[id]);
       pending_.erase(id);
       // A partly written frame leaves the stream unusable for everyone.
       if (broken_.ok()) {
@@ -236,6 +252,7 @@ absl::StatusOr<Message> Client::Call(
             "TCPStore ", address_, ": connection unusable after a failed write: ",
             written.message()));
       }
+      if (reply.has_value()) return std::move(*reply);
       return written;
     }
     auto arrived = [this, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

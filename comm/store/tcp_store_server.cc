@@ -72,7 +72,8 @@ absl::StatusOr<addrinfo*> Resolve(const std::string& host, int port, bool passiv
 
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const std::string& host, int port,
-                                                      std::string token) {
+                                                      std::string token,
+                                                      const TCPStoreServerLimits& limits) {
   FS_ASSIGN_OR_RETURN(addrinfo * addrs, Resolve(host, port, /*passive=*/true));
   int fd = -1;
   std::string last_error = "no address";
@@ -114,7 +115,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const std::string& host, i
   }
   std::unique_ptr<Server> server(new Server(
       fd, wake_fd, real_port, absl::StrCat("TCPStore server ", HostPort(host, real_port)),
-      std::move(token)));
+      std::move(token), limits));
   server->thread_ = std::thread([s = server.get()] { s->Run(); });
   return server;
 }
@@ -142,17 +143,27 @@ void Server::Run() {
     }
     fds.clear();
     ids.clear();
+    const absl::Time now = absl::Now();
     fds.push_back({wake_fd_, POLLIN, 0});
-    fds.push_back({listen_fd_, POLLIN, 0});
+    // After accept() ran out of descriptors the pending connection stays queued, so polling the
+    // listener at once would report it again and again: it rests until the backoff ends.
+    const bool accepting = now >= accept_paused_until_;
+    fds.push_back({listen_fd_, static_cast<short>(accepting ? POLLIN : 0), 0});
+    absl::Time next_deadline =
+        waiter_deadlines_.empty() ? absl::InfiniteFuture() : waiter_deadlines_.begin()->first;
+    if (!accepting) next_deadline = std::min(next_deadline, accept_paused_until_);
     for (auto& [id, conn] : conns_) {
       short events = 0;
-      if (conn.pending_out() < kBackpressureBytes) events |= POLLIN;
+      if (conn.pending_out() < kBackpressureBytes) {
+        events |= POLLIN;
+      } else {
+        conn.last_read = now;  // Not read by choice: its stall is ours, not the client's.
+      }
       if (conn.pending_out() > 0) events |= POLLOUT;
       fds.push_back({conn.fd, events, 0});
       ids.push_back(id);
+      next_deadline = std::min(next_deadline, Deadline(conn));
     }
-    const absl::Time next_deadline =
-        waiter_deadlines_.empty() ? absl::InfiniteFuture() : waiter_deadlines_.begin()->first;
     const int rc = poll(fds.data(), fds.size(), PollMs(next_deadline));
     if (rc < 0 && errno != EINTR) {
       FS_LOG(ERROR) << name_ << ": poll failed: " << std::strerror(errno);
@@ -176,8 +187,11 @@ void Server::Run() {
       }
     }
     ExpireWaiters();
+    ExpireConns(absl::Now());
     for (auto it = conns_.begin(); it != conns_.end();) {
       if (it->second.closing) {
+        buffered_total_ -= it->second.reserved;
+        unauthenticated_.erase(it->first);
         // Parked requests of a closed connection will never be answered.
         std::vector<uint64_t> waiters(it->second.waiters.begin(), it->second.waiters.end());
         for (uint64_t w : waiters) RemoveWaiter(w);
@@ -191,20 +205,93 @@ void Server::Run() {
 }
 
 void Server::Accept() {
-  while (true) {
+  for (int accepted = 0; accepted < kMaxAcceptsPerRound; ++accepted) {
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    const absl::Time now = absl::Now();
     if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) {
-        // EMFILE and friends: keep serving the existing clients; the next poll retries.
-        FS_LOG(WARNING) << name_ << ": accept failed: " << std::strerror(errno);
+      const int err = errno;
+      if (err == EINTR || err == ECONNABORTED) continue;
+      if (err == EAGAIN || err == EWOULDBLOCK) return;
+      // EMFILE, ENFILE, ENOBUFS, ENOMEM: keep serving the existing clients and retry later,
+      // backing off while it lasts.
+      accept_paused_until_ = now + accept_backoff_;
+      int64_t failures = 0;
+      if (accept_failures_log_.Allow(now, &failures)) {
+        FS_LOG(WARNING) << name_ << ": accept failed: " << std::strerror(err) << " ("
+                        << failures << (failures == 1 ? " failure" : " failures")
+                        << " since the last report; new connections wait, the "
+                        << conns_.size() << " connected clients are served)";
       }
+      accept_backoff_ = std::min(accept_backoff_ * 2, kMaxAcceptBackoff);
       return;
     }
+    accept_backoff_ = kMinAcceptBackoff;
     SetNoDelay(fd);
     const uint64_t id = next_conn_id_++;
-    Conn& conn = conns_.emplace(id, fd).first->second;
+    Conn& conn = conns_.emplace(std::piecewise_construct, std::forward_as_tuple(id),
+                                std::forward_as_tuple(id, fd, now))
+                     .first->second;
     conn.peer = PeerName(fd);
+    if (token_.empty()) {
+      conn.authenticated = true;
+      continue;
+    }
+    conn.decoder.RequireHello();
+    // Over the cap, the oldest waiting connection makes room: a flood then has to outpace
+    // every legitimate client's hello to keep it out, and the client retries if it does.
+    while (!unauthenticated_.empty() &&
+           unauthenticated_.size() >=
+               static_cast<size_t>(limits_.max_unauthenticated_connections)) {
+      auto oldest = conns_.find(*unauthenticated_.begin());
+      unauthenticated_.erase(unauthenticated_.begin());
+      if (oldest == conns_.end() || oldest->second.closing) continue;
+      oldest->second.closing = true;  // Close's logging is replaced by the line below.
+      int64_t evicted = 0;
+      if (evictions_log_.Allow(now, &evicted)) {
+        FS_LOG(WARNING) << name_ << ": " << limits_.max_unauthenticated_connections
+                        << " connections are waiting to present the job token; closed the "
+                           "oldest, from "
+                        << oldest->second.peer << " (" << evicted
+                        << " closed so since the last report)";
+      }
+    }
+    unauthenticated_.insert(id);
+    // A client sends its hello right after connecting: read it now, before the next batch of
+    // accepts could evict this connection.
+    ReadFrom(id, conn);
+  }
+}
+
+absl::Time Server::Deadline(const Conn& conn) const {
+  absl::Time deadline = absl::InfiniteFuture();
+  if (!conn.authenticated) deadline = conn.accepted + limits_.handshake_timeout;
+  if (conn.decoder.buffered() > 0) {
+    deadline = std::min(deadline, conn.last_read + limits_.read_timeout);
+  }
+  return deadline;
+}
+
+void Server::ExpireConns(absl::Time now) {
+  for (auto& [id, conn] : conns_) {
+    if (conn.closing || Deadline(conn) > now) continue;
+    if (!conn.authenticated) {
+      CloseUnauthenticated(
+          conn, absl::DeadlineExceededError(absl::StrCat(
+                    "no job token presented within ",
+                    absl::FormatDuration(now - conn.accepted < limits_.handshake_timeout
+                                             ? limits_.read_timeout
+                                             : limits_.handshake_timeout),
+                    now - conn.accepted < limits_.handshake_timeout ? " of its last byte"
+                                                                    : " of connecting")));
+    } else {
+      Close(conn, absl::DeadlineExceededError(absl::StrCat(
+                      "stalled for ", absl::FormatDuration(limits_.read_timeout),
+                      " in the middle of a request (", conn.decoder.buffered(), " of ",
+                      conn.decoder.partial_frame_bytes() > 0
+                          ? absl::StrCat(conn.decoder.partial_frame_bytes())
+                          : std::string("?"),
+                      " bytes received)")));
+    }
   }
 }
 
@@ -213,30 +300,86 @@ void Server::ReadFrom(uint64_t id, Conn& conn) {
   size_t budget = kReadBudgetBytes;
   std::vector<Message> messages;
   while (budget > 0 && !conn.closing && conn.pending_out() < kBackpressureBytes) {
-    const ssize_t n = recv(conn.fd, buf, std::min(sizeof(buf), budget), 0);
+    // Before the token, no more than a hello's worth at a time.
+    const size_t want =
+        std::min({sizeof(buf), budget, conn.authenticated ? sizeof(buf) : wire::kMaxHelloFrameBytes});
+    const ssize_t n = recv(conn.fd, buf, want, 0);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-      Close(conn, absl::UnavailableError(std::strerror(errno)));
+      const absl::Status error = absl::UnavailableError(std::strerror(errno));
+      if (conn.authenticated) {
+        Close(conn, error);
+      } else {
+        CloseUnauthenticated(conn, error);
+      }
       return;
     }
     if (n == 0) {
       Close(conn, absl::OkStatus());  // An orderly goodbye.
       return;
     }
+    conn.last_read = absl::Now();
     budget -= static_cast<size_t>(n);
     messages.clear();
-    const absl::Status s = conn.decoder.Feed(absl::string_view(buf, n), &messages);
-    // Answer what decoded cleanly before the bad frame, then hang up.
-    for (Message& m : messages) {
-      if (conn.closing) break;
-      Handle(id, conn, m);
+    absl::Status s = conn.decoder.Feed(absl::string_view(buf, n), &messages);
+    while (true) {
+      const bool gated = conn.decoder.gated();
+      // Answer what decoded cleanly before the bad frame, then hang up.
+      for (Message& m : messages) {
+        if (conn.closing) break;
+        Handle(id, conn, m);
+      }
+      if (conn.closing) return;
+      if (!s.ok()) {
+        if (conn.authenticated) {
+          Close(conn, s);
+          return;
+        }
+        // Most likely a client without the token (or of another job): tell it why.
+        const absl::Status rejected = absl::UnauthenticatedError(
+            absl::StrCat("wrong or missing job token (FS_STORE_TOKEN): ", s.message()));
+        Reply(conn, [&](std::string* out) {
+          wire::EncodeError(conn.decoder.current_request_id(), rejected, out);
+        });
+        CloseUnauthenticated(conn, rejected);
+        return;
+      }
+      // The hello just admitted this connection: decode what came behind it.
+      if (!gated || conn.decoder.gated() || conn.decoder.buffered() == 0) break;
+      messages.clear();
+      s = conn.decoder.Feed(absl::string_view(), &messages);
     }
-    if (!s.ok()) {
-      Close(conn, s);
-      return;
-    }
+    if (!Reserve(conn)) return;
   }
+}
+
+bool Server::Reserve(Conn& conn) {
+  const uint64_t want = conn.decoder.partial_frame_bytes();
+  if (want == conn.reserved) return true;
+  buffered_total_ -= conn.reserved;
+  conn.reserved = 0;
+  absl::Status refused;
+  if (want > limits_.max_request_bytes) {
+    refused = absl::ResourceExhaustedError(absl::StrCat(
+        "a request of ", want, " bytes exceeds the server's limit of ",
+        limits_.max_request_bytes, " (TCPStoreServerLimits::max_request_bytes)"));
+  } else if (want > limits_.max_buffered_bytes - std::min(buffered_total_,
+                                                           limits_.max_buffered_bytes)) {
+    refused = absl::ResourceExhaustedError(absl::StrCat(
+        "a request of ", want, " bytes does not fit: requests being received already hold ",
+        buffered_total_, " of the server's ", limits_.max_buffered_bytes,
+        " bytes (TCPStoreServerLimits::max_buffered_bytes); retry later"));
+  }
+  if (!refused.ok()) {
+    const uint32_t request_id = conn.decoder.current_request_id();
+    Reply(conn, [&](std::string* out) { wire::EncodeError(request_id, refused, out); });
+    Close(conn, refused);
+    return false;
+  }
+  conn.reserved = want;
+  buffered_total_ += want;
+  return true;
 }
 
 void Server::Flush(Conn& conn) {
@@ -254,7 +397,12 @@ void Server::Flush(Conn& conn) {
     conn.out_offset += static_cast<size_t>(n);
   }
   if (conn.out_offset == conn.out.size()) {
-    conn.out.clear();
+    // Do not keep the capacity of a large reply for the life of the connection.
+    if (conn.out.capacity() > (1 << 20)) {
+      std::string().swap(conn.out);
+    } else {
+      conn.out.clear();
+    }
     conn.out_offset = 0;
   } else if (conn.out_offset > conn.out.size() / 2) {
     conn.out.erase(0, conn.out_offset);
@@ -268,6 +416,17 @@ void Server::Close(Conn& conn, const absl::Status& why) {
     FS_LOG(WARNING) << name_ << ": closing the connection from " << conn.peer << ": " << why;
   }
   conn.closing = true;  // Run() closes it (and drops its parked requests) after this round.
+}
+
+void Server::CloseUnauthenticated(Conn& conn, const absl::Status& why) {
+  if (conn.closing) return;
+  int64_t count = 0;
+  if (unauthenticated_log_.Allow(absl::Now(), &count)) {
+    FS_LOG(WARNING) << name_ << ": closing the connection from " << conn.peer
+                    << " before it presented the job token: " << why << " (" << count
+                    << " such since the last report)";
+  }
+  conn.closing = true;
 }
 
 void Server::Reply(Conn& conn, absl::FunctionRef<void(std::string*)> encode) {
@@ -311,6 +470,8 @@ bool Server::Authenticate(Conn& conn, const Message& m) {
   if (conn.authenticated && !hello) return true;
   if (token_.empty() || (hello && TokensEqual(m.value, token_))) {
     conn.authenticated = true;
+    conn.decoder.Admit();
+    unauthenticated_.erase(conn.id);
     return true;
   }
   const absl::Status rejected = absl::UnauthenticatedError(
@@ -320,7 +481,11 @@ bool Server::Authenticate(Conn& conn, const Message& m) {
                            ", not hello"));
   // The client learns why before the connection closes; nothing else it sent is answered.
   Reply(conn, [&](std::string* out) { wire::EncodeError(m.request_id, rejected, out); });
-  Close(conn, rejected);
+  if (conn.authenticated) {
+    Close(conn, rejected);
+  } else {
+    CloseUnauthenticated(conn, rejected);
+  }
   return false;
 }
 

@@ -15,6 +15,8 @@ namespace {
 // Value sizes beyond the raw store limits: CompareSet carries two values, Wait a list of keys.
 constexpr uint64_t kMaxCompareSetValueBytes = 8 + 2 * uint64_t{kMaxStoreValueBytes};
 constexpr uint64_t kMaxWaitValueBytes = kMaxStoreValueBytes;
+// An emptied Decoder buffer keeps at most this much capacity.
+constexpr size_t kKeepCapacityBytes = 1 << 20;
 
 void PutU8(uint8_t v, std::string* out) { out->push_back(static_cast<char>(v)); }
 
@@ -434,7 +436,12 @@ absl::Status Decoder::Feed(absl::string_view bytes, std::vector<Message>* out) {
   // Drop decoded frames, but move a partial frame only once it is the smaller part of the
   // buffer, so a large frame arriving in small chunks is not copied once per chunk.
   if (offset_ == buffer_.size()) {
-    buffer_.clear();
+    // A connection that once sent a 64 MiB value should not hold 64 MiB for good.
+    if (buffer_.capacity() > kKeepCapacityBytes) {
+      std::string().swap(buffer_);
+    } else {
+      buffer_.clear();
+    }
     offset_ = 0;
   } else if (offset_ > 0 && offset_ >= buffer_.size() / 2) {
     buffer_.erase(0, offset_);
@@ -448,17 +455,36 @@ absl::Status Decoder::Feed(absl::string_view bytes, std::vector<Message>* out) {
   return status_;
 }
 
+void Decoder::RequireHello() {
+  if (consumed_ == 0 && buffer_.empty()) gate_ = Gate::kHelloOnly;
+}
+
+void Decoder::Admit() { gate_ = Gate::kOpen; }
+
 void Decoder::DecodeBuffered(std::vector<Message>* out) {
-  while (buffer_.size() - offset_ >= kHeaderBytes) {
+  while (gate_ != Gate::kHeldAfterHello && buffer_.size() - offset_ >= kHeaderBytes) {
     const char* h = buffer_.data() + offset_;
     Message m;
     uint32_t key_len = 0;
     uint64_t value_len = 0;
+    // Only a header whose magic matched has a request id worth quoting.
+    current_request_id_ =
+        std::memcmp(h, kWireMagic, sizeof(kWireMagic)) == 0 ? GetU32(h + 8) : 0;
     status_ = CheckHeader(h, direction_, consumed_, &m.command, &key_len, &value_len);
-    if (!status_.ok()) return;
+    if (status_.ok() && gate_ == Gate::kHelloOnly && m.command != WireCommand::kHello) {
+      status_ = Malformed(consumed_,
+                          absl::StrCat(WireCommandName(static_cast<uint8_t>(m.command)),
+                                       " before the hello (the job token comes first)"));
+    }
+    if (!status_.ok()) {
+      partial_frame_bytes_ = 0;
+      return;
+    }
     // Both lengths are bounded by CheckHeader, so this sum cannot overflow.
     const uint64_t frame = kHeaderBytes + key_len + value_len;
+    partial_frame_bytes_ = frame;
     if (buffer_.size() - offset_ < frame) return;
+    partial_frame_bytes_ = 0;
     m.request_id = GetU32(h + 8);
     m.key.assign(h + kHeaderBytes, key_len);
     status_ = ParseBody(absl::string_view(h + kHeaderBytes + key_len, value_len), consumed_, &m);
@@ -466,6 +492,10 @@ void Decoder::DecodeBuffered(std::vector<Message>* out) {
     offset_ += frame;
     consumed_ += frame;
     out->push_back(std::move(m));
+    if (gate_ == Gate::kHelloOnly) {
+      gate_ = Gate::kHeldAfterHello;
+      return;
+    }
   }
 }
 

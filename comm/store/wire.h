@@ -41,6 +41,8 @@ inline constexpr size_t kHeaderBytes = 24;
 inline constexpr size_t kMaxErrorMessageBytes = 16 << 10;
 // A Hello's token is at most this long (the launcher's are 32 hex digits).
 inline constexpr size_t kMaxTokenBytes = 1024;
+// The largest hello frame: all an unauthenticated peer can make a gated Decoder buffer.
+inline constexpr size_t kMaxHelloFrameBytes = kHeaderBytes + kMaxTokenBytes;
 
 enum class WireCommand : uint8_t {
   // Requests (client -> server).
@@ -129,19 +131,44 @@ class Decoder {
 
   absl::Status Feed(absl::string_view bytes, std::vector<Message>* out);
 
+  // The hello gate, for a server with a job token (call before the first Feed): until Admit(),
+  // the decoder accepts one kHello and nothing else. Any other header is rejected as soon as its
+  // 24 bytes are in (so an unauthenticated peer's announced length buys it nothing: at most
+  // kMaxHelloFrameBytes are ever buffered for a frame), and after the hello nothing more is
+  // decoded: later bytes stay buffered until the server admits the peer.
+  void RequireHello();
+  // Opens the gate once the hello's token was accepted; the next Feed (an empty one will do)
+  // decodes the frames behind it.
+  void Admit();
+  // Whether the gate holds frames back (RequireHello without Admit).
+  bool gated() const { return gate_ != Gate::kOpen; }
+
   // Bytes held that do not yet form a complete frame.
   size_t buffered() const { return buffer_.size() - offset_; }
   // Bytes of every complete frame decoded so far.
   uint64_t consumed() const { return consumed_; }
+  // The full size of the frame being received, once its header is in and has passed the checks
+  // (0 between frames or while the header is incomplete): what completing it will hold. A server
+  // bounds this per connection and in total before reading more.
+  uint64_t partial_frame_bytes() const { return partial_frame_bytes_; }
+  // The request id in the last header examined (0 if none had the magic): the frame being
+  // received while partial_frame_bytes() > 0, or the frame that broke the stream. A server
+  // answers a refused frame under the id its client is waiting on.
+  uint32_t current_request_id() const { return current_request_id_; }
 
  private:
+  enum class Gate { kOpen, kHelloOnly, kHeldAfterHello };
+
   // Decodes whole frames at buffer_[offset_...]. Sets status_ on error.
   void DecodeBuffered(std::vector<Message>* out);
 
   const Direction direction_;
+  Gate gate_ = Gate::kOpen;
   std::string buffer_;
   size_t offset_ = 0;
   uint64_t consumed_ = 0;
+  uint64_t partial_frame_bytes_ = 0;
+  uint32_t current_request_id_ = 0;
   absl::Status status_;
 };
 

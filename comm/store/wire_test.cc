@@ -244,5 +244,73 @@ TEST(Wire, ErrorMessagesAreCut) {
   EXPECT_EQ(out[0].value.size(), kMaxErrorMessageBytes);
 }
 
+
+// ---- the hello gate (servers with a job token) --------------------------------------------
+
+TEST(DecoderGate, AnythingButAHelloIsRejectedAtItsHeader) {
+  Decoder d(Direction::kRequests);
+  d.RequireHello();
+  EXPECT_TRUE(d.gated());
+  std::vector<Message> out;
+  // A Set announcing 60 MiB: refused on its 24 header bytes, nothing kept.
+  EXPECT_THAT(d.Feed(Header(1, 77, 1, 60 << 20), &out),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "store wire: malformed frame at stream offset 0: set before the hello "
+                       "(the job token comes first)"));
+  EXPECT_THAT(out, SizeIs(0));
+  EXPECT_EQ(d.buffered(), 0u);
+  EXPECT_EQ(d.partial_frame_bytes(), 0u);
+  EXPECT_EQ(d.current_request_id(), 77u);
+}
+
+TEST(DecoderGate, AHelloOverTheTokenLimitIsRejectedAtItsHeader) {
+  Decoder d(Direction::kRequests);
+  d.RequireHello();
+  std::vector<Message> out;
+  EXPECT_THAT(d.Feed(Header(8, 1, 0, kMaxTokenBytes + 1), &out),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("hello value length 1025")));
+  EXPECT_EQ(kMaxHelloFrameBytes, 24u + 1024u);
+}
+
+TEST(DecoderGate, FramesBehindTheHelloWaitForAdmit) {
+  Decoder d(Direction::kRequests);
+  d.RequireHello();
+  std::string stream;
+  ASSERT_OK(EncodeHello(3, "token", &stream));
+  const size_t hello_bytes = stream.size();
+  ASSERT_OK(EncodeSet(4, "k", "v", &stream));
+  std::vector<Message> out;
+  ASSERT_OK(d.Feed(stream, &out));
+  ASSERT_THAT(out, SizeIs(1));
+  EXPECT_EQ(out[0].command, WireCommand::kHello);
+  EXPECT_EQ(out[0].value, "token");
+  // The set is held, undecoded, even though it is complete.
+  EXPECT_EQ(d.buffered(), stream.size() - hello_bytes);
+  EXPECT_TRUE(d.gated());
+  d.Admit();
+  EXPECT_FALSE(d.gated());
+  out.clear();
+  ASSERT_OK(d.Feed("", &out));
+  ASSERT_THAT(out, SizeIs(1));
+  EXPECT_EQ(out[0].command, WireCommand::kSet);
+  EXPECT_EQ(out[0].request_id, 4u);
+  EXPECT_EQ(d.buffered(), 0u);
+}
+
+TEST(Decoder, PartialFrameBytesIsTheAnnouncedSizeOnceTheHeaderIsIn) {
+  Decoder d(Direction::kRequests);
+  std::string frame;
+  ASSERT_OK(EncodeSet(9, "key", std::string(1000, 'x'), &frame));
+  std::vector<Message> out;
+  ASSERT_OK(d.Feed(frame.substr(0, 23), &out));
+  EXPECT_EQ(d.partial_frame_bytes(), 0u);  // The header is not complete yet.
+  ASSERT_OK(d.Feed(frame.substr(23, 100), &out));
+  EXPECT_EQ(d.partial_frame_bytes(), 24u + 3u + 1000u);
+  EXPECT_EQ(d.current_request_id(), 9u);
+  ASSERT_OK(d.Feed(frame.substr(123), &out));
+  EXPECT_EQ(d.partial_frame_bytes(), 0u);
+  EXPECT_THAT(out, SizeIs(1));
+}
+
 }  // namespace
 }  // namespace fairscale::comm::wire

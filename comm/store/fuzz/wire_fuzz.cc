@@ -7,7 +7,10 @@
 //   * accounts for every byte: consumed() + buffered() == input size while OK;
 //   * decodes the same messages and the same verdict whatever the chunking;
 //   * decodes only canonical frames: re-encoding the messages gives back exactly the bytes
-//     consumed.
+//     consumed;
+// and that a server's decoder behind the hello gate (RequireHello) yields at most the leading
+// hello, buffers at most one hello frame's worth for a frame in progress, refuses any other
+// first frame at its header, and after Admit() decodes exactly what an ungated decoder does.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -57,7 +60,7 @@ Result Decode(Decoder::Direction direction, absl::string_view input,
   return r;
 }
 
-void CheckDirection(Decoder::Direction direction, absl::string_view input) {
+Result CheckDirection(Decoder::Direction direction, absl::string_view input) {
   const Result whole = Decode(direction, input, {});
   // Chunk sizes derived from the input, so a crash reproduces from the input alone.
   std::vector<size_t> chunks = {1, 7, 24, 3};
@@ -74,13 +77,45 @@ void CheckDirection(Decoder::Direction direction, absl::string_view input) {
   }
   FS_FUZZ_CHECK(encoded.size() == whole.consumed);
   FS_FUZZ_CHECK(absl::string_view(encoded) == input.substr(0, whole.consumed));
+  return whole;
+}
+
+// `ungated`: the same input through a request decoder without the gate.
+void CheckHelloGate(absl::string_view input, const Result& ungated) {
+  using fairscale::comm::wire::WireCommand;
+  Decoder d(Decoder::Direction::kRequests);
+  d.RequireHello();
+  std::vector<Message> got;
+  absl::Status s = d.Feed(input, &got);
+  FS_FUZZ_CHECK(d.partial_frame_bytes() <= fairscale::comm::wire::kMaxHelloFrameBytes);
+  FS_FUZZ_CHECK(got.size() <= 1);
+  if (!got.empty()) {
+    FS_FUZZ_CHECK(s.ok());
+    FS_FUZZ_CHECK(got[0].command == WireCommand::kHello);
+    FS_FUZZ_CHECK(!ungated.messages.empty() && ungated.messages[0] == got[0]);
+    FS_FUZZ_CHECK(d.gated());
+    d.Admit();
+    s = d.Feed(absl::string_view(), &got);
+    FS_FUZZ_CHECK(s == ungated.status);
+    FS_FUZZ_CHECK(got == ungated.messages);
+  } else if (!s.ok()) {
+    FS_FUZZ_CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+    FS_FUZZ_CHECK(d.buffered() == 0);
+    FS_FUZZ_CHECK(ungated.messages.empty() ||
+                  ungated.messages[0].command != WireCommand::kHello);
+  } else {
+    // The first frame is still incomplete: held whole, as the ungated decoder holds it.
+    FS_FUZZ_CHECK(ungated.messages.empty());
+    FS_FUZZ_CHECK(d.buffered() == input.size());
+  }
 }
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::string_view input(reinterpret_cast<const char*>(data), size);
-  CheckDirection(Decoder::Direction::kRequests, input);
+  const Result requests = CheckDirection(Decoder::Direction::kRequests, input);
+  CheckHelloGate(input, requests);
   CheckDirection(Decoder::Direction::kReplies, input);
   return 0;
 }

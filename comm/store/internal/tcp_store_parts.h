@@ -37,6 +37,7 @@
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "comm/store/store_util.h"
+#include "comm/store/tcp_store.h"
 #include "comm/store/wire.h"
 
 namespace fairscale::comm::tcp_store_internal {
@@ -65,23 +66,35 @@ absl::StatusOr<addrinfo*> Resolve(const std::string& host, int port, bool passiv
 class Server {
  public:
   // A non-empty `token` admits only clients whose first request is a Hello carrying it.
+  // `limits` are checked by TCPStore::Create.
   static absl::StatusOr<std::unique_ptr<Server>> Start(const std::string& host, int port,
-                                                       std::string token);
+                                                       std::string token,
+                                                       const TCPStoreServerLimits& limits);
   ~Server();
 
   int port() const { return port_; }
 
  private:
   struct Conn {
-    explicit Conn(int fd) : fd(fd), decoder(wire::Decoder::Direction::kRequests) {}
+    Conn(uint64_t id, int fd, absl::Time now)
+        : id(id),
+          fd(fd),
+          decoder(wire::Decoder::Direction::kRequests),
+          accepted(now),
+          last_read(now) {}
+    uint64_t id;
     int fd;
     std::string peer;
     wire::Decoder decoder;
     std::string out;  // Replies not yet written, from out_offset on.
     size_t out_offset = 0;
     bool closing = false;
-    bool authenticated = false;  // Presented the token (always true once past the first request
-                                 // when the server has none).
+    bool authenticated = false;  // Presented the token (from the start when the server has none).
+    absl::Time accepted;
+    // When a byte last arrived, or the server last chose not to read (backpressure).
+    absl::Time last_read;
+    // The announced size of the frame being received, counted in buffered_total_.
+    uint64_t reserved = 0;
     absl::flat_hash_set<uint64_t> waiters;
 
     size_t pending_out() const { return out.size() - out_offset; }
@@ -104,19 +117,54 @@ class Server {
   static constexpr size_t kMaxWaitersPerConn = 4096;
   // Bytes read from one connection per poll round, so one busy client cannot starve the rest.
   static constexpr size_t kReadBudgetBytes = 4 << 20;
+  // Connections accepted per poll round, so a flood of connects cannot starve the clients
+  // already connected (and a newcomer is read before the next batch can evict it).
+  static constexpr int kMaxAcceptsPerRound = 64;
+  // Backoff of the listener after accept() fails for lack of descriptors or memory.
+  static constexpr absl::Duration kMinAcceptBackoff = absl::Milliseconds(100);
+  static constexpr absl::Duration kMaxAcceptBackoff = absl::Seconds(1);
+  // Log lines about a class of hostile or failing connections: at most one per this interval.
+  static constexpr absl::Duration kLogInterval = absl::Seconds(10);
 
-  Server(int listen_fd, int wake_fd, int port, std::string name, std::string token)
+  // Lets one log line through per kLogInterval and counts the events in between.
+  struct LogLimiter {
+    absl::Time next = absl::InfinitePast();
+    int64_t events = 0;  // Since the last line, this one included.
+    // Counts an event; true when a line may be logged now (then reports and resets the count
+    // through *count).
+    bool Allow(absl::Time now, int64_t* count) {
+      ++events;
+      if (now < next) return false;
+      *count = events;
+      events = 0;
+      next = now + kLogInterval;
+      return true;
+    }
+  };
+
+  Server(int listen_fd, int wake_fd, int port, std::string name, std::string token,
+         const TCPStoreServerLimits& limits)
       : listen_fd_(listen_fd),
         wake_fd_(wake_fd),
         port_(port),
         name_(std::move(name)),
-        token_(std::move(token)) {}
+        token_(std::move(token)),
+        limits_(limits) {}
 
   void Run();
   void Accept();
   void ReadFrom(uint64_t id, Conn& conn);
+  // Charges the frame `conn` is receiving to the per-connection and total bounds; refuses it
+  // (kResourceExhausted to the client, connection closing) and returns false past either.
+  bool Reserve(Conn& conn);
+  // When `conn` must be closed unless something arrives (InfiniteFuture: never).
+  absl::Time Deadline(const Conn& conn) const;
+  // Closes the connections past their Deadline.
+  void ExpireConns(absl::Time now);
   void Flush(Conn& conn);
   void Close(Conn& conn, const absl::Status& why);
+  // Close for a connection that never presented the token: rate-limited logging.
+  void CloseUnauthenticated(Conn& conn, const absl::Status& why);
   void Handle(uint64_t conn_id, Conn& conn, Message& m);
   // Admits or rejects a connection on its first request (and checks any later Hello). Returns
   // false when the request must not be handled (the connection is then closing).
@@ -134,6 +182,7 @@ class Server {
   const int port_;
   const std::string name_;  // "TCPStore server 127.0.0.1:29500" for log lines
   const std::string token_;  // Empty: every client is admitted.
+  const TCPStoreServerLimits limits_;
   std::thread thread_;
 
   absl::Mutex mu_;
@@ -147,6 +196,16 @@ class Server {
   uint64_t next_waiter_id_ = 1;
   absl::flat_hash_map<std::string, absl::flat_hash_set<uint64_t>> waiters_by_key_;
   std::set<std::pair<absl::Time, uint64_t>> waiter_deadlines_;
+  // Connections still to present the token, oldest first.
+  std::set<uint64_t> unauthenticated_;
+  // The sum of every connection's `reserved`.
+  uint64_t buffered_total_ = 0;
+  // accept() failed for lack of resources: the listener is not polled until then.
+  absl::Time accept_paused_until_ = absl::InfinitePast();
+  absl::Duration accept_backoff_ = kMinAcceptBackoff;
+  LogLimiter accept_failures_log_;
+  LogLimiter evictions_log_;
+  LogLimiter unauthenticated_log_;
 };
 
 // ---------------------------------------------------------------------------------------------
