@@ -32,6 +32,8 @@ ABSL_FLAG(int, master_port, 29500,
 ABSL_FLAG(int, max_restarts, 0,
           "restart the whole job at most this many times after a failure (FS_RESTART_COUNT)");
 ABSL_FLAG(double, stop_timeout_s, 5, "seconds between SIGTERM and SIGKILL when stopping ranks");
+ABSL_FLAG(double, stopped_timeout_s, 10,
+          "seconds a rank may stay stopped (SIGSTOP, SIGTSTP, ...) before it fails the job");
 ABSL_FLAG(double, rdzv_timeout_s, 300,
           "seconds to wait for the other nodes' launchers (and for node 0's store)");
 ABSL_FLAG(std::string, store_bind_addr, "",
@@ -107,6 +109,7 @@ int main(int argc, char** argv) {
   o.master_port = absl::GetFlag(FLAGS_master_port);
   o.max_restarts = absl::GetFlag(FLAGS_max_restarts);
   o.stop_timeout = absl::Seconds(absl::GetFlag(FLAGS_stop_timeout_s));
+  o.stopped_timeout = absl::Seconds(absl::GetFlag(FLAGS_stopped_timeout_s));
   o.rendezvous_timeout = absl::Seconds(absl::GetFlag(FLAGS_rdzv_timeout_s));
   o.store_bind_addr = absl::GetFlag(FLAGS_store_bind_addr);
   o.prefix_output = absl::GetFlag(FLAGS_prefix_output);

@@ -260,6 +260,64 @@ TEST(FsLaunch, ARankKilledByASignalGives128PlusTheSignal) {
   ExpectGone(AwaitPids(pids, 2));
 }
 
+// A stopped rank (SIGSTOP from outside: a debugger, a stuck cgroup freezer, a human) is
+// reported at once and fails the job after --stopped_timeout_s, named; the stopped process is
+// still terminated (SIGTERM is followed by SIGCONT).
+TEST(FsLaunch, ARankStoppedPastItsGraceFailsTheJobNamingIt) {
+  const std::string pids = NewDir();
+  Launcher l;
+  l.Start({"--nproc_per_node=3", "--master_port=0", "--stopped_timeout_s=1"},
+          {"--pid_dir=" + pids, "--sleep"});
+  const std::vector<pid_t> ranks = AwaitPids(pids, 3);
+  ASSERT_EQ(kill(ranks[2], SIGSTOP), 0);
+  EXPECT_EQ(l.Wait(), 128 + SIGSTOP) << l.err();
+  EXPECT_THAT(l.err(), HasSubstr(absl::StrCat("fs_launch: rank 2 (local rank 2 on node 0, pid ",
+                                              ranks[2], ") was stopped by SIGSTOP; the job "
+                                              "fails if it is still stopped in 1s")));
+  EXPECT_THAT(l.err(), HasSubstr("rank 2 has been stopped by SIGSTOP for "));
+  EXPECT_THAT(l.err(), HasSubstr("exit status 147"));
+  // It handled its SIGTERM (SIGCONT followed it): no SIGKILL was needed.
+  EXPECT_THAT(l.err(), Not(HasSubstr("sending SIGKILL")));
+  ExpectGone(ranks);
+}
+
+// A rank stopped for less than the grace and continued is only reported.
+TEST(FsLaunch, ARankContinuedWithinItsGraceKeepsTheJobRunning) {
+  const std::string pids = NewDir();
+  Launcher l;
+  l.Start({"--nproc_per_node=2", "--master_port=0", "--stopped_timeout_s=30"},
+          {"--pid_dir=" + pids, "--sleep"});
+  const std::vector<pid_t> ranks = AwaitPids(pids, 2);
+  ASSERT_EQ(kill(ranks[1], SIGSTOP), 0);
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_EQ(kill(ranks[1], SIGCONT), 0);
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_EQ(kill(l.pid(), SIGTERM), 0);  // end the job the usual way
+  EXPECT_EQ(l.Wait(), 128 + SIGTERM) << l.err();
+  EXPECT_THAT(l.err(), HasSubstr("rank 1 (local rank 1 on node 0, pid "));
+  EXPECT_THAT(l.err(), HasSubstr("was stopped by SIGSTOP"));
+  EXPECT_THAT(l.err(), HasSubstr(absl::StrCat("rank 1 (pid ", ranks[1], ") continued after ")));
+  EXPECT_THAT(l.err(), Not(HasSubstr("has been stopped")));
+  ExpectGone(ranks);
+}
+
+// SIGTERM to the launcher reaches a stopped rank too (SIGCONT follows it), so the job ends
+// without waiting for the SIGKILL.
+TEST(FsLaunch, SigtermToTheLauncherEndsAStoppedRank) {
+  const std::string pids = NewDir();
+  Launcher l;
+  l.Start({"--nproc_per_node=2", "--master_port=0", "--stopped_timeout_s=60",
+           "--stop_timeout_s=30"},
+          {"--pid_dir=" + pids, "--sleep"});
+  const std::vector<pid_t> ranks = AwaitPids(pids, 2);
+  ASSERT_EQ(kill(ranks[0], SIGSTOP), 0);
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_EQ(kill(l.pid(), SIGTERM), 0);
+  EXPECT_EQ(l.Wait(absl::Seconds(20)), 128 + SIGTERM) << l.err();
+  EXPECT_THAT(l.err(), Not(HasSubstr("sending SIGKILL")));
+  ExpectGone(ranks);
+}
+
 TEST(FsLaunch, SigtermToTheLauncherIsForwardedToTheRanks) {
   const std::string pids = NewDir();
   Launcher l;
@@ -534,6 +592,8 @@ TEST(LaunchOptions, ValidationNamesTheBadField) {
       },
       "--master_port=0 (pick a free port) needs --nnodes=1");
   bad([](LaunchOptions& c) { c.max_restarts = -1; }, "--max_restarts=-1");
+  bad([](LaunchOptions& c) { c.stopped_timeout = absl::Seconds(-1); },
+      "the stopped-rank timeout must be >= 0");
 }
 
 TEST(LaunchOptions, RankEnvAndTokens) {

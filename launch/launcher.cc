@@ -158,6 +158,9 @@ struct Rank {
   int local_rank = 0;
   pid_t pid = -1;
   bool running = false;
+  // Set while the rank is stopped (WIFSTOPPED): since when, and by which signal.
+  absl::Time stopped_since = absl::InfiniteFuture();
+  int stop_signal = 0;
   int out_fd = -1;
   int err_fd = -1;
   std::unique_ptr<LinePrefixer> out;
@@ -324,8 +327,10 @@ absl::Status Job::SpawnRanks(int attempt) {
 void Job::SignalRanks(int sig) {
   for (Rank& r : ranks_) {
     if (!r.running) continue;
-    // The whole process group: a rank's own children stop too.
+    // The whole process group: a rank's own children stop too. A stopped process only acts on
+    // a signal (other than SIGKILL) once continued.
     if (kill(-r.pid, sig) != 0) kill(r.pid, sig);
+    if (sig != SIGKILL && kill(-r.pid, SIGCONT) != 0) kill(r.pid, SIGCONT);
   }
 }
 
@@ -455,14 +460,46 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
         killed = true;
       }
     }
-    // Ranks that ended.
+    // Ranks that ended, stopped or continued.
     for (Rank& r : ranks_) {
       if (!r.running) continue;
       int wstatus = 0;
-      const pid_t w = waitpid(r.pid, &wstatus, WNOHANG);
-      if (w != r.pid) continue;
-      r.running = false;
-      const Ending e = FromWaitStatus(wstatus);
+      const pid_t w = waitpid(r.pid, &wstatus, WNOHANG | WUNTRACED | WCONTINUED);
+      Ending e;
+      if (w != r.pid) {
+        // Still stopped past its grace: a failure like a kill by that signal.
+        if (r.stopped_since == absl::InfiniteFuture() ||
+            absl::Now() - r.stopped_since < o_.stopped_timeout) {
+          continue;
+        }
+        e = {128 + r.stop_signal,
+             absl::StrCat("has been stopped by ", SignalName(r.stop_signal), " for ",
+                          absl::FormatDuration(absl::Trunc(absl::Now() - r.stopped_since,
+                                                           absl::Milliseconds(100))),
+                          " (status ", 128 + r.stop_signal, ")")};
+        r.stopped_since = absl::InfiniteFuture();  // reported once; SIGTERM + SIGCONT follow
+      } else if (WIFSTOPPED(wstatus)) {
+        if (r.stopped_since == absl::InfiniteFuture() && !stopping) {
+          r.stopped_since = absl::Now();
+          r.stop_signal = WSTOPSIG(wstatus);
+          Say(absl::StrCat("rank ", r.rank, " (local rank ", r.local_rank, " on node ",
+                           o_.node_rank, ", pid ", r.pid, ") was stopped by ",
+                           SignalName(r.stop_signal), "; the job fails if it is still stopped in ",
+                           absl::FormatDuration(o_.stopped_timeout)));
+        }
+        continue;
+      } else if (WIFCONTINUED(wstatus)) {
+        if (r.stopped_since != absl::InfiniteFuture() && !stopping) {
+          Say(absl::StrCat("rank ", r.rank, " (pid ", r.pid, ") continued after ",
+                           absl::FormatDuration(absl::Trunc(absl::Now() - r.stopped_since,
+                                                            absl::Milliseconds(100)))));
+        }
+        r.stopped_since = absl::InfiniteFuture();
+        continue;
+      } else {
+        r.running = false;
+        e = FromWaitStatus(wstatus);
+      }
       if (e.status == 0 || failure.has_value() || launcher_signal != 0) continue;
       failure = Failure{r.rank, e.status, absl::StrCat("rank ", r.rank, " ", e.what)};
       if (o_.nnodes > 1) {
@@ -597,6 +634,9 @@ absl::Status ValidateLaunchOptions(const LaunchOptions& o) {
   }
   if (o.max_restarts < 0) return bad("--max_restarts=", o.max_restarts, " must be >= 0");
   if (o.stop_timeout < absl::ZeroDuration()) return bad("the stop timeout must be >= 0");
+  if (o.stopped_timeout < absl::ZeroDuration()) {
+    return bad("the stopped-rank timeout must be >= 0");
+  }
   if (o.rendezvous_timeout <= absl::ZeroDuration()) {
     return bad("the rendezvous timeout must be positive");
   }

@@ -13,6 +13,10 @@
 //   SIGKILLs at once.
 // * When a rank exits non-zero or is killed, the others get SIGTERM (SIGKILL after
 //   stop_timeout) and the job's status is that rank's: its exit code, or 128 + signal.
+// * A rank that is stopped (SIGSTOP, SIGTSTP, ...) is reported at once; if it is still stopped
+//   stopped_timeout later it fails the job like a rank killed by that signal (status 128 +
+//   signal), naming it. Every signal the launcher sends to ranks is followed by SIGCONT, so a
+//   stopped rank handles its SIGTERM instead of waiting for the SIGKILL.
 // * With max_restarts = N, a failed job is stopped and started again, at most N times, with
 //   FS_RESTART_COUNT = 1, 2, ... (the program resumes from its own last checkpoint) and a fresh
 //   store namespace (FS_STORE_PREFIX) per attempt, so no key of a failed attempt is seen.
@@ -47,6 +51,8 @@ struct LaunchOptions {
   int max_restarts = 0;
   // SIGTERM -> SIGKILL grace when stopping ranks.
   absl::Duration stop_timeout = absl::Seconds(5);
+  // How long a rank may stay stopped (SIGSTOP, ...) before it fails the job.
+  absl::Duration stopped_timeout = absl::Seconds(10);
   // How long launchers wait for each other (and non-zero nodes for node 0's store).
   absl::Duration rendezvous_timeout = absl::Minutes(5);
   // The program (a path, or a name looked up in PATH) and its arguments.
