@@ -390,6 +390,21 @@ absl::Status NoCompleteCheckpointError(const std::string& root) {
       "there is one"));
 }
 
+absl::Status RefuseToOverwriteCheckpoints(const std::string& root) {
+  int complete = 0;
+  std::string newest;
+  for (const auto& [step, dir] : StepDirs(root)) {
+    if (!HasComplete(dir)) continue;
+    if (complete++ == 0) newest = dir;
+  }
+  if (complete == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      root, " already holds ", complete, " complete checkpoint", complete == 1 ? "" : "s",
+      " (newest ", newest, "), which a run from step 0 would delete: run with --resume to "
+      "continue from the newest, with --overwrite_checkpoints to delete them and start from step "
+      "0, or with another --out_dir to keep them"));
+}
+
 absl::Status WithOlderCheckpointHint(const absl::Status& error, const std::string& root) {
   if (error.ok() || error.code() != absl::StatusCode::kDataLoss) return error;
   std::string newest;

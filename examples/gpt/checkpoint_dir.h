@@ -104,6 +104,12 @@ absl::Status VerifyCheckpoint(const CompleteCheckpoint& checkpoint);
 // step 0 or resume only when there is one.
 absl::Status NoCompleteCheckpointError(const std::string& root);
 
+// For a run that starts from step 0 (no --resume), which would delete every step directory under
+// `root` (RemoveCheckpointsAfter(root, 0)): kFailedPrecondition when `root` holds a step directory
+// with COMPLETE, naming the newest and saying how to continue from it (--resume), delete them
+// (--overwrite_checkpoints) or keep them (another --out_dir). OK when there is none.
+absl::Status RefuseToOverwriteCheckpoints(const std::string& root);
+
 // `error` (about the newest complete checkpoint under `root`: damaged, unreadable) with what to do
 // appended: which older complete checkpoint is intact (it verifies) and how to resume from it
 // (move the damaged one aside), or that none is. Other errors come back unchanged.
