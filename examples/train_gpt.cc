@@ -64,8 +64,8 @@ ABSL_FLAG(int64_t, blocks, 4, "transformer blocks (each its own FSDP unit)");
 ABSL_FLAG(int64_t, heads, 4, "attention heads");
 ABSL_FLAG(double, lr, 3e-3, "peak learning rate (Adam; linear warmup, then cosine decay)");
 ABSL_FLAG(int64_t, warmup_steps, 20, "learning-rate warmup steps");
-ABSL_FLAG(double, min_lr_ratio, 0.1, "final learning rate as a fraction of --lr");
-ABSL_FLAG(double, grad_clip, 1.0, "max global gradient norm (0: off)");
+ABSL_FLAG(double, min_lr_ratio, 0.1, "final learning rate as a fraction of --lr, in [0, 1]");
+ABSL_FLAG(double, grad_clip, 1.0, "max global gradient norm, finite (0: off)");
 ABSL_FLAG(uint64_t, seed, 1234, "initial weights, data order and sampling");
 ABSL_FLAG(std::string, strategy, "full_shard",
           "full_shard | shard_grad_op | no_shard | hybrid_shard | hybrid_shard_zero2");
@@ -116,17 +116,21 @@ ABSL_FLAG(int, keep_checkpoints, 2, "complete checkpoints to keep");
 ABSL_FLAG(std::string, resume, "never",
           "never | auto (resume if a complete checkpoint exists) | true (must resume); a bare "
           "--resume means true");
+ABSL_FLAG(bool, overwrite_checkpoints, false,
+          "without --resume: delete the complete checkpoints already in --checkpoint_dir and "
+          "start from step 0 (without this flag such a run is refused)");
 ABSL_FLAG(int64_t, stop_after, 0, "stop after this step as if killed (for resume tests); 0: off");
 ABSL_FLAG(std::string, metrics, "", "JSON-lines metrics file (default <out_dir>/metrics.jsonl)");
 ABSL_FLAG(std::string, plot, "", "SVG loss plot (default <out_dir>/loss.svg)");
 ABSL_FLAG(int64_t, eval_every, 50, "validation loss every N steps (and at the end)");
-ABSL_FLAG(int64_t, eval_batches, 4, "validation batches per rank");
+ABSL_FLAG(int64_t, eval_batches, 4, "validation batches per rank (>= 1)");
 ABSL_FLAG(int64_t, log_every, 10, "progress line every N steps when stdout is not a terminal");
 ABSL_FLAG(int64_t, sample_tokens, 200, "characters to sample at the end (0: none)");
 ABSL_FLAG(std::string, prompt, "And God said", "sampling prompt");
 ABSL_FLAG(double, temperature, 0.8, "sampling temperature");
 ABSL_FLAG(int64_t, top_k, 10, "sample from the k most likely characters (0: all)");
-ABSL_FLAG(int, threads, 0, "intra-op threads per rank (0: cores / ranks)");
+ABSL_FLAG(int, threads, 0,
+          "intra-op threads per rank, at most the core count (0: cores / ranks)");
 ABSL_FLAG(int, max_restarts, 0,
           "self-launch only: restart all ranks from the last complete checkpoint up to this many "
           "times after a rank fails");
@@ -146,6 +150,8 @@ ABSL_FLAG(std::string, fault_kill, "",
 namespace fairscale::examples {
 namespace {
 
+constexpr int kMaxRanks = 1024;  // --nproc_per_node: processes on one machine
+
 std::string OutDir() {
   std::string dir = absl::GetFlag(FLAGS_out_dir);
   if (!dir.empty()) return dir;
@@ -155,7 +161,22 @@ std::string OutDir() {
   return "out/train_gpt";
 }
 
+// An explicit --metrics / --plot / --trace file must go into a directory that exists: a typo
+// there stops the job before launching instead of creating directories somewhere unexpected.
+absl::Status CheckParentExists(absl::string_view flag, const std::string& path) {
+  if (path.empty()) return absl::OkStatus();
+  const std::string parent = std::filesystem::path(path).parent_path().string();
+  std::error_code ec;
+  if (parent.empty() || std::filesystem::is_directory(parent, ec)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--", flag, "=", path, ": the directory ", parent, " does not exist; create it, or leave --",
+      flag, " out to write under --out_dir"));
+}
+
 absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
+  FS_RETURN_IF_ERROR(CheckParentExists("metrics", absl::GetFlag(FLAGS_metrics)));
+  FS_RETURN_IF_ERROR(CheckParentExists("plot", absl::GetFlag(FLAGS_plot)));
+  FS_RETURN_IF_ERROR(CheckParentExists("trace", absl::GetFlag(FLAGS_trace)));
   gpt::TrainConfig c;
   c.steps = absl::GetFlag(FLAGS_steps);
   c.batch = absl::GetFlag(FLAGS_batch);
@@ -193,13 +214,20 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   const std::string resume = absl::GetFlag(FLAGS_resume);
   if (resume == "never" || resume == "false" || resume.empty()) {
     c.resume = gpt::ResumeMode::kNever;
-    // A restarted attempt (fs_launch --max_restarts, or ours) continues from its checkpoint.
+    c.overwrite_checkpoints = absl::GetFlag(FLAGS_overwrite_checkpoints);
+    // A restarted attempt (fs_launch --max_restarts, or ours) continues from its checkpoint, and
+    // never deletes what the first attempt saved.
     const char* restarts = std::getenv("FS_RESTART_COUNT");
-    if (restarts != nullptr && std::atoi(restarts) > 0) c.resume = gpt::ResumeMode::kAuto;
+    if (restarts != nullptr && std::atoi(restarts) > 0) {
+      c.resume = gpt::ResumeMode::kAuto;
+      c.overwrite_checkpoints = false;
+    }
   } else if (resume == "auto") {
     c.resume = gpt::ResumeMode::kAuto;
+    c.overwrite_checkpoints = absl::GetFlag(FLAGS_overwrite_checkpoints);  // refused by Validate
   } else if (resume == "true" || resume == "required") {
     c.resume = gpt::ResumeMode::kRequired;
+    c.overwrite_checkpoints = absl::GetFlag(FLAGS_overwrite_checkpoints);  // refused by Validate
   } else {
     return absl::InvalidArgumentError(
         absl::StrCat("--resume=", resume, ": expected never, auto or true"));
@@ -234,6 +262,14 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   }
   FS_RETURN_IF_ERROR(c.Validate());
   return c;
+}
+
+// Whether a path of `config` is a default under --out_dir (the flag for it was left out).
+bool UsesOutDir(const gpt::TrainConfig& config) {
+  return absl::GetFlag(FLAGS_metrics).empty() || absl::GetFlag(FLAGS_plot).empty() ||
+         absl::GetFlag(FLAGS_checkpoint_dir).empty() ||
+         (config.optimizer_offload == "disk" && absl::GetFlag(FLAGS_offload_dir).empty()) ||
+         (config.profile && absl::GetFlag(FLAGS_trace).empty());
 }
 
 // A rank's error: with FS_ERROR_DIR (set by LaunchLocal) into <dir>/<attempt>.<rank> for the
@@ -344,14 +380,28 @@ int LaunchLocal(const std::vector<std::string>& args) {
     return 2;
   }
   const int n = nproc_per_node != 0 ? nproc_per_node : nproc != 0 ? nproc : 2;
-  if (n < 1) {
-    std::fprintf(stderr, "train_gpt: --nproc_per_node must be >= 1, got %d\n", n);
+  if (n < 1 || n > kMaxRanks) {
+    std::fprintf(stderr, "train_gpt: --nproc_per_node=%d is out of range: must be in [1, %d]\n",
+                 n, kMaxRanks);
+    return 2;
+  }
+  const int max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  const int grace_s = absl::GetFlag(FLAGS_failure_grace_s);
+  if (max_restarts < 0 || max_restarts > 1000 || grace_s < 0 || grace_s > 3600) {
+    std::fprintf(stderr,
+                 "train_gpt: --max_restarts=%d and --failure_grace_s=%d: must be in [0, 1000] and "
+                 "[0, 3600]\n",
+                 max_restarts, grace_s);
     return 2;
   }
   // Every check that can be made here is made before a rank starts: one message, and nothing
   // launched (flags, the world size, the output directories, the checkpoint to resume from).
   absl::StatusOr<gpt::TrainConfig> config = ConfigFromFlags();
-  absl::Status ready = config.ok() ? gpt::CheckBeforeLaunch(*config, n) : config.status();
+  absl::Status ready = config.status();
+  // The output directory first, when anything defaults into it: its own OS error, not that of a
+  // later path under it.
+  if (ready.ok() && UsesOutDir(*config)) ready = gpt::CheckWritableDir(OutDir(), "--out_dir");
+  if (ready.ok()) ready = gpt::CheckBeforeLaunch(*config, n);
   if (!ready.ok()) {
     std::fprintf(stderr, "train_gpt: %s\n", std::string(ready.message()).c_str());
     return 2;

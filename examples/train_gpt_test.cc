@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -28,6 +29,7 @@
 #include "absl/time/time.h"
 #include "base/status_matchers.h"
 #include "base/subprocess.h"
+#include "examples/gpt/metrics_file.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "testing/tmp.h"
@@ -103,12 +105,18 @@ class TrainGptTest : public ::testing::Test {
     std::ifstream metrics(out_dir + "/metrics.jsonl");
     std::string line;
     while (std::getline(metrics, line)) {
-      nlohmann::json j = nlohmann::json::parse(line);
+      nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (!j.is_object()) {
+        ADD_FAILURE() << "metrics line is not a JSON object: " << line;
+        continue;
+      }
+      // Losses may be NaN / inf (written as strings, gpt::MetricNumber).
+      const double loss = gpt::ReadMetricNumber(j.value("loss", nlohmann::json(0.0))).value_or(-1);
       if (j["type"] == "train") {
         EXPECT_EQ(j["step"].get<size_t>(), r.train_losses.size() + 1) << line;
-        r.train_losses.push_back(j["loss"].get<double>());
+        r.train_losses.push_back(loss);
       }
-      if (j["type"] == "val") r.val_losses[j["step"].get<int64_t>()] = j["loss"].get<double>();
+      if (j["type"] == "val") r.val_losses[j["step"].get<int64_t>()] = loss;
       if (j["type"] == "final") r.final_record = j;
     }
     return r;
@@ -344,6 +352,35 @@ TEST_F(TrainGptTest, BadValuesStopTheJobBeforeAnyRankStarts) {
       {{"--nproc=2", "--nproc_per_node=3"}, "--nproc=2 and --nproc_per_node=3 disagree"},
       {{"--nproc=4", "--strategy=hybrid_shard", "--hybrid_shard_group_size=3"},
        "hybrid_shard_group_size 3 does not divide the rank count 4"},
+      // Every numeric flag has a range, said naming the flag (--threads=100000 hung a rank).
+      {{"--nproc=2", "--threads=100000"}, "--threads=100000 is out of range: must be in [0, "},
+      {{"--nproc=2", "--min_lr_ratio=1.5"},
+       "--min_lr_ratio=1.5 is out of range: must be in [0, 1] (the final learning rate as a "
+       "fraction of --lr)"},
+      {{"--nproc=2", "--min_lr_ratio=-0.1"}, "--min_lr_ratio=-0.1 is out of range"},
+      {{"--nproc=2", "--grad_clip=inf"},
+       "--grad_clip=inf is out of range: must be in [0, 1.79769e+308] (finite; 0: off)"},
+      {{"--nproc=2", "--grad_clip=nan"}, "--grad_clip=nan is out of range"},
+      {{"--nproc=2", "--eval_batches=0"},
+       "--eval_batches=0 is out of range: must be in [1, 1048576]"},
+      {{"--nproc=2", "--batch=0"}, "--batch=0 is out of range: must be in [1, 1048576]"},
+      {{"--nproc=2", "--seq=2000000"}, "--seq=2000000 is out of range: must be in [1, 1048576]"},
+      {{"--nproc=2", "--lr=inf"}, "--lr=inf is out of range: must be finite and > 0"},
+      {{"--nproc_per_node=-1"}, "--nproc_per_node=-1 is out of range: must be in [1, 1024]"},
+      {{"--nproc=2", "--max_restarts=-1"},
+       "--max_restarts=-1 and --failure_grace_s=5: must be in [0, 1000] and [0, 3600]"},
+      // Within the sanity bound, beyond any machine's memory (the attention scores alone are
+      // 8 x 2 x 100000^2 floats per block).
+      {{"--nproc=2", "--seq=100000"},
+       "--batch=8 and --seq=100000 (with --width=32, --blocks=2, --heads=2) need about "},
+      {{"--nproc=2", "--seq=100000"}, " of memory holds for 2 ranks; lower --seq or --batch"},
+      // Paths: an explicit --metrics in a missing directory.
+      {{"--nproc=2", "--metrics=" + dir_ + "/missing/m.jsonl"},
+       "--metrics=" + dir_ + "/missing/m.jsonl: the directory " + dir_ +
+           "/missing does not exist; create it, or leave --metrics out to write under --out_dir"},
+      {{"--nproc=2", "--overwrite_checkpoints", "--resume=auto"},
+       "--overwrite_checkpoints deletes the checkpoints that --resume would continue from; give "
+       "one of them"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(cases[i].message);
@@ -359,6 +396,129 @@ TEST_F(TrainGptTest, BadValuesStopTheJobBeforeAnyRankStarts) {
   JobResult r = Run("bad1", {"--nproc=2", "--resume", "--steps=4"});
   EXPECT_THAT(r.output, HasSubstr("run without --resume to start from step 0, or with "
                                   "--resume=auto to resume only when there is one"));
+}
+
+// An out_dir that cannot be written is said with the OS error, naming --out_dir, before launching.
+TEST_F(TrainGptTest, UnwritableOutDirIsRefusedWithTheOsError) {
+  const std::string ro = dir_ + "/read_only";
+  fs::create_directories(ro);
+  fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec, fs::perm_options::replace);
+  if (::access(ro.c_str(), W_OK) == 0) {
+    fs::permissions(ro, fs::perms::owner_all, fs::perm_options::replace);
+    GTEST_SKIP() << "running as root: a 0500 directory is still writable";
+  }
+  const struct {
+    std::string out_dir;
+    std::string message;
+  } cases[] = {
+      {ro, "cannot write in " + ro + " (--out_dir): Permission denied; choose a writable "
+           "--out_dir"},
+      {ro + "/out", "cannot create " + ro + "/out (--out_dir): Permission denied; choose a "
+                    "writable --out_dir"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.out_dir);
+    // The last --out_dir wins; the log stays in dir_.
+    JobResult r = Run("ro_log", {"--nproc=2", "--steps=4", "--out_dir=" + c.out_dir});
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_EQ(Count(r.output, c.message), 1) << r.output;
+    EXPECT_EQ(Count(r.output, "train_gpt: "), 1) << r.output;
+  }
+  fs::permissions(ro, fs::perms::owner_all, fs::perm_options::replace);
+}
+
+// A run without --resume in an out_dir that holds checkpoints would delete them: refused, naming
+// --resume and --overwrite_checkpoints, and nothing is deleted; with --overwrite_checkpoints it
+// starts from step 0.
+TEST_F(TrainGptTest, ExistingCheckpointsAreNotOverwrittenSilently) {
+  const std::vector<std::string> job = {"--nproc=1", "--steps=4", "--checkpoint_every=2",
+                                        "--sample_tokens=0"};
+  JobResult first = Run("ow", job);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string ckpt = dir_ + "/ow/checkpoints";
+  JobResult again = Run("ow", job);
+  EXPECT_EQ(again.exit_code, 2) << again.output;
+  EXPECT_EQ(Count(again.output,
+                  ckpt + " already holds 2 complete checkpoints (newest " + ckpt +
+                      "/step_00000004), which a run from step 0 would delete: run with --resume "
+                      "to continue from the newest, with --overwrite_checkpoints to delete them "
+                      "and start from step 0, or with another --out_dir to keep them"),
+            1)
+      << again.output;
+  EXPECT_THAT(again.output, Not(HasSubstr("train_gpt: 1 rank")));  // nothing launched
+  EXPECT_TRUE(fs::exists(ckpt + "/step_00000002/COMPLETE"));
+  EXPECT_TRUE(fs::exists(ckpt + "/step_00000004/COMPLETE"));
+  std::vector<std::string> overwrite = job;
+  overwrite.push_back("--overwrite_checkpoints");
+  overwrite.push_back("--steps=3");
+  JobResult fresh = Run("ow", overwrite);
+  ASSERT_EQ(fresh.exit_code, 0) << fresh.output;
+  EXPECT_THAT(fresh.output, Not(HasSubstr("resumed")));
+  EXPECT_EQ(fresh.train_losses.size(), 3u);
+  EXPECT_EQ(fresh.train_losses, std::vector<double>(first.train_losses.begin(),
+                                                    first.train_losses.begin() + 3));
+  EXPECT_TRUE(fs::exists(ckpt + "/step_00000002/COMPLETE"));
+  EXPECT_TRUE(fs::exists(ckpt + "/step_00000003/COMPLETE"));
+  EXPECT_FALSE(fs::exists(ckpt + "/step_00000004"));  // the old run's, after the new start
+}
+
+// --resume reads back a metrics file with NaN / inf losses (as written now, and as `null`, what
+// older files hold) and skips a line that is not a record, warning with the file and line.
+TEST_F(TrainGptTest, ResumeReadsNonFiniteLossesAndSkipsBadMetricsLines) {
+  const std::vector<std::string> job = {"--nproc=1", "--steps=8", "--checkpoint_every=4",
+                                        "--eval_every=2", "--sample_tokens=0"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = job;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  JobResult first = Run("m", with({"--stop_after=6"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string path = dir_ + "/m/metrics.jsonl";
+  std::vector<std::string> lines;
+  {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      nlohmann::json j = nlohmann::json::parse(line);
+      if (j["type"] == "train" && j["step"] == 2) j["loss"] = nullptr;  // an old file's NaN
+      if (j["type"] == "train" && j["step"] == 3) j["loss"] = gpt::MetricNumber(std::nan(""));
+      if (j["type"] == "val" && j["step"] == 4) {
+        j["loss"] = gpt::MetricNumber(std::numeric_limits<double>::infinity());
+      }
+      lines.push_back(j.dump());
+    }
+  }
+  ASSERT_GE(lines.size(), 3u);
+  lines.insert(lines.begin() + 1, "{\"type\": \"train\", \"st");  // line 2: torn garbage
+  lines.insert(lines.begin() + 2, R"({"type":"val","step":2,"loss":"fast"})");  // line 3
+  {
+    std::ofstream out(path, std::ios::trunc);
+    for (const std::string& l : lines) out << l << "\n";
+  }
+  JobResult second = Run("m", with({"--resume"}));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_THAT(second.output, HasSubstr("resumed at step 4"));
+  EXPECT_EQ(Count(second.output, "train_gpt: warning: " + path +
+                                     ":2: skipped a malformed metrics record (not valid JSON)"),
+            1)
+      << second.output;
+  EXPECT_EQ(Count(second.output,
+                  "train_gpt: warning: " + path +
+                      ":3: skipped a malformed metrics record (\"loss\" is not a number: "
+                      "\"fast\")"),
+            1)
+      << second.output;
+  EXPECT_EQ(Count(second.output, "train_gpt: warning: "), 2) << second.output;
+  ASSERT_EQ(second.train_losses.size(), 8u);
+  EXPECT_EQ(second.train_losses[0], first.train_losses[0]);
+  EXPECT_TRUE(std::isnan(second.train_losses[1]));
+  EXPECT_TRUE(std::isnan(second.train_losses[2]));
+  EXPECT_EQ(second.train_losses[3], first.train_losses[3]);
+  EXPECT_EQ(second.val_losses[4], std::numeric_limits<double>::infinity());
+  for (size_t i = 4; i < 8; ++i) EXPECT_TRUE(std::isfinite(second.train_losses[i])) << i;
+  EXPECT_EQ(second.train_losses[4], first.train_losses[4]);  // the resume is exact
+  ASSERT_TRUE(second.final_record.is_object());
 }
 
 // An error every rank meets after starting (here a prompt with a character outside the

@@ -8,14 +8,19 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <set>
 #include <sstream>
 #include <system_error>
 
 #include "absl/status/status.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "base/status_macros.h"
 
 namespace fairscale::examples::gpt {
 namespace fs = std::filesystem;
@@ -107,8 +112,8 @@ absl::Status WriteComplete(const std::string& step_dir, int64_t step, int world_
   j["step"] = step;
   j["world_size"] = world_size;
   j["format"] = format;
-  j["config"] = config;
-  j["trainer_state"] = trainer_state;
+  j["config"] = config.is_null() ? nlohmann::json::object() : config;
+  j["trainer_state"] = trainer_state.is_null() ? nlohmann::json::object() : trainer_state;
   j["files"] = nlohmann::json::array();
   for (const std::string& name : files) {
     absl::StatusOr<FileDigest> d = DigestFile(step_dir, name);
@@ -146,39 +151,232 @@ bool HasComplete(const std::string& dir) {
   return fs::exists(absl::StrCat(dir, "/", kCompleteName), ec);
 }
 
+// Reads COMPLETE trusting nothing in it: every field's type and range is checked, and an error
+// names the file and the field ("corrupt checkpoint marker <dir>/COMPLETE: files[1].name: ...").
+class MarkerReader {
+ public:
+  explicit MarkerReader(std::string path) : path_(std::move(path)) {}
+
+  absl::Status Error(absl::string_view field, absl::string_view what) const {
+    return absl::DataLossError(
+        absl::StrCat("corrupt checkpoint marker ", path_, ": ", field, ": ", what));
+  }
+
+  // `obj[key]`, which must exist.
+  absl::StatusOr<const nlohmann::json*> Need(const nlohmann::json& obj, const std::string& key,
+                                             const std::string& field) const {
+    auto it = obj.find(key);
+    if (it == obj.end()) return Error(field, "missing");
+    return &*it;
+  }
+
+  absl::Status WrongType(const nlohmann::json& v, const std::string& field,
+                         absl::string_view want) const {
+    std::string got = v.dump();
+    if (got.size() > 40) got = absl::StrCat(got.substr(0, 37), "...");
+    return Error(field, absl::StrCat("expected ", want, ", got ", v.type_name(), " ", got));
+  }
+
+  absl::StatusOr<int64_t> Int(const nlohmann::json& v, const std::string& field, int64_t min,
+                              int64_t max) const {
+    if (!v.is_number_integer()) return WrongType(v, field, "an integer");
+    if (v.is_number_unsigned() &&
+        v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return Error(field, absl::StrCat("must be in [", min, ", ", max, "], got ", v.dump()));
+    }
+    const int64_t x = v.get<int64_t>();
+    if (x < min || x > max) {
+      return Error(field, absl::StrCat("must be in [", min, ", ", max, "], got ", x));
+    }
+    return x;
+  }
+
+  absl::StatusOr<uint64_t> Unsigned(const nlohmann::json& v, const std::string& field) const {
+    if (!v.is_number_unsigned()) return WrongType(v, field, "an unsigned integer");
+    return v.get<uint64_t>();
+  }
+
+  absl::Status Number(const nlohmann::json& v, const std::string& field) const {
+    if (!v.is_number()) return WrongType(v, field, "a number");
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::string> String(const nlohmann::json& v, const std::string& field) const {
+    if (!v.is_string()) return WrongType(v, field, "a string");
+    return v.get<std::string>();
+  }
+
+  absl::StatusOr<uint64_t> Hex64(const nlohmann::json& v, const std::string& field) const {
+    FS_ASSIGN_OR_RETURN(std::string s, String(v, field));
+    uint64_t x = 0;
+    if (s.empty() || s.size() > 16 ||
+        s.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos ||
+        !absl::SimpleHexAtoi(s, &x)) {
+      return Error(field, absl::StrCat("expected up to 16 hex digits, got \"", s, "\""));
+    }
+    return x;
+  }
+
+  absl::Status Object(const nlohmann::json& v, const std::string& field) const {
+    if (!v.is_object()) return WrongType(v, field, "an object");
+    return absl::OkStatus();
+  }
+
+  // A file name relative to the step directory that stays inside it: not absolute, no "..",
+  // "." or empty component, no NUL.
+  absl::Status RelativeName(const std::string& name, const std::string& field) const {
+    const std::string quoted = absl::StrCat("\"", absl::CEscape(name), "\"");
+    if (name.empty()) return Error(field, "is empty");
+    if (name.find('\0') != std::string::npos) return Error(field, quoted + " holds a NUL byte");
+    if (name[0] == '/') {
+      return Error(field, absl::StrCat(quoted, " is an absolute path (names are relative to "
+                                               "the step directory)"));
+    }
+    for (absl::string_view part : absl::StrSplit(name, '/')) {
+      if (part == "..") return Error(field, quoted + " leaves the step directory");
+      if (part.empty() || part == ".") {
+        return Error(field, quoted + " is not a plain relative path (empty or '.' component)");
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // The types of the fields of `config` (TrainConfig::ToJson()) and `trainer_state` that the
+  // trainer reads; other keys may hold anything.
+  absl::Status Config(const nlohmann::json& config) const {
+    FS_RETURN_IF_ERROR(Object(config, "config"));
+    for (const char* key : {"steps", "schedule_steps", "batch", "seq", "width", "blocks", "heads",
+                            "warmup_steps", "pipeline_stages", "pipeline_virtual_stages"}) {
+      if (config.contains(key)) {
+        FS_RETURN_IF_ERROR(Int(config[key], absl::StrCat("config.", key), 0,
+                               std::numeric_limits<int64_t>::max())
+                               .status());
+      }
+    }
+    if (config.contains("seed")) {
+      FS_RETURN_IF_ERROR(Unsigned(config["seed"], "config.seed").status());
+    }
+    for (const char* key : {"lr", "min_lr_ratio", "grad_clip"}) {
+      if (config.contains(key)) FS_RETURN_IF_ERROR(Number(config[key], absl::StrCat("config.", key)));
+    }
+    for (const char* key : {"strategy", "precision", "data_parallel", "pipeline_balance"}) {
+      if (config.contains(key)) {
+        FS_RETURN_IF_ERROR(String(config[key], absl::StrCat("config.", key)).status());
+      }
+    }
+    // Checkpoints written before trainer_state held the loss scaler in config.
+    if (config.contains("grad_scaler")) {
+      FS_RETURN_IF_ERROR(GradScaler(config["grad_scaler"], "config.grad_scaler"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status TrainerState(const nlohmann::json& state) const {
+    FS_RETURN_IF_ERROR(Object(state, "trainer_state"));
+    if (state.contains("full_param_fnv1a64")) {
+      FS_RETURN_IF_ERROR(
+          Hex64(state["full_param_fnv1a64"], "trainer_state.full_param_fnv1a64").status());
+    }
+    if (state.contains("grad_scaler")) {
+      FS_RETURN_IF_ERROR(GradScaler(state["grad_scaler"], "trainer_state.grad_scaler"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status GradScaler(const nlohmann::json& v, const std::string& field) const {
+    FS_RETURN_IF_ERROR(Object(v, field));
+    if (v.contains("scale")) FS_RETURN_IF_ERROR(Number(v["scale"], field + ".scale"));
+    if (v.contains("growth_tracker")) {
+      FS_RETURN_IF_ERROR(Int(v["growth_tracker"], field + ".growth_tracker", 0,
+                             std::numeric_limits<int>::max())
+                             .status());
+    }
+    return absl::OkStatus();
+  }
+
+  std::string path_;
+};
+
+// The files a step directory of `format` at `world_size` holds (empty for formats whose layout
+// this library does not know: the pipeline's, checked by name and uniqueness only).
+std::vector<std::string> ExpectedFiles(const std::string& format, int world_size) {
+  if (format == kFormatRankFiles) return RankFileNames(world_size);
+  if (format != kFormatFsdpSharded) return {};
+  std::vector<std::string> files;
+  for (int r = 0; r < world_size; ++r) files.push_back(ShardFileName(r));
+  files.push_back(kShardManifestName);
+  return files;
+}
+
 absl::StatusOr<CompleteCheckpoint> ParseComplete(const std::string& dir) {
   const std::string path = absl::StrCat(dir, "/", kCompleteName);
   absl::StatusOr<std::string> text = ReadFile(path);
   if (!text.ok()) return text.status();
-  nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    return absl::DataLossError(absl::StrCat("corrupt checkpoint marker ", path, ": not valid JSON"));
+  }
+  const MarkerReader m(path);
+  if (!j.is_object()) return m.WrongType(j, "(top level)", "an object");
   CompleteCheckpoint c;
   c.dir = dir;
-  try {
-    if (j.is_discarded()) throw std::runtime_error("not valid JSON");
-    c.step = j.at("step").get<int64_t>();
-    c.world_size = j.at("world_size").get<int>();
-    c.format = j.value("format", std::string(kFormatRankFiles));
-    c.config = j.at("config");
-    if (j.contains("trainer_state")) c.trainer_state = j.at("trainer_state");
-    for (const nlohmann::json& f : j.at("files")) {
-      FileDigest d;
-      d.name = f.at("name").get<std::string>();
-      d.bytes = f.at("bytes").get<uint64_t>();
-      if (!absl::SimpleHexAtoi(f.at("fnv1a64").get<std::string>(), &d.fnv1a64)) {
-        throw std::runtime_error("bad fnv1a64");
+  FS_ASSIGN_OR_RETURN(const nlohmann::json* step, m.Need(j, "step", "step"));
+  FS_ASSIGN_OR_RETURN(c.step, m.Int(*step, "step", 0, std::numeric_limits<int64_t>::max()));
+  FS_ASSIGN_OR_RETURN(const nlohmann::json* world, m.Need(j, "world_size", "world_size"));
+  FS_ASSIGN_OR_RETURN(const int64_t world_size, m.Int(*world, "world_size", 1, kMaxWorldSize));
+  c.world_size = static_cast<int>(world_size);
+  if (j.contains("format")) {
+    FS_ASSIGN_OR_RETURN(c.format, m.String(j["format"], "format"));
+  }
+  FS_ASSIGN_OR_RETURN(const nlohmann::json* config, m.Need(j, "config", "config"));
+  FS_RETURN_IF_ERROR(m.Config(*config));
+  c.config = *config;
+  if (j.contains("trainer_state") && !j["trainer_state"].is_null()) {
+    FS_RETURN_IF_ERROR(m.TrainerState(j["trainer_state"]));
+    c.trainer_state = j["trainer_state"];
+  }
+  FS_ASSIGN_OR_RETURN(const nlohmann::json* files, m.Need(j, "files", "files"));
+  if (!files->is_array()) return m.WrongType(*files, "files", "an array");
+  std::set<std::string> seen;
+  for (size_t i = 0; i < files->size(); ++i) {
+    const nlohmann::json& f = (*files)[i];
+    const std::string field = absl::StrCat("files[", i, "]");
+    FS_RETURN_IF_ERROR(m.Object(f, field));
+    FileDigest d;
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* name, m.Need(f, "name", field + ".name"));
+    FS_ASSIGN_OR_RETURN(d.name, m.String(*name, field + ".name"));
+    FS_RETURN_IF_ERROR(m.RelativeName(d.name, field + ".name"));
+    if (!seen.insert(d.name).second) {
+      return m.Error(field + ".name", absl::StrCat("\"", d.name, "\" is listed twice"));
+    }
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* bytes, m.Need(f, "bytes", field + ".bytes"));
+    FS_ASSIGN_OR_RETURN(d.bytes, m.Unsigned(*bytes, field + ".bytes"));
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* fnv, m.Need(f, "fnv1a64", field + ".fnv1a64"));
+    FS_ASSIGN_OR_RETURN(d.fnv1a64, m.Hex64(*fnv, field + ".fnv1a64"));
+    c.files.push_back(std::move(d));
+  }
+  if (c.files.empty()) return m.Error("files", "lists no file");
+  // rank_files: one file per rank; fsdp_sharded: one shard per rank and the manifest. Exactly
+  // those: a name left out, or one of another layout, is named.
+  const std::vector<std::string> expected = ExpectedFiles(c.format, c.world_size);
+  if (!expected.empty()) {
+    const std::string layout =
+        absl::StrCat("format ", c.format, " at world_size ", c.world_size, " has ",
+                     expected.front(), " .. ", expected.back());
+    const std::set<std::string> want(expected.begin(), expected.end());
+    for (size_t i = 0; i < c.files.size(); ++i) {
+      if (want.count(c.files[i].name) == 0) {
+        return m.Error(absl::StrCat("files[", i, "].name"),
+                       absl::StrCat("\"", c.files[i].name, "\" is not a file of this checkpoint (",
+                                    layout, ")"));
       }
-      c.files.push_back(d);
     }
-    // rank_files: one file per rank; fsdp_sharded: one shard per rank and the manifest.
-    const int want_files = c.world_size + (c.format == kFormatFsdpSharded ? 1 : 0);
-    if ((c.format == kFormatRankFiles || c.format == kFormatFsdpSharded) &&
-        static_cast<int>(c.files.size()) != want_files) {
-      throw std::runtime_error(absl::StrCat("lists ", c.files.size(), " files for world size ",
-                                            c.world_size));
+    for (const std::string& name : expected) {
+      if (seen.count(name) == 0) {
+        return m.Error("files", absl::StrCat(name, " is not listed (", layout, ")"));
+      }
     }
-  } catch (const std::exception& e) {
-    return absl::DataLossError(
-        absl::StrCat("corrupt checkpoint marker ", path, ": ", e.what()));
   }
   return c;
 }
@@ -190,6 +388,21 @@ absl::Status NoCompleteCheckpointError(const std::string& root) {
       "resume: no complete checkpoint (a step_* directory with ", kCompleteName, ") under ", root,
       "; run without --resume to start from step 0, or with --resume=auto to resume only when "
       "there is one"));
+}
+
+absl::Status RefuseToOverwriteCheckpoints(const std::string& root) {
+  int complete = 0;
+  std::string newest;
+  for (const auto& [step, dir] : StepDirs(root)) {
+    if (!HasComplete(dir)) continue;
+    if (complete++ == 0) newest = dir;
+  }
+  if (complete == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      root, " already holds ", complete, " complete checkpoint", complete == 1 ? "" : "s",
+      " (newest ", newest, "), which a run from step 0 would delete: run with --resume to "
+      "continue from the newest, with --overwrite_checkpoints to delete them and start from step "
+      "0, or with another --out_dir to keep them"));
 }
 
 absl::Status WithOlderCheckpointHint(const absl::Status& error, const std::string& root) {

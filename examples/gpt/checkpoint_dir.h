@@ -45,6 +45,8 @@ inline constexpr char kShardManifestName[] = "manifest.json";  // fsdp's manifes
 inline constexpr char kCompleteName[] = "COMPLETE";
 inline constexpr char kFormatRankFiles[] = "rank_files";
 inline constexpr char kFormatFsdpSharded[] = "fsdp_sharded";
+// The largest world size a COMPLETE may state (a sanity bound on an untrusted field).
+inline constexpr int kMaxWorldSize = 1 << 20;
 
 // Writes `content` to "<path>.tmp.<pid>", fsyncs it and renames it over `path`.
 absl::Status WriteFileAtomic(const std::string& path, const std::string& content);
@@ -86,8 +88,12 @@ absl::Status WriteComplete(const std::string& step_dir, int64_t step, int world_
                            const nlohmann::json& config, const nlohmann::json& trainer_state);
 
 // The newest step directory under `root` that has COMPLETE (nullopt if none, or if `root` does
-// not exist). Directories without COMPLETE are skipped; a COMPLETE that does not parse is
-// kDataLoss naming it.
+// not exist). Directories without COMPLETE are skipped. Nothing in COMPLETE is trusted: a marker
+// that does not parse, a field of the wrong type or out of range (world_size in [1,
+// kMaxWorldSize], step >= 0), a file name that is absolute, leaves the step directory ("..") or
+// is listed twice, a file list that is not exactly the format's (rank_files, fsdp_sharded), or a
+// config / trainer_state field the trainer reads with the wrong type is kDataLoss
+// "corrupt checkpoint marker <dir>/COMPLETE: <field>: <what>", e.g. "files[1].name: ...".
 absl::StatusOr<std::optional<CompleteCheckpoint>> FindLatestComplete(const std::string& root);
 
 // Checks every rank file against COMPLETE: present, same size, same checksum. kDataLoss naming
@@ -97,6 +103,12 @@ absl::Status VerifyCheckpoint(const CompleteCheckpoint& checkpoint);
 // kNotFound for --resume when `root` holds no complete checkpoint, saying how to start from
 // step 0 or resume only when there is one.
 absl::Status NoCompleteCheckpointError(const std::string& root);
+
+// For a run that starts from step 0 (no --resume), which would delete every step directory under
+// `root` (RemoveCheckpointsAfter(root, 0)): kFailedPrecondition when `root` holds a step directory
+// with COMPLETE, naming the newest and saying how to continue from it (--resume), delete them
+// (--overwrite_checkpoints) or keep them (another --out_dir). OK when there is none.
+absl::Status RefuseToOverwriteCheckpoints(const std::string& root);
 
 // `error` (about the newest complete checkpoint under `root`: damaged, unreadable) with what to do
 // appended: which older complete checkpoint is intact (it verifies) and how to resume from it

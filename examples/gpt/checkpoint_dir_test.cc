@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -134,6 +135,90 @@ TEST_F(CheckpointDirTest, GarbledCompleteIsDataLossNamingIt) {
   std::ofstream(dir + "/COMPLETE") << "{\"step\": 10, \"world_";
   EXPECT_THAT(FindLatestComplete(root_).status(),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr(dir + "/COMPLETE")));
+}
+
+// Nothing in COMPLETE is trusted: each corruption is DATA_LOSS naming the marker and the field.
+TEST_F(CheckpointDirTest, CorruptMarkerFieldsAreNamed) {
+  const std::string dir = StepDir(root_, 10);
+  const std::string marker = dir + "/COMPLETE";
+  struct Case {
+    std::function<void(nlohmann::json&)> edit;
+    std::string message;  // after "corrupt checkpoint marker <dir>/COMPLETE: "
+  };
+  const std::vector<Case> cases = {
+      {[](nlohmann::json& j) { j["world_size"] = -2; },
+       "world_size: must be in [1, 1048576], got -2"},
+      {[](nlohmann::json& j) { j["world_size"] = "2"; },
+       "world_size: expected an integer, got string \"2\""},
+      {[](nlohmann::json& j) { j["step"] = 10.5; },
+       "step: expected an integer, got number 10.5"},
+      {[](nlohmann::json& j) { j["files"][1]["name"] = "rank0.pt"; },
+       "files[1].name: \"rank0.pt\" is listed twice"},
+      {[](nlohmann::json& j) { j["files"].erase(1); },
+       "files: rank1.pt is not listed (format rank_files at world_size 2 has rank0.pt .. "
+       "rank1.pt)"},
+      {[](nlohmann::json& j) { j["files"][1].erase("name"); }, "files[1].name: missing"},
+      {[](nlohmann::json& j) { j["files"][1]["name"] = "rank7.pt"; },
+       "files[1].name: \"rank7.pt\" is not a file of this checkpoint (format rank_files at "
+       "world_size 2 has rank0.pt .. rank1.pt)"},
+      {[](nlohmann::json& j) { j["files"][1]["name"] = "../step_00000020/rank1.pt"; },
+       "files[1].name: \"../step_00000020/rank1.pt\" leaves the step directory"},
+      {[](nlohmann::json& j) { j["files"][0]["name"] = "/etc/passwd"; },
+       "files[0].name: \"/etc/passwd\" is an absolute path (names are relative to the step "
+       "directory)"},
+      {[](nlohmann::json& j) { j["files"][0]["name"] = "./rank0.pt"; },
+       "files[0].name: \"./rank0.pt\" is not a plain relative path (empty or '.' component)"},
+      {[](nlohmann::json& j) { j["files"][0]["bytes"] = -1; },
+       "files[0].bytes: expected an unsigned integer, got number -1"},
+      {[](nlohmann::json& j) { j["files"][0]["fnv1a64"] = "xyz"; },
+       "files[0].fnv1a64: expected up to 16 hex digits, got \"xyz\""},
+      {[](nlohmann::json& j) { j["config"]["batch"] = "16"; },
+       "config.batch: expected an integer, got string \"16\""},
+      {[](nlohmann::json& j) { j["config"]["lr"] = nullptr; },
+       "config.lr: expected a number, got null null"},
+      {[](nlohmann::json& j) { j["config"] = nlohmann::json::array(); },
+       "config: expected an object, got array []"},
+      {[](nlohmann::json& j) { j["trainer_state"]["full_param_fnv1a64"] = 12; },
+       "trainer_state.full_param_fnv1a64: expected a string, got number 12"},
+      {[](nlohmann::json& j) { j["trainer_state"]["grad_scaler"] = {{"scale", "big"}}; },
+       "trainer_state.grad_scaler.scale: expected a number, got string \"big\""},
+      {[](nlohmann::json& j) { j["trainer_state"] = "x"; },
+       "trainer_state: expected an object, got string \"x\""},
+      {[](nlohmann::json& j) { j.erase("files"); }, "files: missing"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.message);
+    fs::remove_all(dir);
+    MakeStep(10, 2, true);
+    ASSERT_OK_AND_ASSIGN(std::string text, ReadFile(marker));
+    nlohmann::json j = nlohmann::json::parse(text);
+    c.edit(j);
+    ASSERT_OK(WriteFileAtomic(marker, j.dump()));
+    const absl::Status st = FindLatestComplete(root_).status();
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kDataLoss,
+                             HasSubstr("corrupt checkpoint marker " + marker + ": " + c.message)));
+    // Older checkpoints are found through the same checks (WithOlderCheckpointHint).
+    EXPECT_THAT(WithOlderCheckpointHint(st, root_).message(),
+                HasSubstr("no older intact checkpoint is under " + root_));
+  }
+}
+
+// A well-formed marker of the sharded format: the names and count come from the world size.
+TEST_F(CheckpointDirTest, ShardedMarkerMustListEveryShardAndTheManifest) {
+  const std::string dir = StepDir(root_, 8);
+  fs::create_directories(dir);
+  const std::vector<std::string> files = {ShardFileName(0), ShardFileName(1), kShardManifestName};
+  for (const std::string& f : files) std::ofstream(dir + "/" + f) << f;
+  ASSERT_OK(WriteComplete(dir, 8, 2, kFormatFsdpSharded, files, {{"width", 8}}, {}));
+  ASSERT_OK_AND_ASSIGN(std::string text, ReadFile(dir + "/COMPLETE"));
+  nlohmann::json j = nlohmann::json::parse(text);
+  j["world_size"] = 3;
+  ASSERT_OK(WriteFileAtomic(dir + "/COMPLETE", j.dump()));
+  EXPECT_THAT(FindLatestComplete(root_).status(),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr(dir + "/COMPLETE: files: rank00002.shard is not listed (format "
+                                       "fsdp_sharded at world_size 3 has rank00000.shard .. "
+                                       "manifest.json)")));
 }
 
 TEST_F(CheckpointDirTest, WriteCompleteNeedsEveryRankFile) {

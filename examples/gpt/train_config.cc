@@ -9,12 +9,15 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "examples/gpt/checkpoint_dir.h"
 #include "examples/gpt/parallel_model.h"
@@ -22,27 +25,77 @@
 
 namespace fairscale::examples::gpt {
 
+namespace {
+
+// "--<flag>=<v> is out of range: must be in [lo, hi]<note>" unless lo <= v <= hi (NaN is out).
+absl::Status InRange(absl::string_view flag, double v, double lo, double hi,
+                     absl::string_view note = "") {
+  if (v >= lo && v <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat("--%s=%g is out of range: must be in [%g, %g]%s",
+                                                    flag, v, lo, hi, note));
+}
+absl::Status InRange(absl::string_view flag, int64_t v, int64_t lo, int64_t hi,
+                     absl::string_view note = "") {
+  if (v >= lo && v <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, "=", v, " is out of range: must be in [", lo, ", ", hi, "]", note));
+}
+
+constexpr int64_t kMaxSteps = int64_t{1} << 40;
+
+}  // namespace
+
+int MaxThreads() {
+  const unsigned cores = std::thread::hardware_concurrency();
+  return cores > 0 ? static_cast<int>(std::min<unsigned>(cores, kMaxThreads)) : kMaxThreads;
+}
+
 absl::Status TrainConfig::Validate() const {
-  auto positive = [](absl::string_view name, int64_t v) {
-    return v > 0 ? absl::OkStatus()
-                 : absl::InvalidArgumentError(absl::StrCat(name, " must be > 0, got ", v));
-  };
-  FS_RETURN_IF_ERROR(positive("steps", steps));
-  FS_RETURN_IF_ERROR(positive("batch", batch));
-  FS_RETURN_IF_ERROR(positive("seq", seq));
-  FS_RETURN_IF_ERROR(positive("width", width));
-  FS_RETURN_IF_ERROR(positive("heads", heads));
-  FS_RETURN_IF_ERROR(positive("keep_checkpoints", keep_checkpoints));
-  if (blocks < 0) return absl::InvalidArgumentError("blocks must be >= 0");
+  FS_RETURN_IF_ERROR(InRange("steps", steps, 1, kMaxSteps));
+  FS_RETURN_IF_ERROR(InRange("batch", batch, 1, kMaxDim));
+  FS_RETURN_IF_ERROR(InRange("seq", seq, 1, kMaxDim));
+  FS_RETURN_IF_ERROR(InRange("width", width, 1, kMaxDim));
+  FS_RETURN_IF_ERROR(InRange("blocks", blocks, 0, kMaxDim));
+  FS_RETURN_IF_ERROR(InRange("heads", heads, 1, kMaxDim));
   if (width % heads != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("width ", width, " is not divisible by heads ", heads));
   }
-  if (!(lr > 0)) return absl::InvalidArgumentError("lr must be > 0");
-  if (!(temperature > 0)) return absl::InvalidArgumentError("temperature must be > 0");
-  if (warmup_steps < 0 || checkpoint_every < 0 || eval_every < 0 || stop_after < 0) {
+  FS_RETURN_IF_ERROR(InRange("keep_checkpoints", int64_t{keep_checkpoints}, 1, 1 << 20));
+  if (!(lr > 0) || !std::isfinite(lr)) {
     return absl::InvalidArgumentError(
-        "warmup_steps, checkpoint_every, eval_every and stop_after must be >= 0");
+        absl::StrFormat("--lr=%g is out of range: must be finite and > 0", lr));
+  }
+  FS_RETURN_IF_ERROR(InRange("min_lr_ratio", min_lr_ratio, 0.0, 1.0,
+                             " (the final learning rate as a fraction of --lr)"));
+  FS_RETURN_IF_ERROR(InRange("grad_clip", grad_clip, 0.0, std::numeric_limits<double>::max(),
+                             " (finite; 0: off)"));
+  if (!(temperature > 0) || !std::isfinite(temperature)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--temperature=%g is out of range: must be finite and > 0", temperature));
+  }
+  FS_RETURN_IF_ERROR(InRange("warmup_steps", warmup_steps, 0, kMaxSteps));
+  FS_RETURN_IF_ERROR(InRange("checkpoint_every", checkpoint_every, 0, kMaxSteps, " (0: never)"));
+  FS_RETURN_IF_ERROR(InRange("eval_every", eval_every, 0, kMaxSteps, " (0: only at the end)"));
+  FS_RETURN_IF_ERROR(InRange("eval_batches", eval_batches, 1, kMaxDim));
+  FS_RETURN_IF_ERROR(InRange("log_every", log_every, 0, kMaxSteps));
+  FS_RETURN_IF_ERROR(InRange("stop_after", stop_after, 0, kMaxSteps, " (0: off)"));
+  FS_RETURN_IF_ERROR(InRange("sample_tokens", sample_tokens, 0, kMaxDim));
+  FS_RETURN_IF_ERROR(InRange("top_k", top_k, 0, kMaxDim, " (0: all)"));
+  FS_RETURN_IF_ERROR(InRange("threads", int64_t{threads}, 0, MaxThreads(),
+                             absl::StrCat(" (0: cores / ranks; at most the ",
+                                          std::thread::hardware_concurrency() > 0
+                                              ? "core count of this machine"
+                                              : "sane maximum, the core count being unknown",
+                                          ")")));
+  if (fault_rank < -1 || fault_step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--fault_kill=", fault_rank, ":", fault_step, ": the rank and step must be >= 0"));
+  }
+  if (overwrite_checkpoints && resume != ResumeMode::kNever) {
+    return absl::InvalidArgumentError(
+        "--overwrite_checkpoints deletes the checkpoints that --resume would continue from; "
+        "give one of them");
   }
   if (sample_tokens > 0 && prompt.empty()) {
     return absl::InvalidArgumentError("prompt must not be empty when sampling");
@@ -104,9 +157,6 @@ absl::StatusOr<int64_t> ResumeScheduleSteps(const TrainConfig& config,
   return schedule > 0 ? schedule : config.steps;
 }
 
-namespace {
-
-// Creates `dir` and checks that a file can be written in it.
 absl::Status CheckWritableDir(const std::string& dir, absl::string_view what) {
   if (dir.empty()) return absl::OkStatus();
   std::error_code ec;
@@ -126,6 +176,8 @@ absl::Status CheckWritableDir(const std::string& dir, absl::string_view what) {
   std::remove(probe.c_str());
   return absl::OkStatus();
 }
+
+namespace {
 
 std::string ParentDir(const std::string& path) {
   return std::filesystem::path(path).parent_path().string();
@@ -149,6 +201,19 @@ absl::Status CheckBeforeLaunch(const TrainConfig& config, int world_size) {
         " does not divide the rank count ", world_size,
         "; use a divisor of it, or --nproc_per_node as a multiple of the group size"));
   }
+  // Sizes before paths: memory is the first thing a large --seq or --batch runs out of.
+  const double need = EstimateRankBytes(config, /*vocab=*/256);  // a byte vocabulary at most
+  const double have = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
+                      static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  if (have > 0 && need * world_size > have) {
+    auto gb = [](double b) { return absl::StrFormat("%.1f GB", b / 1e9); };
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--batch=", config.batch, " and --seq=", config.seq, " (with --width=", config.width,
+        ", --blocks=", config.blocks, ", --heads=", config.heads, ") need about ", gb(need),
+        " per rank (an estimate: parameters, gradients, Adam state and one step's activations), "
+        "more than this machine's ", gb(have), " of memory holds for ", world_size, " rank",
+        world_size == 1 ? "" : "s", "; lower --seq or --batch"));
+  }
   FS_RETURN_IF_ERROR(CheckWritableDir(ParentDir(config.metrics_path), "--metrics"));
   FS_RETURN_IF_ERROR(CheckWritableDir(ParentDir(config.plot_path), "--plot"));
   FS_RETURN_IF_ERROR(CheckWritableDir(config.checkpoint_dir, "--checkpoint_dir"));
@@ -158,7 +223,10 @@ absl::Status CheckBeforeLaunch(const TrainConfig& config, int world_size) {
   if (config.optimizer_offload == "disk") {
     FS_RETURN_IF_ERROR(CheckWritableDir(config.offload_dir, "--offload_dir"));
   }
-  if (config.resume == ResumeMode::kNever) return absl::OkStatus();
+  if (config.resume == ResumeMode::kNever) {
+    if (config.overwrite_checkpoints || config.checkpoint_dir.empty()) return absl::OkStatus();
+    return RefuseToOverwriteCheckpoints(config.checkpoint_dir);
+  }
   if (config.checkpoint_dir.empty()) {
     return absl::InvalidArgumentError(
         "resume needs a checkpoint directory: drop --checkpoint_dir=none, or --resume");
@@ -173,6 +241,30 @@ absl::Status CheckBeforeLaunch(const TrainConfig& config, int world_size) {
   const CompleteCheckpoint& c = **latest;
   FS_RETURN_IF_ERROR(ResumeScheduleSteps(config, c.dir, c.step, c.config).status());
   return WithOlderCheckpointHint(VerifyCheckpoint(c), config.checkpoint_dir);
+}
+
+double EstimateRankBytes(const TrainConfig& c, int64_t vocab) {
+  const double b = static_cast<double>(c.batch), t = static_cast<double>(c.seq),
+               w = static_cast<double>(c.width), l = static_cast<double>(c.blocks),
+               h = static_cast<double>(c.heads), v = static_cast<double>(vocab);
+  // Parameters: per block attention (4 w^2) and MLP (8 w^2), the embeddings and the head; in f32
+  // master, gradient, two Adam moments and a compute copy: 20 bytes each.
+  const double params = l * (12 * w * w + 13 * w) + 2 * v * w + t * w;
+  // Activations kept for backward, f32: per block the attention scores and their softmax
+  // (2 b h t^2) and about 18 b t w (layer norms, q k v, projections, the MLP's 4w hidden twice,
+  // residuals); a checkpointed block keeps only its input (b t w) and one block is recomputed
+  // at a time. The logits three times (the logits, their f32 copy, the softmax gradient).
+  const double block = 2 * b * h * t * t + 18 * b * t * w;
+  double kept_blocks = l;
+  absl::StatusOr<int64_t> every_k = ParseCheckpointActivations(c.checkpoint_activations);
+  if (c.pipeline_stages == 1 && every_k.ok() && *every_k > 0 && l > 0) {
+    const double checkpointed = std::ceil(l / static_cast<double>(*every_k));
+    kept_blocks = l - checkpointed + 1;  // + the one being recomputed
+  }
+  const double activations =
+      kept_blocks * block + (l - kept_blocks > 0 ? (l - kept_blocks) * b * t * w : 0) +
+      3 * b * t * v + 2 * b * t * w;
+  return 20 * params + 4 * activations;
 }
 
 double LearningRate(const TrainConfig& c, int64_t step) {

@@ -35,6 +35,7 @@
 #include "base/status_macros.h"
 #include "examples/gpt/checkpoint_dir.h"
 #include "examples/gpt/data.h"
+#include "examples/gpt/metrics_file.h"
 #include "examples/gpt/model.h"
 #include "examples/gpt/parallel_model.h"
 #include "examples/gpt/svg_plot.h"
@@ -64,30 +65,23 @@ std::string HumanDuration(double s) {
 }
 
 // Rank 0's metrics file. On resume the records after the checkpoint's step (written by the
-// interrupted run) are dropped, so the file reads as one uninterrupted run.
+// interrupted run) are dropped, so the file reads as one uninterrupted run; malformed lines are
+// dropped with a warning naming the file and line (metrics_file.h).
 class Metrics {
  public:
   absl::Status Open(const std::string& path, int64_t keep_through_step) {
     path_ = path;
     if (path.empty()) return absl::OkStatus();
-    std::string kept;
-    if (keep_through_step > 0) {
-      absl::StatusOr<std::string> old = ReadFile(path);
-      if (old.ok()) {
-        for (absl::string_view line : absl::StrSplit(*old, '\n', absl::SkipEmpty())) {
-          nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-          if (j.is_discarded() || !j.contains("step")) continue;  // e.g. a torn last line
-          if (j["step"].get<int64_t>() > keep_through_step) continue;
-          if (j.value("type", "") == "final" || j.value("type", "") == "sample") continue;
-          records_.push_back(j);
-          absl::StrAppend(&kept, line, "\n");
-        }
-      }
+    KeptMetrics kept;
+    if (keep_through_step > 0) kept = ReadMetricsForResume(path, keep_through_step);
+    for (const std::string& w : kept.warnings) {
+      std::fprintf(stderr, "train_gpt: warning: %s\n", w.c_str());
     }
+    records_ = std::move(kept.records);
     std::error_code ec;
     const std::filesystem::path parent = std::filesystem::path(path).parent_path();
     if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-    FS_RETURN_IF_ERROR(WriteFileAtomic(path, kept));
+    FS_RETURN_IF_ERROR(WriteFileAtomic(path, kept.text));
     out_.open(path, std::ios::app);
     if (!out_) return absl::UnavailableError(absl::StrCat("cannot open metrics file ", path));
     return absl::OkStatus();
@@ -215,8 +209,10 @@ class Trainer {
     double val_loss = std::numeric_limits<double>::quiet_NaN();
     double train_loss = std::numeric_limits<double>::quiet_NaN();
     for (const nlohmann::json& j : metrics_.records()) {  // the last losses before a resume
-      if (j.value("type", "") == "train") train_loss = j["loss"].get<double>();
-      if (j.value("type", "") == "val") val_loss = j["loss"].get<double>();
+      // (ReadMetricsForResume kept only records whose loss reads as a number.)
+      const std::string type = j.value("type", "");
+      if (type == "train" && j.contains("loss")) train_loss = *ReadMetricNumber(j["loss"]);
+      if (type == "val" && j.contains("loss")) val_loss = *ReadMetricNumber(j["loss"]);
     }
     for (int64_t step = result.start_step + 1; step <= last; ++step) {
       const auto t0 = Clock::now();
@@ -286,16 +282,22 @@ class Trainer {
         FS_ASSIGN_OR_RETURN(val_loss, ValLoss());
       }
       if (rank_ == 0) {
-        nlohmann::json j = {{"type", "train"},         {"step", step},
-                            {"loss", train_loss},      {"lr", lr},
-                            {"step_s", step_s},        {"tokens_per_s", tokens_per_s},
+        // Floating-point fields through MetricNumber: a NaN / inf reads back (metrics_file.h).
+        nlohmann::json j = {{"type", "train"},
+                            {"step", step},
+                            {"loss", MetricNumber(train_loss)},
+                            {"lr", MetricNumber(lr)},
+                            {"step_s", MetricNumber(step_s)},
+                            {"tokens_per_s", MetricNumber(tokens_per_s)},
                             {"peak_rss_bytes", rss}};
         if (scaler_) {
-          j["loss_scale"] = loss_scale;
+          j["loss_scale"] = MetricNumber(loss_scale);
           j["step_skipped"] = !stepped;
         }
         metrics_.Write(j);
-        if (eval) metrics_.Write({{"type", "val"}, {"step", step}, {"loss", val_loss}});
+        if (eval) {
+          metrics_.Write({{"type", "val"}, {"step", step}, {"loss", MetricNumber(val_loss)}});
+        }
         if (config_.progress) {
           const std::string line = ProgressLine(step, train_loss, val_loss, tokens_per_s,
                                                 avg_s * (last - step), rss);
@@ -343,9 +345,9 @@ class Trainer {
       metrics_.Write({{"type", "final"},
                       {"step", config_.steps},
                       {"mode", ModeLabel()},
-                      {"train_loss", train_loss},
-                      {"val_loss", val_loss},
-                      {"wall_s", wall_s},
+                      {"train_loss", MetricNumber(train_loss)},
+                      {"val_loss", MetricNumber(val_loss)},
+                      {"wall_s", MetricNumber(wall_s)},
                       {"param_fnv1a64", hashes},
                       {"full_param_fnv1a64", full_hashes}});
       if (config_.sample_tokens > 0) {
@@ -458,7 +460,14 @@ class Trainer {
 
   absl::StatusOr<int64_t> MaybeResume() {
     num_params_ = model_->num_params();
-    if (config_.resume == ResumeMode::kNever) return 0;
+    if (config_.resume == ResumeMode::kNever) {
+      // Starting from step 0 deletes every step directory (RemoveCheckpointsAfter): not
+      // silently. Every rank checks, so every rank fails with the same message.
+      if (!config_.overwrite_checkpoints && !config_.checkpoint_dir.empty()) {
+        FS_RETURN_IF_ERROR(RefuseToOverwriteCheckpoints(config_.checkpoint_dir));
+      }
+      return 0;
+    }
     if (config_.checkpoint_dir.empty()) {
       return absl::InvalidArgumentError("resume needs a checkpoint directory (--checkpoint_dir)");
     }
@@ -586,8 +595,10 @@ class Trainer {
     PlotSeries train{"train loss", "#1f77b4", {}}, val{"val loss", "#d62728", {}};
     for (const nlohmann::json& j : metrics_.records()) {
       const std::string type = j.value("type", "");
-      if (type == "train") train.points.emplace_back(j["step"].get<double>(), j["loss"].get<double>());
-      if (type == "val") val.points.emplace_back(j["step"].get<double>(), j["loss"].get<double>());
+      if ((type != "train" && type != "val") || !j.contains("loss")) continue;
+      const std::optional<double> loss = ReadMetricNumber(j["loss"]);
+      if (!loss.has_value() || !std::isfinite(*loss)) continue;  // a NaN / inf has no point
+      (type == "train" ? train : val).points.emplace_back(j["step"].get<double>(), *loss);
     }
     std::error_code ec;
     const std::filesystem::path parent = std::filesystem::path(config_.plot_path).parent_path();

@@ -36,6 +36,10 @@ enum class ResumeMode {
   kRequired,  // resume from the newest complete checkpoint; error if there is none
 };
 
+// Sanity bounds of TrainConfig::Validate (memory is checked per machine by CheckBeforeLaunch).
+inline constexpr int64_t kMaxDim = 1 << 20;  // batch, seq, width, blocks, heads, chunks
+inline constexpr int kMaxThreads = 1024;     // when the core count is unknown
+
 struct TrainConfig {
   // Model and data.
   int64_t steps = 400;  // the step this run ends at (and, from step 0, the schedule's length)
@@ -135,10 +139,15 @@ struct TrainConfig {
   int64_t checkpoint_every = 100;  // 0: never
   int keep_checkpoints = 2;
   ResumeMode resume = ResumeMode::kNever;
+  // With resume kNever, a checkpoint_dir that already holds complete checkpoints is refused
+  // (RefuseToOverwriteCheckpoints: starting from step 0 deletes them) unless this is set.
+  bool overwrite_checkpoints = false;
   // Stop after this step as if the job were killed there (no final eval, plot or sample);
   // 0 = run to `steps`. For resume tests.
   int64_t stop_after = 0;
-  int threads = 0;  // intra-op threads per rank; 0 = max(1, cores / world size)
+  // Intra-op threads per rank; 0 = max(1, cores / world size). At most the core count (or
+  // kMaxThreads where it is unknown): more only oversubscribes, and 100000 hung a rank.
+  int threads = 0;
   // Observability (//trace). With `trace_path`, every rank records forward / backward /
   // optimizer spans and each collective (with its bytes) and rank 0 writes one Chrome trace
   // (a track per rank; open it in ui.perfetto.dev or chrome://tracing) at the end. With
@@ -153,7 +162,9 @@ struct TrainConfig {
   int64_t fault_step = 0;
   bool fault_in_save = false;
 
-  // Validates the values (kInvalidArgument naming the field).
+  // Validates the values (kInvalidArgument naming the flag and its range, e.g. "--min_lr_ratio=2
+  // is out of range: must be in [0, 1]"). Every numeric field has a range; sizes are bounded so
+  // that products of them cannot overflow (kMaxDim) and threads by the core count.
   absl::Status Validate() const;
   // The learning-rate schedule's length (schedule_steps, else steps).
   int64_t schedule_length() const { return schedule_steps > 0 ? schedule_steps : steps; }
@@ -185,8 +196,12 @@ absl::StatusOr<TrainResult> TrainRank(const TrainConfig& config,
 
 // The checks a launcher runs before starting `world_size` ranks of TrainRank(config), so that a
 // bad value stops the job before anything is launched, with one message: Validate(); the values
-// that depend on the world size (pipeline_stages, hybrid_shard_group_size); every output
-// directory can be created and written; with `resume`, a complete checkpoint exists (kNotFound
+// that depend on the world size (pipeline_stages, hybrid_shard_group_size); the memory the
+// batch and sequence need (EstimateRankBytes) against this machine's (kResourceExhausted naming
+// --batch and --seq); every output directory can be created and written (naming the flag and
+// the OS error); without `resume`, no complete checkpoint would be deleted
+// (RefuseToOverwriteCheckpoints, unless overwrite_checkpoints); with `resume`, a complete
+// checkpoint exists (kNotFound
 // under ResumeMode::kRequired), matches the config (ResumeScheduleSteps) and is intact
 // (VerifyCheckpoint; kDataLoss pointing to an older intact one). Each message ends with what to
 // do. Creates the output directories.
@@ -202,6 +217,20 @@ absl::StatusOr<int64_t> ResumeScheduleSteps(const TrainConfig& config,
                                             const std::string& checkpoint_dir,
                                             int64_t checkpoint_step,
                                             const nlohmann::json& checkpoint_config);
+
+// Creates `dir` and checks that a file can be written in it: kPermissionDenied "cannot create
+// <dir> (<flag>): <OS error>" / "cannot write in <dir> (<flag>): <OS error>", ending with what to
+// do. An empty `dir` is OK.
+absl::Status CheckWritableDir(const std::string& dir, absl::string_view flag);
+
+// The most --threads Validate() accepts: the core count (kMaxThreads when unknown).
+int MaxThreads();
+
+// A rough upper estimate of one rank's memory for `config` (bytes): the parameters with their
+// gradients and Adam state unsharded, and one step's activations (per block the attention
+// scores, batch x heads x seq^2, and the MLP, batch x seq x width terms; the logits, batch x seq x
+// vocab). For refusing sizes that cannot fit before launching, not for planning.
+double EstimateRankBytes(const TrainConfig& config, int64_t vocab);
 
 // Learning rate at `step` (1-based): linear warmup, then cosine to lr * min_lr_ratio at
 // schedule_length(), held there after it.

@@ -202,6 +202,16 @@ absl::StatusOr<std::unique_ptr<ShardFileReader>> ShardFileReader::Open(const std
                                             " bytes, the manifest says ", bytes,
                                             " (truncated or replaced)"));
   }
+  // The leading magic first: a file of another kind (or overwritten from its start) is named as
+  // such, before its footer is trusted for anything.
+  char head[sizeof(kMagic)];
+  if (bytes < static_cast<int64_t>(sizeof(kMagic)) || ::fseeko(f, 0, SEEK_SET) != 0 ||
+      std::fread(head, 1, sizeof(head), f) != sizeof(head) ||
+      std::memcmp(head, kMagic, sizeof(kMagic)) != 0) {
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint file '", path, "': its first 8 bytes are not the magic \"",
+        absl::string_view(kMagic, sizeof(kMagic)), "\" (not a shard file, or overwritten)"));
+  }
   char footer[kFooterBytes];
   uint64_t len = 0, fnv = 0;
   if (bytes < kFooterBytes + 8 || ::fseeko(f, bytes - kFooterBytes, SEEK_SET) != 0 ||

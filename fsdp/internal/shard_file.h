@@ -74,8 +74,8 @@ class ShardFileWriter {
   uint64_t fnv_;
 };
 
-// An open rank file whose footer and header were read and checked against the manifest's
-// `bytes` and `header_fnv1a`. Errors are kDataLoss naming the file.
+// An open rank file whose leading magic, footer and header were read and checked against the
+// manifest's `bytes` and `header_fnv1a`. Errors are kDataLoss naming the file.
 class ShardFileReader {
  public:
   static absl::StatusOr<std::unique_ptr<ShardFileReader>> Open(const std::string& path,
