@@ -34,8 +34,12 @@ done
 pass "4 -> 2 ranks: resumed at step 6, full parameters $saved as saved, finished step 12"
 
 # An older (per-rank local format) checkpoint: resumable only at the world size that wrote it.
-jq '.format = "rank_files" | .files = .files[0:4]' "$WORK/old_format/step_00000006/COMPLETE" >"$WORK/COMPLETE.old"
-mv "$WORK/COMPLETE.old" "$WORK/old_format/step_00000006/COMPLETE"
+# (its files are rank0.pt .. rank3.pt: the marker names exactly those, as the reader demands)
+OLD="$WORK/old_format/step_00000006"
+for r in 0 1 2 3; do cp "$OLD/rank0000$r.shard" "$OLD/rank$r.pt"; done
+jq '.format = "rank_files" | .files = [.files[0:4] | to_entries[] | .value.name = "rank\(.key).pt" | .value]' \
+  "$OLD/COMPLETE" >"$WORK/COMPLETE.old"
+mv "$WORK/COMPLETE.old" "$OLD/COMPLETE"
 launch old 2 -- "${JOB[@]}" --resume=required --checkpoint_dir="$WORK/old_format"
 [[ $STATUS -ne 0 ]] || fail "a local-format checkpoint of 4 ranks resumed at 2"
 grep -q "per-rank local format (rank_files" "$WORK/old.log" ||
