@@ -452,6 +452,22 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(const Co
   config.rank = env.rank;
   config.size = env.world_size;
   if (std::getenv("FS_COMM_TIMEOUT_S") != nullptr) config.timeout = env.timeout;
+  if (std::optional<std::string> t = Env("FS_COMM_STALL_TIMEOUT_S"); t.has_value()) {
+    double seconds = 0;
+    if (!absl::SimpleAtod(*t, &seconds) || !std::isfinite(seconds) || seconds < 0 ||
+        seconds > 86400) {
+      return BadVar("FS_COMM_STALL_TIMEOUT_S", *t,
+                    "is not a number of seconds in [0, 86400] (0 turns the heartbeats off)");
+    }
+    if (seconds == 0) {
+      config.options["algo.heartbeat_ms"] = "0";
+    } else {
+      const int64_t ms = std::max<int64_t>(100, static_cast<int64_t>(seconds * 1000));
+      config.options["algo.stall_timeout_ms"] = absl::StrCat(ms);
+      // At least 4 beats per stall timeout.
+      config.options["algo.heartbeat_ms"] = absl::StrCat(std::min<int64_t>(1000, ms / 4));
+    }
+  }
   if (config.store == nullptr) {
     if (env.world_size == 1) {
       // Nobody to meet: an in-memory store does, and no port is taken.

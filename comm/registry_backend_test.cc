@@ -112,7 +112,7 @@ class FromEnvTest : public ::testing::Test {
  protected:
   void SetUp() override {
     for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                          "FS_COMM_BACKEND", "FS_COMM_TIMEOUT_S",
+                          "FS_COMM_BACKEND", "FS_COMM_TIMEOUT_S", "FS_COMM_STALL_TIMEOUT_S",
                           "TORCHELASTIC_USE_AGENT_STORE", "FS_STORE_TOKEN", "FS_STORE_PREFIX",
                           "FS_STORE_PROTOCOL", "TORCHELASTIC_RESTART_COUNT"}) {
       unsetenv(v);
@@ -146,6 +146,27 @@ TEST_F(FromEnvTest, SingleRankUsesAnInMemoryStore) {
   ASSERT_NE(fake.config.store, nullptr);
   EXPECT_EQ(dynamic_cast<TCPStore*>(fake.config.store.get()), nullptr);
   EXPECT_OK(fake.config.store->Set("k", "v"));
+}
+
+TEST_F(FromEnvTest, StallTimeoutSetsTheHeartbeatOptions) {
+  Set("RANK", "0");
+  Set("WORLD_SIZE", "1");
+  Set("FS_COMM_STALL_TIMEOUT_S", "3");
+  {
+    ASSERT_OK_AND_ASSIGN(auto c, CreateCommunicatorFromEnv());
+    const FakeComm& fake = AsFake(c);
+    EXPECT_EQ(fake.config.options.at("algo.stall_timeout_ms"), "3000");
+    EXPECT_EQ(fake.config.options.at("algo.heartbeat_ms"), "750");
+  }
+  Set("FS_COMM_STALL_TIMEOUT_S", "0");
+  {
+    ASSERT_OK_AND_ASSIGN(auto c, CreateCommunicatorFromEnv());
+    EXPECT_EQ(AsFake(c).config.options.at("algo.heartbeat_ms"), "0");  // off
+  }
+  Set("FS_COMM_STALL_TIMEOUT_S", "soon");
+  EXPECT_THAT(CreateCommunicatorFromEnv().status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("FS_COMM_STALL_TIMEOUT_S='soon' is not a number of seconds")));
 }
 
 TEST_F(FromEnvTest, RankZeroHostsTheStoreOnMasterPort) {

@@ -38,6 +38,11 @@ namespace fairscale::comm::algo {
 struct Options {
   size_t chunk_bytes = 512 << 10;
   size_t small_bytes = 16 << 10;
+  // Liveness (TransportCommunicator's HeartbeatMonitor, heartbeat.h): every rank beats through
+  // the store every heartbeat_ms (0: off), and an operation that has waited stall_timeout_ms
+  // on a rank that stopped beating fails naming it. stall_timeout_ms >= 4 * heartbeat_ms.
+  size_t heartbeat_ms = 1000;
+  size_t stall_timeout_ms = 10000;
 };
 
 // Parses the "algo.*" keys of `options`, ignoring the others. kInvalidArgument names the key for

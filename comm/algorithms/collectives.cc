@@ -49,10 +49,22 @@ absl::StatusOr<Options> ParseOptions(const absl::flat_hash_map<std::string, std:
       FS_ASSIGN_OR_RETURN(out.chunk_bytes, ParseBytes(key, value, 1));
     } else if (key == "algo.small_bytes") {
       FS_ASSIGN_OR_RETURN(out.small_bytes, ParseBytes(key, value, 0));
+    } else if (key == "algo.heartbeat_ms") {
+      FS_ASSIGN_OR_RETURN(out.heartbeat_ms, ParseBytes(key, value, 0));
+    } else if (key == "algo.stall_timeout_ms") {
+      FS_ASSIGN_OR_RETURN(out.stall_timeout_ms, ParseBytes(key, value, 100));
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown option ", key, " (known: algo.chunk_bytes, algo.small_bytes)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown option ", key,
+          " (known: algo.chunk_bytes, algo.small_bytes, algo.heartbeat_ms, "
+          "algo.stall_timeout_ms)"));
     }
+  }
+  if (out.heartbeat_ms > 0 && out.stall_timeout_ms < 4 * out.heartbeat_ms) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "option algo.stall_timeout_ms=", out.stall_timeout_ms,
+        " must be at least 4 x algo.heartbeat_ms=", out.heartbeat_ms,
+        " (a rank is declared silent after half the stall timeout without a beat)"));
   }
   return out;
 }

@@ -17,6 +17,7 @@
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "comm/algorithms/algorithms.h"
+#include "comm/algorithms/heartbeat.h"
 #include "comm/store/hash_store.h"
 #include "comm/store/prefix_store.h"
 
@@ -47,6 +48,7 @@ class TransportCommunicator final : public Communicator {
   }
 
   ~TransportCommunicator() override {
+    heartbeat_.reset();  // disarmed before anything it could cancel goes away
     bool cancel = false;
     {
       absl::MutexLock lock(&mu_);
@@ -184,6 +186,14 @@ class TransportCommunicator final : public Communicator {
         store_(std::move(store)),
         factory_(std::move(factory)),
         transport_(std::move(transport)) {
+    if (config.size > 1 && options.heartbeat_ms > 0) {
+      HeartbeatMonitor::Options hb;
+      hb.interval = absl::Milliseconds(options.heartbeat_ms);
+      hb.stall_timeout = absl::Milliseconds(options.stall_timeout_ms);
+      Transport* t = transport_.get();
+      heartbeat_ = std::make_unique<HeartbeatMonitor>(
+          store_, config.rank, config.size, hb, [t](const absl::Status& s) { t->Cancel(s); });
+    }
     worker_ = std::thread([this] {
       // Named so that top -H, perf and /proc/<pid>/task/*/comm tell it from the training
       // thread (the kernel keeps 15 characters): "fs-comm tcp".
@@ -286,7 +296,9 @@ class TransportCommunicator final : public Communicator {
     actx.deadline = absl::Now() + op.ctx.timeout;
     actx.options = options_;
     actx.scratch = &scratch_;
+    if (heartbeat_ != nullptr) heartbeat_->OperationStarted();
     const absl::Status s = op.run(actx);
+    if (heartbeat_ != nullptr) heartbeat_->OperationFinished();
     if (s.ok()) {
       {
         absl::MutexLock lock(&mu_);
@@ -322,6 +334,8 @@ class TransportCommunicator final : public Communicator {
   const TransportFactory factory_;
   const std::unique_ptr<Transport> transport_;
   algo::Scratch scratch_;  // worker thread only
+  // After transport_: destroyed (disarmed) first. Null at size 1 or with algo.heartbeat_ms=0.
+  std::unique_ptr<HeartbeatMonitor> heartbeat_;
 
   mutable absl::Mutex mu_;
   std::deque<Op> queue_ ABSL_GUARDED_BY(mu_);

@@ -1,0 +1,131 @@
+#include "comm/algorithms/heartbeat.h"
+
+#include <pthread.h>
+
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "base/logging.h"
+
+namespace fairscale::comm {
+
+struct HeartbeatMonitor::State {
+  std::shared_ptr<Store> store;
+  int rank = 0;
+  int size = 1;
+  Options options;
+
+  absl::Mutex mu;
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  StallCallback on_stall ABSL_GUARDED_BY(mu);
+  absl::Time op_since ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
+
+  static std::string Key(int r) { return absl::StrCat("hb/", r); }
+
+  void Run();
+};
+
+void HeartbeatMonitor::State::Run() {
+  pthread_setname_np(pthread_self(), "fs-heartbeat");
+  const absl::Duration window = options.stall_timeout / 2;
+  std::vector<int64_t> seen(size, -1);
+  std::vector<absl::Time> moved(size, absl::InfinitePast());
+  absl::Time last_store_warning = absl::InfinitePast();
+  auto warn = [&](const absl::Status& s) {
+    const absl::Time now = absl::Now();
+    if (now - last_store_warning < absl::Minutes(1)) return;
+    last_store_warning = now;
+    FS_LOG(WARNING) << "heartbeat of rank " << rank << "/" << size
+                    << " through the store failed (retrying every "
+                    << absl::FormatDuration(options.interval) << "): " << s;
+  };
+  while (true) {
+    absl::Time op_since;
+    {
+      absl::MutexLock lock(&mu);
+      auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return stopping; };
+      mu.AwaitWithTimeout(absl::Condition(&stop), options.interval);
+      if (stopping) return;
+      op_since = this->op_since;
+    }
+    if (absl::StatusOr<int64_t> beat = store->Add(Key(rank), 1); !beat.ok()) warn(beat.status());
+    const absl::Time now = absl::Now();
+    if (op_since == absl::InfiniteFuture() || now - op_since < window) {
+      seen.assign(size, -1);  // a fresh baseline for the next overdue operation
+      continue;
+    }
+    std::vector<int> silent;
+    for (int p = 0; p < size; ++p) {
+      if (p == rank) continue;
+      absl::StatusOr<int64_t> v = store->Add(Key(p), 0);
+      if (!v.ok()) {
+        warn(v.status());
+        continue;
+      }
+      if (*v != seen[p]) {
+        seen[p] = *v;
+        moved[p] = now;
+      } else if (now - moved[p] >= window) {
+        silent.push_back(p);
+      }
+    }
+    if (silent.empty()) continue;
+    const absl::Status stalled = absl::UnavailableError(absl::StrCat(
+        silent.size() == 1 ? "rank " : "ranks ", absl::StrJoin(silent, ", "),
+        silent.size() == 1 ? " shows" : " show", " no sign of life: no heartbeat for ",
+        absl::FormatDuration(absl::Trunc(now - moved[silent.front()], absl::Milliseconds(100))),
+        " while this operation waited ",
+        absl::FormatDuration(absl::Trunc(now - op_since, absl::Milliseconds(100))),
+        " (the process is stopped, frozen or gone; ranks beat every ",
+        absl::FormatDuration(options.interval), ", algo.stall_timeout_ms=",
+        absl::ToInt64Milliseconds(options.stall_timeout), ")"));
+    absl::MutexLock lock(&mu);
+    // The operation may have ended while the counters were read: then nobody waits.
+    if (this->op_since != op_since) continue;
+    if (on_stall) {
+      StallCallback report = std::move(on_stall);
+      on_stall = nullptr;
+      report(stalled);
+    }
+  }
+}
+
+HeartbeatMonitor::HeartbeatMonitor(std::shared_ptr<Store> store, int rank, int size,
+                                   Options options, StallCallback on_stall)
+    : state_(std::make_shared<State>()) {
+  state_->store = std::move(store);
+  state_->rank = rank;
+  state_->size = size;
+  state_->options = options;
+  {
+    absl::MutexLock lock(&state_->mu);
+    state_->on_stall = std::move(on_stall);
+  }
+  // Detached: it owns what it touches (the shared State and the store), so the destructor need
+  // not wait for a store call that a frozen store host would hold.
+  std::thread([state = state_] { state->Run(); }).detach();
+}
+
+HeartbeatMonitor::~HeartbeatMonitor() {
+  absl::MutexLock lock(&state_->mu);
+  state_->stopping = true;
+  state_->on_stall = nullptr;
+}
+
+void HeartbeatMonitor::OperationStarted() {
+  absl::MutexLock lock(&state_->mu);
+  state_->op_since = absl::Now();
+}
+
+void HeartbeatMonitor::OperationFinished() {
+  absl::MutexLock lock(&state_->mu);
+  state_->op_since = absl::InfiniteFuture();
+}
+
+}  // namespace fairscale::comm

@@ -1,0 +1,56 @@
+// HeartbeatMonitor: finds a rank that stopped living (SIGSTOP, a frozen VM or cgroup, a process
+// wedged in the kernel) within seconds, independently of how long a legitimate operation may
+// take (//comm/algorithms:transport_communicator uses it; internal to comm).
+//
+// Every rank of a communicator bumps its counter "hb/<rank>" in the communicator's store every
+// `interval` from a thread of its own. While an operation of this rank has been running for
+// more than stall_timeout / 2, the monitor also reads the other ranks' counters at every beat; a
+// rank whose counter did not move for stall_timeout / 2 of that sampling is reported once through
+// `on_stall` (so about stall_timeout after the operation started waiting). A slow but live rank
+// keeps beating (its monitor thread runs whatever its training thread does), so a long
+// collective is never mistaken for a dead peer; a rank stuck in its own code while its process
+// lives is left to the operation's timeout.
+//
+// Cost: one store Add per rank per interval, plus size - 1 reads per interval while an operation
+// is overdue. Store errors are logged (rate-limited) and never fatal: the data path does not
+// depend on the store after setup.
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "comm/store/store.h"
+
+namespace fairscale::comm {
+
+class HeartbeatMonitor {
+ public:
+  struct Options {
+    absl::Duration interval = absl::Seconds(1);
+    absl::Duration stall_timeout = absl::Seconds(10);
+  };
+  using StallCallback = std::function<void(const absl::Status&)>;
+
+  // Starts the monitor's thread. `on_stall` runs on it, at most once, with kUnavailable naming
+  // the silent rank(s); it must be quick and thread-safe (TransportCommunicator cancels its
+  // transport).
+  HeartbeatMonitor(std::shared_ptr<Store> store, int rank, int size, Options options,
+                   StallCallback on_stall);
+  // Disarms the callback and stops the thread without waiting for a store call in flight (a
+  // store whose host is frozen must not hold up the communicator's destruction).
+  ~HeartbeatMonitor();
+  HeartbeatMonitor(const HeartbeatMonitor&) = delete;
+  HeartbeatMonitor& operator=(const HeartbeatMonitor&) = delete;
+
+  // Brackets each operation of this rank (any thread).
+  void OperationStarted();
+  void OperationFinished();
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace fairscale::comm

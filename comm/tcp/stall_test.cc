@@ -1,0 +1,94 @@
+// A rank that stops living mid-job (SIGSTOP) is found by the others' heartbeat monitors within
+// seconds and named in their errors, while a rank that is only slow never is. Ranks as
+// processes over the tcp backend (a stopped thread cannot be simulated: SIGSTOP stops the whole
+// process).
+#include <signal.h>
+
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "base/status_macros.h"
+#include "base/status_matchers.h"
+#include "comm/communicator.h"
+#include "comm/config.h"
+#include "comm/registry.h"
+#include "comm/testing/rank_runner.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace fairscale::comm {
+namespace {
+
+using ::fairscale::base::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+CommConfig Config(absl::Duration op_timeout) {
+  CommConfig config = testing::RankConfig(op_timeout);
+  config.options["algo.heartbeat_ms"] = "250";
+  config.options["algo.stall_timeout_ms"] = "2000";
+  return config;
+}
+
+absl::Status AllReduceOnce(Communicator& comm, int rank) {
+  std::vector<float> v(1000, static_cast<float>(rank + 1));
+  const Buffer b = MakeBuffer(v.data(), v.size());
+  FS_RETURN_IF_ERROR(comm.AllReduce(b, b, ReduceOp::kSum).Wait());
+  const float want = static_cast<float>(comm.size() * (comm.size() + 1) / 2);
+  return testing::Check(v[999] == want, absl::StrCat("sum ", v[999], " != ", want));
+}
+
+TEST(Stall, AStoppedRankIsNamedWithinSecondsNotAtTheOperationTimeout) {
+  const std::vector<absl::Status> statuses = testing::RunProcesses(
+      3,
+      [](int rank) -> absl::Status {
+        // The operation timeout is far away: only the heartbeats can end this in time.
+        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
+                            CreateCommunicator("tcp", Config(absl::Minutes(5))));
+        FS_RETURN_IF_ERROR(AllReduceOnce(*comm, rank));
+        if (rank == 2) raise(SIGSTOP);  // never continued: the runner kills it at its timeout
+        const absl::Time start = absl::Now();
+        absl::Status s = AllReduceOnce(*comm, rank);
+        const absl::Duration took = absl::Now() - start;
+        FS_RETURN_IF_ERROR(testing::Check(!s.ok(), "the all-reduce with a stopped rank succeeded"));
+        FS_RETURN_IF_ERROR(testing::Check(
+            took < absl::Seconds(8), absl::StrCat("noticed after ", absl::FormatDuration(took))));
+        return s;  // the test checks the message
+      },
+      absl::Seconds(15));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(statuses[r], StatusIs(absl::StatusCode::kUnavailable,
+                                      AllOf(HasSubstr("all_reduce #2"),
+                                            HasSubstr("rank 2 shows no sign of life"))))
+        << "rank " << r;
+  }
+  EXPECT_FALSE(statuses[2].ok());  // stopped, then killed by the runner
+}
+
+TEST(Stall, ASlowButLiveRankIsNeverMistakenForAStoppedOne) {
+  testing::ExpectAllOk(testing::RunThreads(
+      3,
+      [](int rank) -> absl::Status {
+        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
+                            CreateCommunicator("tcp", Config(absl::Seconds(60))));
+        // Rank 2 arrives 5 s (2.5 stall timeouts) after the others started waiting.
+        if (rank == 2) absl::SleepFor(absl::Seconds(5));
+        return AllReduceOnce(*comm, rank);
+      },
+      absl::Seconds(60)));
+}
+
+TEST(Stall, OptionsAreChecked) {
+  CommConfig config;
+  config.options["algo.heartbeat_ms"] = "1000";
+  config.options["algo.stall_timeout_ms"] = "2000";
+  EXPECT_THAT(CreateCommunicator("tcp", config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("algo.stall_timeout_ms=2000 must be at least 4 x "
+                                 "algo.heartbeat_ms=1000")));
+}
+
+}  // namespace
+}  // namespace fairscale::comm
