@@ -9,7 +9,7 @@ import struct
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-PULL_FROM, PULL_TO, HALF_CLOSE, CLOSE, NEGOTIATE, POLL_WAIT, RANK1, SHUTDOWN = (1 << i for i in range(8))
+PULL_FROM, PULL_TO, HALF_CLOSE, CLOSE, NEGOTIATE, DRIP, RANK1, SHUTDOWN = (1 << i for i in range(8))
 SIZES = [0, 1, 2, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 255, 1024, 4096]
 TAGS = [0x0000000000000107, 0x0000000100000107, 0x0000000200001101, 0x0000000300000003,
         0x000000040001020a, 0x0000000500000007, 0xffffffff00000000, 0x00000006ffffffff]
@@ -47,6 +47,8 @@ SEEDS = {
     + data(0, 1) + data(1, 0) + data(3, 4096),
     "data_split": header(HALF_CLOSE, [op(False, 17), op(False, 32, 1)], split=9, split_ops=True)
     + data(0, 17) + data(1, 32),
+    "data_drip": header(DRIP, [op(False, 33), op(False, 0, 1), op(False, 2, 2)], split=2)
+    + data(0, 33) + data(1, 0) + data(2, 2),
     "error_frame": header(HALF_CLOSE, [op(False, 64)])
     + error(14, b"boom"),
     "shutdown_ok": header(CLOSE | RANK1, [op(False, 8), op(False, 8, 1)])
@@ -59,7 +61,7 @@ SEEDS = {
     "pull_from": header(PULL_FROM, [op(False, 100), op(False, 64, 1)])
     + frame(PULL, 0, 100, aux=0x1000) + frame(PULL, 1, 64, aux=0),
     "pull_below_min": header(PULL_FROM, [op(False, 8)], min_bytes=64) + frame(PULL, 0, 8, aux=0x1000),
-    "pull_to_ack": header(PULL_TO | POLL_WAIT, [op(True, 100), op(True, 1024, 1), op(False, 8, 2)])
+    "pull_to_ack": header(PULL_TO | DRIP, [op(True, 100), op(True, 1024, 1), op(False, 8, 2)])
     + data(2, 8) + frame(ACK, 0, 100) + frame(ACK, 1, 1024),
     "read_ahead": header(PULL_TO | PULL_FROM, [op(True, 255), op(False, 7, 1), op(False, 16, 2)],
                          split_ops=True)
@@ -75,7 +77,7 @@ SEEDS = {
     + struct.pack("<QiIQQQQ", 0x3176484d41534653, 1, 1, 0x1000, 7, 65536, 0)
     + struct.pack("<QII", 0x3176534e41534653, 0, 0) + data(0, 32),
     "negotiate_corrupt": header(NEGOTIATE | CLOSE, [op(False, 32)]) + b"GET / HTTP/1.1\r\n" * 4,
-    "shutdown_after": header(SHUTDOWN | POLL_WAIT, [op(True, 4096), op(True, 1024, 1),
+    "shutdown_after": header(SHUTDOWN | DRIP, [op(True, 4096), op(True, 1024, 1),
                                                     op(False, 2, 2)]) + data(2, 2),
     "hello_accept": header(0, [op(False, 8)], hello=True)
     + struct.pack("<QIiiiQ", 0x3130765043545346, 2, 3, 1, 4, 0) + data(0, 8),

@@ -58,7 +58,7 @@ constexpr uint8_t kPullTo = 1 << 1;     // large sends go out as PULLs and wait 
 constexpr uint8_t kHalfClose = 1 << 2;  // shutdown(SHUT_WR) the peer end after the stream
 constexpr uint8_t kClose = 1 << 3;      // close the peer end after the stream
 constexpr uint8_t kNegotiate = 1 << 4;  // run the same-host offer/answer on the stream first
-constexpr uint8_t kPollWait = 1 << 5;   // the final Wait may poll() for 1 ms
+constexpr uint8_t kDrip = 1 << 5;       // write the second part in small pieces, Poll() between
 constexpr uint8_t kRank1 = 1 << 6;      // be rank 1 (the peer is rank 0)
 constexpr uint8_t kShutdown = 1 << 7;   // Shutdown(error) at the end, not just the destructor
 
@@ -304,7 +304,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   absl::Status status = transport->Poll();
   CheckStatus(status, peer);
   for (size_t i = first_ops; i < ops.size(); ++i) post(ops[i]);
-  if (!written) WriteAll(remote.get(), stream + first_part, stream_bytes - first_part);
+  if (!written) {
+    const char* rest = stream + first_part;
+    size_t left = stream_bytes - first_part;
+    if (flags & kDrip) {
+      // Headers and payloads cut at every offset: up to 64 pieces of 1..16 bytes, Poll() after
+      // each (errors are sticky: the final Wait must return the first one).
+      const size_t piece = 1 + split % 16;
+      for (int i = 0; i < 64 && left > 0 && status.ok(); ++i) {
+        const size_t n = std::min(piece, left);
+        WriteAll(remote.get(), rest, n);
+        rest += n;
+        left -= n;
+        status = transport->Poll();
+        CheckStatus(status, peer);
+      }
+    }
+    WriteAll(remote.get(), rest, left);
+  }
   const bool closed = (flags & (kHalfClose | kClose)) != 0;
   if (flags & kClose) {
     remote.Reset();
@@ -314,11 +331,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   std::vector<Transport::Request> requests;
   for (const Posted& op : ops) requests.push_back(op.request);
-  // Everything is in the socket already: an open peer gets no wait at all (or 1 ms of poll());
-  // a closed one must end the wait long before its 10 s deadline.
-  const absl::Duration wait = closed ? absl::Seconds(10)
-                              : (flags & kPollWait) ? absl::Milliseconds(1)
-                                                    : absl::ZeroDuration();
+  // Everything is in the socket already: an open peer gets no wait at all (a deadline in the
+  // past still makes one round of progress); a closed one must end the wait long before its
+  // 10 s deadline.
+  const absl::Duration wait = closed ? absl::Seconds(10) : absl::ZeroDuration();
   if (status.ok()) {
     status = transport->Wait(requests, absl::Now() + wait);
     CheckStatus(status, peer);
