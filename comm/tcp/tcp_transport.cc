@@ -95,6 +95,13 @@ absl::StatusOr<std::unique_ptr<TcpTransport>> TcpTransport::Create(std::shared_p
   FS_ASSIGN_OR_RETURN(std::vector<tcp_internal::SameHostPeer> same_host,
                       tcp_internal::NegotiateSameHost(mesh, rank, options.cma_min_bytes,
                                                       absl::Now() + config.timeout));
+  return FromConnections(rank, std::move(mesh), same_host);
+}
+
+absl::StatusOr<std::unique_ptr<TcpTransport>> TcpTransport::FromConnections(
+    int rank, std::vector<tcp_internal::MeshPeer> mesh,
+    const std::vector<tcp_internal::SameHostPeer>& same_host) {
+  const int size = static_cast<int>(mesh.size());
   UniqueFd event_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!event_fd.valid()) {
     return absl::InternalError(absl::StrCat("[tcp] eventfd: ", ErrnoString(errno)));

@@ -61,6 +61,10 @@
 
 namespace fairscale::comm {
 
+namespace tcp_internal {
+class TcpTransportForTesting;  // internal/transport_for_testing.h (test-only)
+}  // namespace tcp_internal
+
 // Options of the tcp backend, parsed from CommConfig::options (keys "tcp.*"; "algo.*" keys are
 // left to the algorithms, anything else is kInvalidArgument). Byte counts; 0 = kernel autotuning.
 //   "tcp.send_buffer_bytes"  SO_SNDBUF of every connection (default 512 KiB, which the kernel
@@ -109,6 +113,8 @@ class TcpTransport final : public Transport {
   uint64_t pulled_messages() const { return pulled_messages_; }
 
  private:
+  friend class tcp_internal::TcpTransportForTesting;
+
   // Index of a SendOp that is not a request (an ACK).
   static constexpr uint64_t kControl = ~uint64_t{0};
   struct SendOp {
@@ -171,6 +177,11 @@ class TcpTransport final : public Transport {
   enum class Pump { kIdle, kBlocked, kClosed, kStopped };
 
   TcpTransport(int rank, int size, std::vector<Peer> peers, tcp_internal::UniqueFd event_fd);
+  // The transport over connections that are set up (handshake and same-host negotiation done):
+  // Create's last step, and what the test-only factory builds on.
+  static absl::StatusOr<std::unique_ptr<TcpTransport>> FromConnections(
+      int rank, std::vector<tcp_internal::MeshPeer> mesh,
+      const std::vector<tcp_internal::SameHostPeer>& same_host);
 
   bool IsDone(Request request) const;
   void Fail(absl::Status status);

@@ -1,6 +1,6 @@
 // Pieces shared by the ucx transport's setup (ucx_setup.cc: Create, Init, Handshake) and its data
-// path (ucx_transport.cc): the tag layout, the control messages, process liveness checks, error
-// formatting and the progress loops' backoff. Internal to //comm/ucx:ucx_transport.
+// path (ucx_transport.cc): process liveness checks, error formatting and the progress loops'
+// backoff. Internal to //comm/ucx:ucx_transport.
 #pragma once
 
 #include <sched.h>
@@ -10,39 +10,21 @@
 #include <cstdint>
 #include <fstream>
 #include <string>
-#include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "comm/ucx/ucx_wire.h"
 
 namespace fairscale::comm::ucx_internal {
 
+// The tag layout, control messages and decoders of peer bytes are in ucx_wire.h.
 
-constexpr int kRankShift = 48;
-constexpr uint64_t kLowMask = (uint64_t{1} << kRankShift) - 1;
-constexpr uint64_t kControlBit = uint64_t{1} << 63;
-constexpr uint64_t kRankMask = ~kLowMask;  // control bit + sender rank
-constexpr int kMaxRanks = 1 << 15;
-constexpr size_t kControlBytes = 1024;
-constexpr char kBye = 'B';
-constexpr char kFailed = 'F';
 // Bounds of Shutdown: the failure notices and a clean flush of every endpoint.
 constexpr absl::Duration kNoticeBudget = absl::Milliseconds(200);
 constexpr absl::Duration kFlushBudget = absl::Seconds(2);
 constexpr absl::Duration kForceBudget = absl::Seconds(2);
-
-inline uint64_t DataTag(int sender, uint64_t tag) {
-  return (static_cast<uint64_t>(sender) << kRankShift) | (tag & kLowMask);
-}
-inline uint64_t ControlTag(int sender) {
-  return kControlBit | (static_cast<uint64_t>(sender) << kRankShift);
-}
-// The connection handshake of Init (never matched by the control receives: low bit set).
-inline uint64_t HelloTag(int sender) { return ControlTag(sender) | 1; }
 
 // This boot's id: two processes share /proc (and shared memory) only when it matches.
 inline std::string BootId() {
@@ -52,26 +34,12 @@ inline std::string BootId() {
   return id;
 }
 
-// State and start time (clock ticks since boot) of a process, from /proc/<pid>/stat; state 0 when
-// the process does not exist.
-struct ProcessInfo {
-  char state = 0;
-  uint64_t start_time = 0;
-};
+// State and start time of a process (ParseProcessStat); state 0 when it does not exist.
 inline ProcessInfo ReadProcess(int pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
   std::string stat;
   std::getline(in, stat);
-  ProcessInfo info;
-  const size_t paren = stat.rfind(')');  // the command name may contain spaces and parens
-  if (paren == std::string::npos) return info;
-  std::vector<absl::string_view> fields =
-      absl::StrSplit(absl::string_view(stat).substr(paren + 1), ' ', absl::SkipEmpty());
-  // After the name: state is field 3 of stat(5), starttime field 22.
-  if (fields.size() < 20 || fields[0].empty()) return info;
-  if (!absl::SimpleAtoi(fields[19], &info.start_time)) return info;
-  info.state = fields[0][0];
-  return info;
+  return ParseProcessStat(stat);
 }
 
 inline std::string UcsError(ucs_status_t status) { return ucs_status_string(status); }

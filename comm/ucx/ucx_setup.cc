@@ -133,13 +133,11 @@ absl::Status UcxTransport::Init(Store* store, const CommConfig& config) {
   size_t address_bytes = 0;
   st = ucp_worker_get_address(worker_, &address, &address_bytes);
   if (st != UCS_OK) return UcxError("ucp_worker_get_address", st);
-  // "<address hex> <boot id> <pid> <start time>".
   const std::string boot_id = BootId();
   const int pid = static_cast<int>(::getpid());
-  const std::string mine = absl::StrCat(
-      absl::BytesToHexString(
-          absl::string_view(reinterpret_cast<const char*>(address), address_bytes)),
-      " ", boot_id.empty() ? "-" : boot_id, " ", pid, " ", ReadProcess(pid).start_time);
+  const std::string mine = ucx_internal::FormatAddressRecord(
+      {std::string(reinterpret_cast<const char*>(address), address_bytes), boot_id, pid,
+       ReadProcess(pid).start_time});
   ucp_worker_release_address(worker_, address);
   FS_RETURN_IF_ERROR(store->Set(absl::StrCat("ucx/address/", rank_), mine));
 
@@ -153,15 +151,13 @@ absl::Status UcxTransport::Init(Store* store, const CommConfig& config) {
                           absl::StrCat("[ucx] rank ", rank_, " waiting for the address of peer ",
                                        p, ": ", hex.status().message()));
     }
-    const std::vector<std::string> parts = absl::StrSplit(*hex, ' ');
-    int peer_pid = 0;
-    uint64_t peer_start = 0;
-    if (parts.size() != 4 || !absl::SimpleAtoi(parts[2], &peer_pid) ||
-        !absl::SimpleAtoi(parts[3], &peer_start)) {
+    absl::StatusOr<ucx_internal::AddressRecord> record = ucx_internal::ParseAddressRecord(*hex);
+    if (!record.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("[ucx] rank ", rank_,
-                                                     ": malformed address record of peer ", p));
+                                                     ": malformed address record of peer ", p,
+                                                     ": ", record.status().message()));
     }
-    const std::string remote = absl::HexStringToBytes(parts[0]);
+    const std::string& remote = record->worker_address;
     err_args_.push_back(std::make_unique<ErrArg>(ErrArg{this, p}));
     ucp_ep_params_t ep_params{};
     ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
@@ -179,9 +175,9 @@ absl::Status UcxTransport::Init(Store* store, const CommConfig& config) {
       st = ucp_ep_create(worker_, &ep_params, &peers_[p].ep);
       peers_[p].error_handling = false;
       watching_ = true;
-      if (parts[1] == boot_id && !boot_id.empty() && peer_pid != pid) {
-        peers_[p].pid = peer_pid;
-        peers_[p].start_time = peer_start;
+      if (record->boot_id == boot_id && !boot_id.empty() && record->pid != pid) {
+        peers_[p].pid = record->pid;
+        peers_[p].start_time = record->start_time;
       }
     }
     if (st != UCS_OK) {

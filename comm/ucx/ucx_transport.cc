@@ -21,11 +21,8 @@
 
 namespace fairscale::comm {
 
-using ucx_internal::kLowMask;
 using ucx_internal::kRankMask;
 using ucx_internal::kControlBytes;
-using ucx_internal::kBye;
-using ucx_internal::kFailed;
 using ucx_internal::kNoticeBudget;
 using ucx_internal::kFlushBudget;
 using ucx_internal::kForceBudget;
@@ -104,13 +101,13 @@ void UcxTransport::HandleControl(int p, ucs_status_t status, size_t length) {
     departures_ = true;
     return;
   }
-  const char* data = peer.control_buffer.data();
-  if (length >= 1 && data[0] == kBye) {
+  ucx_internal::ControlNotice notice = ucx_internal::DecodeControlNotice(
+      absl::string_view(peer.control_buffer.data(), peer.control_buffer.size()), length);
+  if (notice.bye) {
     peer.departed = Departure::kShutDown;
   } else {
     peer.departed = Departure::kFailed;
-    peer.detail = length >= 1 ? std::string(data + 1, std::min(length, kControlBytes) - 1)
-                              : "(no reason given)";
+    peer.detail = std::move(notice.reason);
     departures_ = true;
   }
 }
@@ -256,21 +253,15 @@ void UcxTransport::UpdateOp(Request, Op& op) {
   op.ucx = nullptr;
   op.done = true;
   if (st == UCS_OK) {
-    const RecvResult& info = op.result;
-    if (op.recv &&
-        (info.length != op.bytes || (info.sender_tag & kLowMask) != (op.tag & kLowMask))) {
-      const uint64_t theirs = (op.tag & ~kLowMask) | (info.sender_tag & kLowMask);
-      Fail(absl::InvalidArgumentError(absl::StrCat(
-          "message mismatch with peer ", op.peer, ": it sent ", DescribeTag(theirs), " (",
-          info.length, " bytes), this rank expected ", DescribeTag(op.tag), " (", op.bytes,
-          " bytes)")));
+    if (op.recv) {
+      absl::Status s = ucx_internal::CheckReceived(op.peer, op.tag, op.bytes, op.result.length,
+                                                   op.result.sender_tag);
+      if (!s.ok()) Fail(std::move(s));
     }
     return;
   }
   if (st == UCS_ERR_MESSAGE_TRUNCATED) {
-    Fail(absl::InvalidArgumentError(
-        absl::StrCat("message mismatch with peer ", op.peer, ": it sent more than the ", op.bytes,
-                     " bytes this rank expected for ", DescribeTag(op.tag))));
+    Fail(ucx_internal::TruncatedError(op.peer, op.tag, op.bytes));
     return;
   }
   if (st == UCS_ERR_CANCELED) {
@@ -396,11 +387,7 @@ void UcxTransport::Shutdown(const absl::Status& reason) {
   if (shut_down_ || worker_ == nullptr) return;
   shut_down_ = true;
   // 1. Tell the peers (bounded): "bye" or the reason of the failure.
-  std::string notice(1, reason.ok() ? kBye : kFailed);
-  if (!reason.ok()) {
-    absl::StrAppend(&notice, absl::StatusCodeToString(reason.code()), ": ",
-                    reason.message().substr(0, kControlBytes - 64));
-  }
+  const std::string notice = ucx_internal::EncodeControlNotice(reason);
   if (!reason.ok() && watching_ && store_ != nullptr) {
     (void)store_->Set(absl::StrCat("ucx/failed/", rank_), notice.substr(1));
   }

@@ -348,21 +348,8 @@ absl::Status MeshBuilder::OnHello(Conn& c) {
     c.fd.Reset();
     return absl::OkStatus();
   }
-  const std::string who = absl::StrCat("peer ", h.from_rank, " at ", c.address);
-  if (h.version != kProtocolVersion) {
-    c.fail_after_reply = Error(absl::StatusCode::kInvalidArgument,
-                               absl::StrCat(who, " speaks tcp protocol version ", h.version,
-                                            " but this rank speaks ", kProtocolVersion));
-  } else if (h.size != size_) {
-    c.fail_after_reply = Error(absl::StatusCode::kInvalidArgument,
-                               absl::StrCat(who, " has world size ", h.size,
-                                            " but this rank has world size ", size_));
-  } else if (h.to_rank != rank_ || h.from_rank <= rank_ || h.from_rank >= size_) {
-    c.fail_after_reply = Error(
-        absl::StatusCode::kInvalidArgument,
-        absl::StrCat(who, " believes it is connecting to rank ", h.to_rank,
-                     "; this is rank ", rank_, ", which accepts ranks ", rank_ + 1, "..",
-                     size_ - 1, " (mixed-up store namespaces or stale addresses?)"));
+  if (absl::Status s = CheckHello(h, rank_, size_, c.address); !s.ok()) {
+    c.fail_after_reply = Error(s.code(), s.message());
   } else if (peers_[h.from_rank].fd.valid() ||
              std::any_of(conns_.begin(), conns_.end(), [&](const std::unique_ptr<Conn>& o) {
                return o.get() != &c && !o->outgoing && o->peer == h.from_rank;
@@ -382,26 +369,8 @@ absl::Status MeshBuilder::OnHello(Conn& c) {
 }
 
 absl::Status MeshBuilder::OnReply(Conn& c) {
-  const Hello& h = c.in;
-  const std::string who = absl::StrCat("peer ", c.peer, " at ", c.address);
-  if (h.magic != kHandshakeMagic) {
-    return Error(absl::StatusCode::kInvalidArgument,
-                 absl::StrCat(who, " is not a fairscale tcp endpoint (bad handshake magic)"));
-  }
-  if (h.version != kProtocolVersion) {
-    return Error(absl::StatusCode::kInvalidArgument,
-                 absl::StrCat(who, " speaks tcp protocol version ", h.version,
-                              " but this rank speaks ", kProtocolVersion));
-  }
-  if (h.size != size_) {
-    return Error(absl::StatusCode::kInvalidArgument,
-                 absl::StrCat(who, " has world size ", h.size, " but this rank has world size ",
-                              size_));
-  }
-  if (h.from_rank != c.peer || h.to_rank != rank_) {
-    return Error(absl::StatusCode::kInvalidArgument,
-                 absl::StrCat(who, " answered as rank ", h.from_rank, " talking to rank ",
-                              h.to_rank, " (mixed-up store namespaces or stale addresses?)"));
+  if (absl::Status s = CheckReply(c.in, rank_, size_, c.peer, c.address); !s.ok()) {
+    return Error(s.code(), s.message());
   }
   peers_[c.peer].fd = std::move(c.fd);
   peers_[c.peer].address = c.address;
@@ -460,6 +429,49 @@ absl::Status MeshBuilder::DeadlineError() const {
 }
 
 }  // namespace
+
+absl::Status CheckHello(const Hello& h, int rank, int size, absl::string_view address) {
+  const std::string who = absl::StrCat("peer ", h.from_rank, " at ", address);
+  if (h.version != kProtocolVersion) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, " speaks tcp protocol version ", h.version, " but this rank speaks ",
+        kProtocolVersion));
+  }
+  if (h.size != size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, " has world size ", h.size, " but this rank has world size ", size));
+  }
+  if (h.to_rank != rank || h.from_rank <= rank || h.from_rank >= size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, " believes it is connecting to rank ", h.to_rank, "; this is rank ", rank,
+        ", which accepts ranks ", rank + 1, "..", size - 1,
+        " (mixed-up store namespaces or stale addresses?)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckReply(const Hello& h, int rank, int size, int peer, absl::string_view address) {
+  const std::string who = absl::StrCat("peer ", peer, " at ", address);
+  if (h.magic != kHandshakeMagic) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, " is not a fairscale tcp endpoint (bad handshake magic)"));
+  }
+  if (h.version != kProtocolVersion) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, " speaks tcp protocol version ", h.version, " but this rank speaks ",
+        kProtocolVersion));
+  }
+  if (h.size != size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, " has world size ", h.size, " but this rank has world size ", size));
+  }
+  if (h.from_rank != peer || h.to_rank != rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, " answered as rank ", h.from_rank, " talking to rank ", h.to_rank,
+        " (mixed-up store namespaces or stale addresses?)"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::vector<MeshPeer>> ConnectMesh(Store& store, int rank, int size,
                                                   const MeshOptions& options) {

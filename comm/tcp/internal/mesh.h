@@ -39,4 +39,16 @@ struct MeshPeer {
 absl::StatusOr<std::vector<MeshPeer>> ConnectMesh(Store& store, int rank, int size,
                                                   const MeshOptions& options);
 
+struct Hello;  // wire.h
+
+// Validation of a peer's Hello, pure (ConnectMesh applies it; //comm/tcp/fuzz fuzzes it). OK, or
+// kInvalidArgument naming the peer and `address` (ConnectMesh prefixes its rank).
+// CheckHello: the first Hello on a connection this rank (`rank` of `size`) accepted, whose
+// magic the caller has checked (a stray connection without it is dropped unanswered): the
+// version, the world size, and that it comes from a higher rank and is meant for this one.
+absl::Status CheckHello(const Hello& hello, int rank, int size, absl::string_view address);
+// CheckReply: the answer on a connection this rank opened to `peer`.
+absl::Status CheckReply(const Hello& hello, int rank, int size, int peer,
+                        absl::string_view address);
+
 }  // namespace fairscale::comm::tcp_internal
