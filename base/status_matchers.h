@@ -29,6 +29,15 @@ MATCHER(IsOk, "is OK") {
   return s.ok();
 }
 
+// A StatusOr<T> that is OK and whose value matches `value_matcher`.
+MATCHER_P(IsOkAndHolds, value_matcher, "is OK and holds a matching value") {
+  if (!arg.ok()) {
+    *result_listener << "status is " << arg.status();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(value_matcher, *arg, result_listener);
+}
+
 MATCHER_P2(StatusIs, code, message_matcher,
            std::string("has code ") + absl::StatusCodeToString(code)) {
   const absl::Status& s = internal::GetStatus(arg);

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
+#include <functional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -44,70 +45,38 @@ std::string Join(const std::string& dir, const std::string& name) {
   return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
 }
 
-// The files of a checkpoint, read on demand: each record at most once, checked.
+// The files of a checkpoint (internal::OpenCheckpointFiles checked them against each other),
+// read on demand: each record at most once, checked.
 class CheckpointReader {
  public:
-  static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& dir,
-                                                                bool verify_whole_files) {
+  static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(
+      const std::string& dir, bool verify_whole_files,
+      const std::function<absl::Status(const Manifest&)>& check_manifest = nullptr) {
+    absl::StatusOr<internal::CheckpointFiles> files =
+        internal::OpenCheckpointFiles(dir, verify_whole_files, check_manifest);
+    if (!files.ok()) return files.status();
     std::unique_ptr<CheckpointReader> r(new CheckpointReader);
-    const std::string manifest_path = Join(dir, internal::kManifestName);
-    struct stat st;
-    if (::stat(manifest_path.c_str(), &st) != 0) {
-      return absl::DataLossError(absl::StrCat(
-          "no manifest '", manifest_path,
-          "': not a sharded checkpoint, or its save did not complete"));
-    }
-    absl::StatusOr<std::string> json = internal::ReadWholeFile(manifest_path);
-    if (!json.ok()) return json.status();
-    absl::StatusOr<Manifest> m = internal::ManifestFromJson(*json, manifest_path);
-    if (!m.ok()) return m.status();
-    r->manifest_ = *std::move(m);
-    for (int rank = 0; rank < r->manifest_.world_size; ++rank) {
-      const Manifest::File& f = r->manifest_.files[rank];
-      const std::string path = Join(dir, f.name);
-      if (verify_whole_files) {
-        absl::StatusOr<std::string> bytes = internal::ReadWholeFile(path);
-        if (!bytes.ok()) return bytes.status();
-        if (static_cast<int64_t>(bytes->size()) != f.bytes ||
-            base::Fnv1a64(bytes->data(), bytes->size()) != f.fnv1a) {
-          return absl::DataLossError(absl::StrCat("checkpoint file '", path,
-                                                  "' does not match the manifest's size and "
-                                                  "checksum (truncated, corrupt or replaced)"));
-        }
-      }
-      auto file = internal::ShardFileReader::Open(path, f.bytes, f.header_fnv1a);
-      if (!file.ok()) return file.status();
-      if ((*file)->info().rank != rank || (*file)->info().world_size != r->manifest_.world_size) {
-        return absl::DataLossError(absl::StrCat(
-            "checkpoint file '", path, "' holds rank ", (*file)->info().rank, "/",
-            (*file)->info().world_size, ", the manifest expects rank ", rank, "/",
-            r->manifest_.world_size));
-      }
-      for (size_t i = 0; i < (*file)->info().records.size(); ++i) {
-        r->index_[(*file)->info().records[i].key].push_back({static_cast<size_t>(rank), i});
-      }
-      r->files_.push_back(*std::move(file));
-    }
+    r->files_ = *std::move(files);
     return r;
   }
 
-  const Manifest& manifest() const { return manifest_; }
+  const Manifest& manifest() const { return files_.manifest; }
 
   // Reads [begin, begin + dst.numel()) of the flattened tensor `key` into `dst`.
   absl::Status Read(const std::string& key, int64_t begin, at::Tensor dst) {
     const int64_t end = begin + dst.numel();
     int64_t covered = 0;
-    auto it = index_.find(key);
-    for (const auto& [f, i] : it == index_.end() ? std::vector<std::pair<size_t, size_t>>()
-                                                 : it->second) {
-      const internal::RecordMeta& m = files_[f]->info().records[i];
+    auto it = files_.index.find(key);
+    for (const auto& [f, i] : it == files_.index.end() ? std::vector<std::pair<size_t, size_t>>()
+                                                       : it->second) {
+      const internal::RecordMeta& m = files_.files[f]->info().records[i];
       const int64_t lo = std::max(begin, m.begin);
       const int64_t hi = std::min(end, m.end);
       if (lo >= hi) continue;
       absl::StatusOr<at::ScalarType> dtype = DtypeFromName(m.dtype);
       const int64_t elem = dtype.ok() ? static_cast<int64_t>(c10::elementSize(*dtype)) : 0;
       if (!dtype.ok() || *dtype != dst.scalar_type() || m.nbytes != (m.end - m.begin) * elem) {
-        return absl::DataLossError(absl::StrCat("checkpoint file '", files_[f]->path(),
+        return absl::DataLossError(absl::StrCat("checkpoint file '", files_.files[f]->path(),
                                                 "': tensor '", key, "' has dtype ", m.dtype,
                                                 " and ", m.nbytes, " bytes for elements [",
                                                 m.begin, ", ", m.end, "), expected ",
@@ -115,7 +84,7 @@ class CheckpointReader {
       }
       auto cached = cache_.find({f, i});
       if (cached == cache_.end()) {
-        absl::StatusOr<std::string> data = files_[f]->Read(i);
+        absl::StatusOr<std::string> data = files_.files[f]->Read(i);
         if (!data.ok()) return data.status();
         cached = cache_.emplace(std::make_pair(f, i), *std::move(data)).first;
       }
@@ -133,9 +102,7 @@ class CheckpointReader {
   }
 
  private:
-  Manifest manifest_;
-  std::vector<std::unique_ptr<internal::ShardFileReader>> files_;
-  std::map<std::string, std::vector<std::pair<size_t, size_t>>> index_;
+  internal::CheckpointFiles files_;
   std::map<std::pair<size_t, size_t>, std::string> cache_;
 };
 
@@ -321,16 +288,20 @@ void load_sharded_checkpoint(FullyShardedDataParallel& model, torch::optim::Opti
   internal::StagedOptim staged_optim;
   // Everything is read and checked before anything changes.
   auto stage = [&]() -> absl::Status {
-    auto reader = CheckpointReader::Open(dir, /*verify_whole_files=*/false);
+    const std::string manifest_path = Join(dir, internal::kManifestName);
+    // The model against the manifest first: a wrong model is named as such.
+    auto reader = CheckpointReader::Open(
+        dir, /*verify_whole_files=*/false, [&](const Manifest& m) -> absl::Status {
+          absl::Status s = CheckModel(layout, m, manifest_path);
+          if (!s.ok()) return s;
+          if (optimizer != nullptr && !m.has_optimizer) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "the checkpoint was saved without optimizer state (", manifest_path, ")"));
+          }
+          return absl::OkStatus();
+        });
     if (!reader.ok()) return reader.status();
     CheckpointReader& r = **reader;
-    const std::string manifest_path = Join(dir, internal::kManifestName);
-    absl::Status s = CheckModel(layout, r.manifest(), manifest_path);
-    if (!s.ok()) return s;
-    if (optimizer != nullptr && !r.manifest().has_optimizer) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the checkpoint was saved without optimizer state (", manifest_path, ")"));
-    }
     auto read = [&r](const std::string& prefix) -> internal::RangeReader {
       return [&r, prefix](const std::string& key, int64_t begin, at::Tensor dst) {
         return r.Read(prefix + key, begin, dst);

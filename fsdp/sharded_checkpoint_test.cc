@@ -224,7 +224,7 @@ TEST(FsdpShardedCheckpoint, BadFilesAreNamedErrorsAndChangeNothing) {
 
   CopyDir(good, bad);
   WriteFile(bad + "/manifest.json", manifest.substr(0, manifest.size() / 2));
-  ExpectLoadError(bad, OptimizerKind::kAdam, {"DATA_LOSS", "manifest.json", "malformed"});
+  ExpectLoadError(bad, OptimizerKind::kAdam, {"DATA_LOSS", "manifest.json", "not valid JSON"});
 
   CopyDir(good, bad);
   EditManifest(bad, [](nlohmann::json& j) {

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "base/json_fields.h"
 #include "base/status_macros.h"
 
 namespace fairscale::examples::gpt {
@@ -153,74 +154,10 @@ bool HasComplete(const std::string& dir) {
 
 // Reads COMPLETE trusting nothing in it: every field's type and range is checked, and an error
 // names the file and the field ("corrupt checkpoint marker <dir>/COMPLETE: files[1].name: ...").
-class MarkerReader {
+class MarkerReader : public base::JsonFields {
  public:
-  explicit MarkerReader(std::string path) : path_(std::move(path)) {}
-
-  absl::Status Error(absl::string_view field, absl::string_view what) const {
-    return absl::DataLossError(
-        absl::StrCat("corrupt checkpoint marker ", path_, ": ", field, ": ", what));
-  }
-
-  // `obj[key]`, which must exist.
-  absl::StatusOr<const nlohmann::json*> Need(const nlohmann::json& obj, const std::string& key,
-                                             const std::string& field) const {
-    auto it = obj.find(key);
-    if (it == obj.end()) return Error(field, "missing");
-    return &*it;
-  }
-
-  absl::Status WrongType(const nlohmann::json& v, const std::string& field,
-                         absl::string_view want) const {
-    std::string got = v.dump();
-    if (got.size() > 40) got = absl::StrCat(got.substr(0, 37), "...");
-    return Error(field, absl::StrCat("expected ", want, ", got ", v.type_name(), " ", got));
-  }
-
-  absl::StatusOr<int64_t> Int(const nlohmann::json& v, const std::string& field, int64_t min,
-                              int64_t max) const {
-    if (!v.is_number_integer()) return WrongType(v, field, "an integer");
-    if (v.is_number_unsigned() &&
-        v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return Error(field, absl::StrCat("must be in [", min, ", ", max, "], got ", v.dump()));
-    }
-    const int64_t x = v.get<int64_t>();
-    if (x < min || x > max) {
-      return Error(field, absl::StrCat("must be in [", min, ", ", max, "], got ", x));
-    }
-    return x;
-  }
-
-  absl::StatusOr<uint64_t> Unsigned(const nlohmann::json& v, const std::string& field) const {
-    if (!v.is_number_unsigned()) return WrongType(v, field, "an unsigned integer");
-    return v.get<uint64_t>();
-  }
-
-  absl::Status Number(const nlohmann::json& v, const std::string& field) const {
-    if (!v.is_number()) return WrongType(v, field, "a number");
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<std::string> String(const nlohmann::json& v, const std::string& field) const {
-    if (!v.is_string()) return WrongType(v, field, "a string");
-    return v.get<std::string>();
-  }
-
-  absl::StatusOr<uint64_t> Hex64(const nlohmann::json& v, const std::string& field) const {
-    FS_ASSIGN_OR_RETURN(std::string s, String(v, field));
-    uint64_t x = 0;
-    if (s.empty() || s.size() > 16 ||
-        s.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos ||
-        !absl::SimpleHexAtoi(s, &x)) {
-      return Error(field, absl::StrCat("expected up to 16 hex digits, got \"", s, "\""));
-    }
-    return x;
-  }
-
-  absl::Status Object(const nlohmann::json& v, const std::string& field) const {
-    if (!v.is_object()) return WrongType(v, field, "an object");
-    return absl::OkStatus();
-  }
+  explicit MarkerReader(const std::string& path)
+      : JsonFields(absl::StrCat("corrupt checkpoint marker ", path, ": ")) {}
 
   // A file name relative to the step directory that stays inside it: not absolute, no "..",
   // "." or empty component, no NUL.
@@ -257,7 +194,9 @@ class MarkerReader {
       FS_RETURN_IF_ERROR(Unsigned(config["seed"], "config.seed").status());
     }
     for (const char* key : {"lr", "min_lr_ratio", "grad_clip"}) {
-      if (config.contains(key)) FS_RETURN_IF_ERROR(Number(config[key], absl::StrCat("config.", key)));
+      if (config.contains(key)) {
+        FS_RETURN_IF_ERROR(Number(config[key], absl::StrCat("config.", key)).status());
+      }
     }
     for (const char* key : {"strategy", "precision", "data_parallel", "pipeline_balance"}) {
       if (config.contains(key)) {
@@ -286,7 +225,7 @@ class MarkerReader {
  private:
   absl::Status GradScaler(const nlohmann::json& v, const std::string& field) const {
     FS_RETURN_IF_ERROR(Object(v, field));
-    if (v.contains("scale")) FS_RETURN_IF_ERROR(Number(v["scale"], field + ".scale"));
+    if (v.contains("scale")) FS_RETURN_IF_ERROR(Number(v["scale"], field + ".scale").status());
     if (v.contains("growth_tracker")) {
       FS_RETURN_IF_ERROR(Int(v["growth_tracker"], field + ".growth_tracker", 0,
                              std::numeric_limits<int>::max())
@@ -294,8 +233,6 @@ class MarkerReader {
     }
     return absl::OkStatus();
   }
-
-  std::string path_;
 };
 
 // The files a step directory of `format` at `world_size` holds (empty for formats whose layout

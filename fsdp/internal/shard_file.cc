@@ -4,13 +4,21 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <functional>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/escaping.h"
 #include "base/fnv1a.h"
+#include "base/json_fields.h"
+#include "base/status_macros.h"
 
 namespace fairscale::fsdp::internal {
 namespace {
@@ -18,21 +26,14 @@ namespace {
 constexpr char kMagic[8] = {'F', 'S', 'D', 'P', 'S', 'H', 'D', '1'};
 constexpr int64_t kFooterBytes = 8 + 8 + 8;  // header length, header FNV-1a, magic
 constexpr const char* kManifestFormat = "fairscale.fsdp.sharded_checkpoint.v1";
+constexpr int64_t kMaxWorld = int64_t{1} << 20;  // ranks a checkpoint may have
 
 std::string Errno() { return std::strerror(errno); }
 
 std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
 
-bool ParseHex(const std::string& s, uint64_t* out) {
-  if (s.empty() || s.size() > 16) return false;
-  uint64_t v = 0;
-  for (char c : s) {
-    int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-    if (d < 0) return false;
-    v = v * 16 + static_cast<uint64_t>(d);
-  }
-  *out = v;
-  return true;
+std::string JoinPath(const std::string& dir, const std::string& name) {
+  return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
 }
 
 absl::Status SyncDirOf(const std::string& path) {
@@ -231,32 +232,46 @@ absl::StatusOr<std::unique_ptr<ShardFileReader>> ShardFileReader::Open(const std
       base::Fnv1a64(header.data(), header.size()) != fnv) {
     return absl::DataLossError(absl::StrCat("checkpoint file '", path, "': corrupt header"));
   }
-  try {
-    const nlohmann::json j = nlohmann::json::parse(header);
-    r->info_.rank = j.at("rank").get<int>();
-    r->info_.world_size = j.at("world_size").get<int>();
-    for (const auto& rec : j.at("records")) {
-      RecordMeta m;
-      m.key = rec.at("key").get<std::string>();
-      m.dtype = rec.at("dtype").get<std::string>();
-      m.shape = rec.at("shape").get<std::vector<int64_t>>();
-      m.begin = rec.at("begin").get<int64_t>();
-      m.end = rec.at("end").get<int64_t>();
-      m.offset = rec.at("offset").get<int64_t>();
-      m.nbytes = rec.at("nbytes").get<int64_t>();
-      int64_t numel = 1;
-      for (int64_t d : m.shape) numel *= d;
-      if (!ParseHex(rec.at("fnv1a").get<std::string>(), &m.fnv1a) || m.offset < 0 ||
-          m.nbytes < 0 || m.offset + m.nbytes > bytes || m.begin < 0 || m.end < m.begin ||
-          m.end > numel) {
-        return absl::DataLossError(absl::StrCat("checkpoint file '", path, "': record '", m.key,
-                                                "' is malformed"));
-      }
-      r->info_.records.push_back(std::move(m));
-    }
-  } catch (const nlohmann::json::exception& e) {
+  const nlohmann::json j = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
     return absl::DataLossError(
-        absl::StrCat("checkpoint file '", path, "': malformed header: ", e.what()));
+        absl::StrCat("checkpoint file '", path, "': its header is not valid JSON"));
+  }
+  const base::JsonFields fields(absl::StrCat("checkpoint file '", path, "': header field "));
+  FS_ASSIGN_OR_RETURN(const nlohmann::json* rank, fields.Need(j, "rank", "rank"));
+  FS_ASSIGN_OR_RETURN(const nlohmann::json* world, fields.Need(j, "world_size", "world_size"));
+  FS_ASSIGN_OR_RETURN(const int64_t world_size, fields.Int(*world, "world_size", 1, kMaxWorld));
+  FS_ASSIGN_OR_RETURN(const int64_t rank_value, fields.Int(*rank, "rank", 0, world_size - 1));
+  r->info_.rank = static_cast<int>(rank_value);
+  r->info_.world_size = static_cast<int>(world_size);
+  FS_ASSIGN_OR_RETURN(const nlohmann::json* records, fields.Need(j, "records", "records"));
+  FS_RETURN_IF_ERROR(fields.Array(*records, "records"));
+  // Records lie after the leading magic and before the header.
+  const int64_t data_begin = sizeof(kMagic);
+  const int64_t data_end = bytes - kFooterBytes - static_cast<int64_t>(len);
+  for (size_t i = 0; i < records->size(); ++i) {
+    const nlohmann::json& rec = (*records)[i];
+    const std::string field = absl::StrCat("records[", i, "]");
+    auto need = [&](const char* key) { return fields.Need(rec, key, field + "." + key); };
+    RecordMeta m;
+    int64_t numel = 0;
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* key, need("key"));
+    FS_ASSIGN_OR_RETURN(m.key, fields.String(*key, field + ".key"));
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* dtype, need("dtype"));
+    FS_ASSIGN_OR_RETURN(m.dtype, fields.String(*dtype, field + ".dtype"));
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* shape, need("shape"));
+    FS_ASSIGN_OR_RETURN(m.shape, fields.Shape(*shape, field + ".shape", &numel));
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* begin, need("begin"));
+    FS_ASSIGN_OR_RETURN(m.begin, fields.Int(*begin, field + ".begin", 0, numel));
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* end, need("end"));
+    FS_ASSIGN_OR_RETURN(m.end, fields.Int(*end, field + ".end", m.begin, numel));
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* offset, need("offset"));
+    FS_ASSIGN_OR_RETURN(m.offset, fields.Int(*offset, field + ".offset", data_begin, data_end));
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* nbytes, need("nbytes"));
+    FS_ASSIGN_OR_RETURN(m.nbytes, fields.Int(*nbytes, field + ".nbytes", 0, data_end - m.offset));
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* fnv, need("fnv1a"));
+    FS_ASSIGN_OR_RETURN(m.fnv1a, fields.Hex64(*fnv, field + ".fnv1a"));
+    r->info_.records.push_back(std::move(m));
   }
   return r;
 }
@@ -291,19 +306,6 @@ nlohmann::json TensorsJson(const std::vector<Manifest::Tensor>& tensors) {
   return out;
 }
 
-std::vector<Manifest::Tensor> TensorsFromJson(const nlohmann::json& j) {
-  std::vector<Manifest::Tensor> out;
-  for (const auto& t : j) {
-    Manifest::Tensor m;
-    m.name = t.at("name").get<std::string>();
-    m.shape = t.at("shape").get<std::vector<int64_t>>();
-    m.dtype = t.at("dtype").get<std::string>();
-    if (t.contains("alias_of")) m.alias_of = t.at("alias_of").get<std::string>();
-    out.push_back(std::move(m));
-  }
-  return out;
-}
-
 }  // namespace
 
 std::string ManifestToJson(const Manifest& m) {
@@ -332,51 +334,280 @@ std::string ManifestToJson(const Manifest& m) {
 }
 
 absl::StatusOr<Manifest> ManifestFromJson(absl::string_view json, const std::string& path) {
+  const nlohmann::json j =
+      nlohmann::json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    return absl::DataLossError(absl::StrCat("manifest '", path, "' is not valid JSON"));
+  }
+  const base::JsonFields f(absl::StrCat("manifest '", path, "': "));
   Manifest m;
-  try {
-    const nlohmann::json j = nlohmann::json::parse(json.begin(), json.end());
-    if (j.at("format").get<std::string>() != kManifestFormat) {
-      return absl::DataLossError(absl::StrCat("manifest '", path, "' has format '",
-                                              j.at("format").get<std::string>(), "', expected '",
-                                              kManifestFormat, "'"));
-    }
-    m.world_size = j.at("world_size").get<int>();
-    m.units = j.at("units").get<std::vector<std::string>>();
-    m.params = TensorsFromJson(j.at("params"));
-    m.buffers = TensorsFromJson(j.at("buffers"));
-    for (const auto& f : j.at("files")) {
-      Manifest::File file;
-      file.name = f.at("name").get<std::string>();
-      file.bytes = f.at("bytes").get<int64_t>();
-      if (!ParseHex(f.at("fnv1a").get<std::string>(), &file.fnv1a) ||
-          !ParseHex(f.at("header_fnv1a").get<std::string>(), &file.header_fnv1a)) {
-        return absl::DataLossError(
-            absl::StrCat("manifest '", path, "': bad checksum of file '", file.name, "'"));
+  FS_ASSIGN_OR_RETURN(const nlohmann::json* format, f.Need(j, "format", "format"));
+  FS_ASSIGN_OR_RETURN(const std::string format_name, f.String(*format, "format"));
+  if (format_name != kManifestFormat) {
+    return f.Error("format", absl::StrCat("is '", absl::CEscape(format_name), "', expected '",
+                                          kManifestFormat, "'"));
+  }
+  FS_ASSIGN_OR_RETURN(const nlohmann::json* world, f.Need(j, "world_size", "world_size"));
+  FS_ASSIGN_OR_RETURN(const int64_t world_size, f.Int(*world, "world_size", 1, kMaxWorld));
+  m.world_size = static_cast<int>(world_size);
+  FS_ASSIGN_OR_RETURN(const nlohmann::json* units, f.Need(j, "units", "units"));
+  FS_ASSIGN_OR_RETURN(m.units, f.Strings(*units, "units"));
+
+  // Parameters, then buffers: unique names, shapes, checkpoint dtypes; a tied parameter names an
+  // earlier untied one.
+  std::set<std::string> untied;
+  for (const char* kind : {"params", "buffers"}) {
+    std::vector<Manifest::Tensor>& out = kind[0] == 'p' ? m.params : m.buffers;
+    std::set<std::string> names;
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* list, f.Need(j, kind, kind));
+    FS_RETURN_IF_ERROR(f.Array(*list, kind));
+    for (size_t i = 0; i < list->size(); ++i) {
+      const nlohmann::json& t = (*list)[i];
+      const std::string field = absl::StrCat(kind, "[", i, "]");
+      Manifest::Tensor tensor;
+      FS_ASSIGN_OR_RETURN(const nlohmann::json* name, f.Need(t, "name", field + ".name"));
+      FS_ASSIGN_OR_RETURN(tensor.name, f.String(*name, field + ".name"));
+      FS_ASSIGN_OR_RETURN(const nlohmann::json* shape, f.Need(t, "shape", field + ".shape"));
+      FS_ASSIGN_OR_RETURN(tensor.shape, f.Shape(*shape, field + ".shape"));
+      FS_ASSIGN_OR_RETURN(const nlohmann::json* dtype, f.Need(t, "dtype", field + ".dtype"));
+      FS_ASSIGN_OR_RETURN(tensor.dtype, f.String(*dtype, field + ".dtype"));
+      if (DtypeSize(tensor.dtype) == 0) {
+        return f.Error(field + ".dtype", absl::StrCat("'", absl::CEscape(tensor.dtype),
+                                                      "' is not a dtype a checkpoint holds"));
       }
-      m.files.push_back(std::move(file));
-    }
-    if (static_cast<int>(m.files.size()) != m.world_size || m.world_size < 1) {
-      return absl::DataLossError(absl::StrCat("manifest '", path, "' lists ", m.files.size(),
-                                              " files for world size ", m.world_size));
-    }
-    if (j.contains("optimizer")) {
-      const auto& o = j.at("optimizer");
-      m.has_optimizer = true;
-      m.optimizer_kind = o.at("kind").get<std::string>();
-      for (const auto& g : o.at("param_groups")) {
-        m.param_groups.push_back({g.at("options").get<std::map<std::string, double>>(),
-                                  g.at("params").get<std::vector<std::string>>()});
+      if (!names.insert(tensor.name).second) {
+        return f.Error(field + ".name", absl::StrCat("'", absl::CEscape(tensor.name),
+                                                     "' appears twice"));
       }
-      for (const auto& [name, p] : o.at("state").items()) {
-        m.optimizer_state[name] = {p.at("step").get<int64_t>(),
-                                   p.at("tensors").get<std::vector<std::string>>()};
+      if (t.contains("alias_of")) {
+        if (kind[0] != 'p') return f.Error(field + ".alias_of", "a buffer cannot be tied");
+        FS_ASSIGN_OR_RETURN(tensor.alias_of, f.String(t["alias_of"], field + ".alias_of"));
+        if (untied.count(tensor.alias_of) == 0) {
+          return f.Error(field + ".alias_of",
+                         absl::StrCat("'", absl::CEscape(tensor.alias_of),
+                                      "' is not an earlier untied parameter"));
+        }
+      } else if (kind[0] == 'p') {
+        untied.insert(tensor.name);
       }
+      out.push_back(std::move(tensor));
     }
-  } catch (const nlohmann::json::exception& e) {
-    return absl::DataLossError(
-        absl::StrCat("manifest '", path, "' is malformed or incomplete: ", e.what()));
+  }
+
+  // files[r] is rank r's, by the one name a save gives it: nothing outside the directory.
+  FS_ASSIGN_OR_RETURN(const nlohmann::json* files, f.Need(j, "files", "files"));
+  FS_RETURN_IF_ERROR(f.Array(*files, "files"));
+  if (files->size() != static_cast<size_t>(m.world_size)) {
+    return f.Error("files", absl::StrCat("lists ", files->size(), " files for world size ",
+                                         m.world_size));
+  }
+  for (size_t r = 0; r < files->size(); ++r) {
+    const nlohmann::json& e = (*files)[r];
+    const std::string field = absl::StrCat("files[", r, "]");
+    Manifest::File file;
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* name, f.Need(e, "name", field + ".name"));
+    FS_ASSIGN_OR_RETURN(file.name, f.String(*name, field + ".name"));
+    if (file.name != RankFileName(static_cast<int>(r))) {
+      return f.Error(field + ".name", absl::StrCat("is '", absl::CEscape(file.name),
+                                                   "', rank ", r, "'s file is '",
+                                                   RankFileName(static_cast<int>(r)), "'"));
+    }
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* bytes, f.Need(e, "bytes", field + ".bytes"));
+    FS_ASSIGN_OR_RETURN(file.bytes, f.Int(*bytes, field + ".bytes", 0));
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* fnv, f.Need(e, "fnv1a", field + ".fnv1a"));
+    FS_ASSIGN_OR_RETURN(file.fnv1a, f.Hex64(*fnv, field + ".fnv1a"));
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* hfnv,
+                        f.Need(e, "header_fnv1a", field + ".header_fnv1a"));
+    FS_ASSIGN_OR_RETURN(file.header_fnv1a, f.Hex64(*hfnv, field + ".header_fnv1a"));
+    m.files.push_back(std::move(file));
+  }
+
+  if (j.contains("optimizer")) {
+    const nlohmann::json& o = j["optimizer"];
+    m.has_optimizer = true;
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* kind, f.Need(o, "kind", "optimizer.kind"));
+    FS_ASSIGN_OR_RETURN(m.optimizer_kind, f.String(*kind, "optimizer.kind"));
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* groups,
+                        f.Need(o, "param_groups", "optimizer.param_groups"));
+    FS_RETURN_IF_ERROR(f.Array(*groups, "optimizer.param_groups"));
+    for (size_t i = 0; i < groups->size(); ++i) {
+      const nlohmann::json& g = (*groups)[i];
+      const std::string field = absl::StrCat("optimizer.param_groups[", i, "]");
+      Manifest::OptimGroup group;
+      FS_ASSIGN_OR_RETURN(const nlohmann::json* options, f.Need(g, "options", field + ".options"));
+      FS_RETURN_IF_ERROR(f.Object(*options, field + ".options"));
+      for (const auto& [key, value] : options->items()) {
+        FS_ASSIGN_OR_RETURN(group.options[key],
+                            f.Number(value, absl::StrCat(field, ".options.", key)));
+      }
+      FS_ASSIGN_OR_RETURN(const nlohmann::json* params, f.Need(g, "params", field + ".params"));
+      FS_ASSIGN_OR_RETURN(group.params, f.Strings(*params, field + ".params"));
+      m.param_groups.push_back(std::move(group));
+    }
+    FS_ASSIGN_OR_RETURN(const nlohmann::json* state, f.Need(o, "state", "optimizer.state"));
+    FS_RETURN_IF_ERROR(f.Object(*state, "optimizer.state"));
+    for (const auto& [name, p] : state->items()) {
+      const std::string field = absl::StrCat("optimizer.state.", name);
+      Manifest::OptimParam param;
+      FS_ASSIGN_OR_RETURN(const nlohmann::json* step, f.Need(p, "step", field + ".step"));
+      FS_ASSIGN_OR_RETURN(param.step, f.Int(*step, field + ".step", 0));
+      FS_ASSIGN_OR_RETURN(const nlohmann::json* tensors, f.Need(p, "tensors", field + ".tensors"));
+      FS_ASSIGN_OR_RETURN(param.tensors, f.Strings(*tensors, field + ".tensors"));
+      if (std::set<std::string>(param.tensors.begin(), param.tensors.end()).size() !=
+          param.tensors.size()) {
+        return f.Error(field + ".tensors", "names a tensor twice");
+      }
+      m.optimizer_state[name] = std::move(param);
+    }
   }
   return m;
+}
+
+absl::StatusOr<CheckpointFiles> OpenCheckpointFiles(
+    const std::string& dir, bool verify_whole_files,
+    const std::function<absl::Status(const Manifest&)>& check_manifest) {
+  CheckpointFiles c;
+  c.manifest_path = JoinPath(dir, kManifestName);
+  struct stat st;
+  if (::stat(c.manifest_path.c_str(), &st) != 0) {
+    return absl::DataLossError(absl::StrCat(
+        "no manifest '", c.manifest_path,
+        "': not a sharded checkpoint, or its save did not complete"));
+  }
+  FS_ASSIGN_OR_RETURN(const std::string json, ReadWholeFile(c.manifest_path));
+  FS_ASSIGN_OR_RETURN(c.manifest, ManifestFromJson(json, c.manifest_path));
+  const Manifest& m = c.manifest;
+  if (check_manifest) FS_RETURN_IF_ERROR(check_manifest(m));
+
+  // What each tensor key's records must be: its shape, its dtype ("" for optimizer state, which
+  // may differ from its parameter's) and its number of elements.
+  struct Expected {
+    const std::vector<int64_t>* shape;
+    std::string dtype;
+    int64_t numel;
+  };
+  std::map<std::string, Expected> expected;
+  auto numel_of = [](const std::vector<int64_t>& shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;  // ManifestFromJson checked it fits
+    return n;
+  };
+  std::map<std::string, const Manifest::Tensor*> untied;
+  for (const Manifest::Tensor& t : m.params) {
+    if (!t.alias_of.empty()) continue;
+    untied[t.name] = &t;
+    expected["p/" + t.name] = {&t.shape, t.dtype, numel_of(t.shape)};
+  }
+  for (const Manifest::Tensor& t : m.buffers) {
+    expected["b/" + t.name] = {&t.shape, t.dtype, numel_of(t.shape)};
+  }
+  for (const auto& [name, p] : m.optimizer_state) {
+    auto param = untied.find(name);
+    if (param == untied.end()) {
+      return absl::DataLossError(absl::StrCat("manifest '", c.manifest_path,
+                                              "': optimizer.state.", absl::CEscape(name),
+                                              ": is not an untied parameter"));
+    }
+    for (const std::string& t : p.tensors) {
+      expected[absl::StrCat("o/", name, "/", t)] = {&param->second->shape, "",
+                                                    numel_of(param->second->shape)};
+    }
+  }
+
+  for (int rank = 0; rank < m.world_size; ++rank) {
+    const Manifest::File& f = m.files[rank];
+    const std::string path = JoinPath(dir, f.name);
+    if (verify_whole_files) {
+      FS_ASSIGN_OR_RETURN(const std::string bytes, ReadWholeFile(path));
+      if (static_cast<int64_t>(bytes.size()) != f.bytes ||
+          base::Fnv1a64(bytes.data(), bytes.size()) != f.fnv1a) {
+        return absl::DataLossError(absl::StrCat("checkpoint file '", path,
+                                                "' does not match the manifest's size and "
+                                                "checksum (truncated, corrupt or replaced)"));
+      }
+    }
+    FS_ASSIGN_OR_RETURN(std::unique_ptr<ShardFileReader> file,
+                        ShardFileReader::Open(path, f.bytes, f.header_fnv1a));
+    if (file->info().rank != rank || file->info().world_size != m.world_size) {
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint file '", path, "' holds rank ", file->info().rank, "/",
+          file->info().world_size, ", the manifest expects rank ", rank, "/", m.world_size));
+    }
+    for (size_t i = 0; i < file->info().records.size(); ++i) {
+      const RecordMeta& r = file->info().records[i];
+      const std::string where =
+          absl::StrCat("checkpoint file '", path, "': record '", absl::CEscape(r.key), "' ");
+      auto it = expected.find(r.key);
+      if (it == expected.end()) {
+        return absl::DataLossError(
+            absl::StrCat(where, "is of a tensor the manifest does not list"));
+      }
+      const Expected& e = it->second;
+      if (r.shape != *e.shape || (!e.dtype.empty() && r.dtype != e.dtype)) {
+        return absl::DataLossError(absl::StrCat(
+            where, "has shape [", absl::StrJoin(r.shape, ", "), "] and dtype '",
+            absl::CEscape(r.dtype), "', the manifest says [", absl::StrJoin(*e.shape, ", "),
+            "]", e.dtype.empty() ? "" : absl::StrCat(" and '", e.dtype, "'")));
+      }
+      int64_t want = 0;
+      const int64_t elem = DtypeSize(r.dtype);
+      if (elem == 0 || __builtin_mul_overflow(r.end - r.begin, elem, &want) ||
+          r.nbytes != want) {
+        return absl::DataLossError(absl::StrCat(where, "has ", r.nbytes, " bytes of dtype '",
+                                                absl::CEscape(r.dtype), "' for elements [",
+                                                r.begin, ", ", r.end, ")"));
+      }
+      c.index[r.key].push_back({static_cast<size_t>(rank), i});
+    }
+    c.files.push_back(std::move(file));
+  }
+
+  // Each tensor's elements are in exactly one record.
+  for (const auto& [key, e] : expected) {
+    std::vector<std::pair<size_t, size_t>>& recs = c.index[key];
+    auto meta = [&c](const std::pair<size_t, size_t>& fi) -> const RecordMeta& {
+      return c.files[fi.first]->info().records[fi.second];
+    };
+    recs.erase(std::remove_if(recs.begin(), recs.end(),
+                              [&](const auto& fi) { return meta(fi).begin == meta(fi).end; }),
+               recs.end());
+    std::sort(recs.begin(), recs.end(),
+              [&](const auto& a, const auto& b) { return meta(a).begin < meta(b).begin; });
+    int64_t covered = 0;
+    for (size_t k = 0; k < recs.size(); ++k) {
+      const RecordMeta& r = meta(recs[k]);
+      if (r.begin < covered) {
+        const RecordMeta& prev = meta(recs[k - 1]);
+        return absl::DataLossError(absl::StrCat(
+            "checkpoint file '", c.files[recs[k].first]->path(), "': tensor '",
+            absl::CEscape(key), "' elements [", r.begin, ", ", std::min(r.end, prev.end),
+            ") are also in '", c.files[recs[k - 1].first]->path(), "'"));
+      }
+      if (r.begin > covered) break;
+      covered = r.end;
+    }
+    if (covered != e.numel) {
+      int64_t gap_end = e.numel;
+      for (const auto& fi : recs) {
+        if (meta(fi).begin > covered) {
+          gap_end = meta(fi).begin;
+          break;
+        }
+      }
+      return absl::DataLossError(absl::StrCat("tensor '", absl::CEscape(key), "' elements [",
+                                              covered, ", ", gap_end,
+                                              ") are in no checkpoint file (manifest '",
+                                              c.manifest_path, "')"));
+    }
+  }
+  return c;
+}
+
+int64_t DtypeSize(absl::string_view dtype) {
+  if (dtype == "Float") return 4;
+  if (dtype == "Double") return 8;
+  if (dtype == "Half" || dtype == "BFloat16") return 2;
+  return 0;
 }
 
 }  // namespace fairscale::fsdp::internal

@@ -14,9 +14,11 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -131,7 +133,37 @@ inline constexpr const char* kManifestName = "manifest.json";
 std::string RankFileName(int rank);  // "rank00003.shard"
 
 std::string ManifestToJson(const Manifest& manifest);
-// kDataLoss naming `path` when the JSON is malformed or incomplete.
+// kDataLoss naming `path` and the field when the JSON is malformed, incomplete or inconsistent:
+// files[r] must be RankFileName(r) (nothing outside the directory), world_size >= 1 and the
+// number of files, names unique, shapes non-negative with a numel that fits int64, dtypes ones a
+// checkpoint holds (DtypeSize), alias_of an earlier untied parameter, optimizer state only of
+// untied parameters.
 absl::StatusOr<Manifest> ManifestFromJson(absl::string_view json, const std::string& path);
+
+// Bytes per element of a dtype name a checkpoint may hold ("Float", "Double", "Half",
+// "BFloat16"); 0 for any other name.
+int64_t DtypeSize(absl::string_view dtype);
+
+// A checkpoint directory's manifest and rank files, opened and cross-checked before anything is
+// read (no LibTorch; sharded_checkpoint.cc copies the records into tensors). Beyond what
+// ManifestFromJson and ShardFileReader::Open check: file r holds rank r of the manifest's world
+// size; every record is of a tensor the manifest lists ("p/<param>", "b/<buffer>",
+// "o/<param>/<state>"), with its shape (and, for parameters and buffers, its dtype) and
+// (end - begin) * element size bytes; and the records of each tensor cover its elements exactly
+// once (no gap, no overlap: a duplicated range would otherwise pass for a missing one).
+// verify_whole_files: also check every file's size and whole-file FNV-1a. check_manifest, when
+// set, runs on the parsed manifest before any rank file is opened (a loader checks its model
+// against it there: a wrong model is reported as such, not as the files it does not fit).
+// Errors are kDataLoss naming the file (and record) at fault, or check_manifest's.
+struct CheckpointFiles {
+  Manifest manifest;
+  std::string manifest_path;
+  std::vector<std::unique_ptr<ShardFileReader>> files;  // files[r]: rank r's
+  // Per tensor key: (file, record index) of its records, in element order.
+  std::map<std::string, std::vector<std::pair<size_t, size_t>>> index;
+};
+absl::StatusOr<CheckpointFiles> OpenCheckpointFiles(
+    const std::string& dir, bool verify_whole_files,
+    const std::function<absl::Status(const Manifest&)>& check_manifest = nullptr);
 
 }  // namespace fairscale::fsdp::internal
