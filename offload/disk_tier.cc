@@ -13,6 +13,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "base/fnv1a.h"
 
@@ -27,6 +29,13 @@ constexpr int64_t kHeaderBytes = 4096;
 constexpr int64_t kHeaderFnvOffset = 112;  // the header checksum covers [0, 112)
 
 int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+// Whether [offset, offset + bytes) lies in the file's sections after the header, without
+// computing a sum that a hostile header can overflow.
+bool AfterHeader(int64_t offset, int64_t bytes, int64_t file_bytes) {
+  return offset >= kHeaderBytes && bytes >= 0 && offset <= file_bytes &&
+         bytes <= file_bytes - offset;
+}
 
 std::string Errno(int e) { return absl::StrCat(std::strerror(e), " (errno ", e, ")"); }
 
@@ -80,6 +89,23 @@ struct Header {
   uint64_t table_fnv = 0;
   int64_t file_bytes = 0;
 };
+
+// Why a header that passed its checksum is still unusable ("" when it is fine). The sections must
+// lie inside the file, so what Open() allocates for them is bounded by the file's size.
+std::string MalformedHeader(const Header& h) {
+  if (h.state != kCommitted && h.state != kWriting) return absl::StrCat("state ", h.state);
+  if (h.chunk_elems <= 0) return absl::StrCat("chunk_elems ", h.chunk_elems);
+  if (h.file_bytes < kHeaderBytes) return absl::StrCat("file size ", h.file_bytes);
+  if (h.layout_bytes > (64 << 20) || !AfterHeader(h.layout_offset, h.layout_bytes, h.file_bytes)) {
+    return absl::StrCat("layout section [", h.layout_offset, " + ", h.layout_bytes,
+                        ") outside the file's ", h.file_bytes, " bytes");
+  }
+  if (h.table_bytes % 8 != 0 || !AfterHeader(h.table_offset, h.table_bytes, h.file_bytes)) {
+    return absl::StrCat("checksum table [", h.table_offset, " + ", h.table_bytes,
+                        ") outside the file's ", h.file_bytes, " bytes");
+  }
+  return "";
+}
 
 void Encode(const Header& h, char* buf) {
   std::memset(buf, 0, kHeaderBytes);
@@ -164,25 +190,42 @@ absl::Status DecodeLayout(const std::string& in, uint64_t n, const std::string& 
     pos += sizeof(*v);
     return true;
   };
-  const absl::Status bad =
-      absl::DataLossError(absl::StrCat("offload file ", path, ": malformed layout section"));
+  const auto bad = [&](uint64_t i, absl::string_view what) {
+    return absl::DataLossError(
+        absl::StrCat("offload file ", path, ": malformed layout section: tensor ", i, " ", what));
+  };
   for (uint64_t i = 0; i < n; ++i) {
     TensorSpec s;
     uint32_t len = 0, ndim = 0;
     int32_t dtype = 0;
     int64_t off = 0;
-    if (!get(&len) || pos + len > in.size()) return bad;
+    if (!get(&len) || pos + len > in.size()) return bad(i, "is cut short");
     s.name.assign(in.data() + pos, len);
     pos += len;
-    if (!get(&dtype) || !get(&ndim) || ndim > 64) return bad;
-    s.dtype = static_cast<c10::ScalarType>(dtype);
-    s.shape.resize(ndim);
-    for (auto& d : s.shape) {
-      if (!get(&d) || d < 0) return bad;
+    if (!get(&dtype) || !get(&ndim)) return bad(i, "is cut short");
+    // Only the dtypes with an element size (c10::elementSize() throws for the others).
+    if (dtype < 0 || dtype >= static_cast<int32_t>(c10::ScalarType::Undefined)) {
+      return bad(i, absl::StrCat("has unknown dtype ", dtype));
     }
-    if (!get(&off)) return bad;
+    s.dtype = static_cast<c10::ScalarType>(dtype);
+    if (ndim > 64) return bad(i, absl::StrCat("has ", ndim, " dimensions"));
+    s.shape.resize(ndim);
+    // Every size computed from the shape later (numel, nbytes) must fit in int64.
+    int64_t nbytes = static_cast<int64_t>(c10::elementSize(s.dtype));
+    for (auto& d : s.shape) {
+      if (!get(&d)) return bad(i, "is cut short");
+      if (d < 0 || __builtin_mul_overflow(nbytes, d, &nbytes)) {
+        return bad(i, absl::StrCat("has shape [", absl::StrJoin(s.shape, ", "), "]"));
+      }
+    }
+    if (!get(&off)) return bad(i, "is cut short");
     specs->push_back(std::move(s));
     offsets->push_back(off);
+  }
+  if (pos != in.size()) {
+    return absl::DataLossError(absl::StrCat("offload file ", path,
+                                            ": malformed layout section: ", in.size() - pos,
+                                            " bytes after the last of ", n, " tensors"));
   }
   return absl::OkStatus();
 }
@@ -237,7 +280,7 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Create(const std::string& pa
   int64_t total_chunks = 0;
   for (size_t i = 0; i < t->specs_.size(); ++i) {
     t->first_chunk_.push_back(total_chunks);
-    total_chunks += (t->specs_[i].numel() + chunk_elems - 1) / chunk_elems;
+    total_chunks += t->num_chunks(i);
   }
   t->data_offset_.assign(t->specs_.size(), 0);
   t->layout_offset_ = kHeaderBytes;
@@ -290,7 +333,8 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const std::string& path
   if (::flock(t->fd_, LOCK_SH | LOCK_NB) != 0) return LockError(path, t->fd_);
   absl::StatusOr<Header> h = ReadHeader(t->fd_, path);
   if (!h.ok()) return h.status();
-  if (h->state != kCommitted) {
+  std::string malformed = MalformedHeader(*h);
+  if (malformed.empty() && h->state != kCommitted) {
     return absl::DataLossError(absl::StrCat(
         "offload file ", path, " has an interrupted write: generation ", h->generation + 1,
         " by pid ", h->pid, " was never committed"));
@@ -310,9 +354,9 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const std::string& path
     return absl::DataLossError(absl::StrCat("offload file ", path, " is truncated: ", st.st_size,
                                             " bytes, its header says ", h->file_bytes));
   }
-  if (h->chunk_elems <= 0 || h->layout_bytes < 0 || h->layout_bytes > (64 << 20) ||
-      h->table_bytes < 0 || h->table_bytes != 8 * (h->table_bytes / 8)) {
-    return absl::DataLossError(absl::StrCat("offload file ", path, ": malformed header"));
+  if (!malformed.empty()) {
+    return absl::DataLossError(
+        absl::StrCat("offload file ", path, ": malformed header: ", malformed));
   }
   std::string layout(static_cast<size_t>(h->layout_bytes), '\0');
   absl::StatusOr<int64_t> got =
@@ -336,13 +380,15 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const std::string& path
   for (size_t i = 0; i < t->specs_.size(); ++i) {
     t->first_chunk_.push_back(total_chunks);
     total_chunks += t->num_chunks(i);
-    if (t->data_offset_[i] < 0 || t->data_offset_[i] + t->specs_[i].nbytes() > h->file_bytes) {
+    // specs_ equal `expected` now, and DecodeLayout() checked that their sizes fit in int64;
+    // the offset is the file's.
+    if (!AfterHeader(t->data_offset_[i], t->specs_[i].nbytes(), h->file_bytes)) {
       return absl::DataLossError(absl::StrCat("offload file ", path, ": tensor ",
                                               DescribeSpec(t->specs_[i]),
                                               " lies outside the file"));
     }
   }
-  if (h->table_bytes != 8 * total_chunks) {
+  if (h->table_bytes / 8 != total_chunks) {
     return absl::DataLossError(absl::StrCat("offload file ", path, ": checksum table has ",
                                             h->table_bytes / 8, " entries, layout needs ",
                                             total_chunks));

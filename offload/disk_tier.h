@@ -20,7 +20,9 @@
 // Errors (each names the file, and the tensor and chunk where there is one):
 //   kNotFound            no such file;
 //   kDataLoss            truncated file, wrong magic or version, header/layout/table/chunk
-//                        checksum mismatch, interrupted (uncommitted) write;
+//                        checksum mismatch, interrupted (uncommitted) write, a header or layout
+//                        whose fields are out of range (sections or tensors outside the file,
+//                        unknown dtype, sizes that overflow);
 //   kInvalidArgument     the file's tensors differ from the expected ones (name, dtype, shape);
 //   kFailedPrecondition  the file is locked by another open tier, belongs to another session
 //                        than the expected one (a stale file of another run), or was rewritten

@@ -7,10 +7,16 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <limits>
 #include <numeric>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "base/fnv1a.h"
 #include "base/status_matchers.h"
 #include "testing/tmp.h"
 
@@ -51,6 +57,47 @@ void Poke(const std::string& path, off_t offset, const std::string& bytes) {
   ASSERT_EQ(::pwrite(fd, bytes.data(), bytes.size(), offset), static_cast<ssize_t>(bytes.size()));
   ::close(fd);
 }
+
+// A hostile (or buggy) writer: applies `edit` to the file's bytes, then recomputes the layout
+// checksum (where the header's layout section lies inside the file) and the header checksum, so
+// the reader gets past both and has to judge the fields themselves.
+void Forge(const std::string& path, const std::function<void(std::string&)>& edit) {
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream buffer;
+    buffer << in.rdbuf();
+    bytes = buffer.str();
+  }
+  ASSERT_GE(bytes.size(), 4096u);
+  edit(bytes);
+  int64_t layout_offset, layout_bytes;
+  std::memcpy(&layout_offset, bytes.data() + 56, 8);
+  std::memcpy(&layout_bytes, bytes.data() + 64, 8);
+  if (layout_offset >= 0 && layout_bytes >= 0 &&
+      layout_offset <= static_cast<int64_t>(bytes.size()) &&
+      layout_bytes <= static_cast<int64_t>(bytes.size()) - layout_offset) {
+    const uint64_t fnv = base::Fnv1a64(bytes.data() + layout_offset, layout_bytes);
+    std::memcpy(&bytes[72], &fnv, 8);
+  }
+  const uint64_t fnv = base::Fnv1a64(bytes.data(), 112);
+  std::memcpy(&bytes[112], &fnv, 8);
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+template <typename T>
+void Set(std::string& bytes, size_t offset, T v) {
+  ASSERT_LE(offset + sizeof(T), bytes.size());
+  std::memcpy(&bytes[offset], &v, sizeof(T));
+}
+
+// Where Specs()' layout section puts tensor 'a' (the first): 4-byte name length, "a", 4-byte
+// dtype, 4-byte rank, two 8-byte dims, 8-byte data offset.
+constexpr size_t kLayoutA = 4096;
+constexpr size_t kDtypeA = kLayoutA + 4 + 1;
+constexpr size_t kDimsA = kDtypeA + 4 + 4;
+constexpr size_t kOffsetA = kDimsA + 16;
 
 TEST(DiskTierTest, RoundTripAcrossChunks) {
   const std::string path = TmpPath("round_trip.fso");
@@ -226,6 +273,113 @@ TEST(DiskTierTest, HeaderRewrittenUnderneathIsDetected) {
   auto t = Write(path);
   Poke(path, 16, "\x01\x02");  // session bytes (header checksum now wrong too)
   EXPECT_FALSE(t->CheckOwnership().ok());
+}
+
+// Regression: a data offset near 2^63 made `offset + nbytes` overflow (undefined; in practice it
+// wrapped negative and passed the "inside the file" check, so Open succeeded).
+TEST(DiskTierTest, HostileDataOffsetIsRejected) {
+  const std::string path = TmpPath("hostile_offset.fso");
+  Write(path);
+  for (int64_t offset : {std::numeric_limits<int64_t>::max() - 8, int64_t{-64}, int64_t{0}}) {
+    Forge(path, [&](std::string& b) { Set(b, kOffsetA, offset); });
+    EXPECT_THAT(DiskTier::Open(path, Specs(), {}).status(),
+                StatusIs(absl::StatusCode::kDataLoss,
+                         AllOf(HasSubstr(path), HasSubstr("'a': Float[3, 5] lies outside the file"))))
+        << offset;
+  }
+}
+
+// Regression: num_chunks computed (numel + chunk_elems - 1) / chunk_elems, which overflows for a
+// chunk_elems near 2^63 (undefined; in practice 0 chunks, so writes and reads silently did
+// nothing). A chunk larger than every tensor must mean one chunk per tensor.
+TEST(DiskTierTest, ChunkElemsLargerThanAnyTensor) {
+  const std::string path = TmpPath("huge_chunk.fso");
+  const int64_t huge = std::numeric_limits<int64_t>::max();
+  uint64_t session;
+  {
+    ASSERT_OK_AND_ASSIGN(auto t, DiskTier::Create(path, Specs(), huge, false));
+    EXPECT_EQ(t->num_chunks(0), 1);
+    EXPECT_EQ(t->num_chunks(2), 0);
+    EXPECT_EQ(t->chunk_count(1, 0), 37);
+    std::vector<float> b(37);
+    std::iota(b.begin(), b.end(), 100.f);
+    ASSERT_OK(t->WriteTensor(1, b.data()));
+    ASSERT_OK(t->Commit());
+    session = t->session();
+  }
+  ASSERT_OK_AND_ASSIGN(auto t, DiskTier::Open(path, Specs(), {session, /*verify_all=*/true}));
+  std::vector<float> b(37);
+  ASSERT_OK(t->ReadTensor(1, b.data()));
+  for (int i = 0; i < 37; ++i) EXPECT_EQ(b[i], 100.f + i);
+  // The same chunk size forged into a file written with chunks of 8: its table no longer fits.
+  const std::string forged = TmpPath("huge_chunk_forged.fso");
+  Write(forged);
+  Forge(forged, [&](std::string& bytes) { Set(bytes, 40, huge); });
+  EXPECT_THAT(DiskTier::Open(forged, Specs(), {}).status(),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(forged), HasSubstr("checksum table has 8 entries, "
+                                                          "layout needs 3"))));
+}
+
+// Regression: a layout naming a dtype that is no ScalarType, or a shape whose size overflows,
+// was reported as the caller's mismatch (kInvalidArgument, "UNKNOWN_SCALAR"): it is a corrupt
+// file.
+TEST(DiskTierTest, CorruptLayoutIsDataLoss) {
+  const std::string path = TmpPath("corrupt_layout.fso");
+  Write(path);
+  for (int32_t dtype : {99, -1, static_cast<int32_t>(c10::ScalarType::Undefined),
+                        static_cast<int32_t>(c10::ScalarType::NumOptions)}) {
+    Forge(path, [&](std::string& b) { Set(b, kDtypeA, dtype); });
+    EXPECT_THAT(DiskTier::Open(path, Specs(), {}).status(),
+                StatusIs(absl::StatusCode::kDataLoss,
+                         AllOf(HasSubstr(path), HasSubstr("malformed layout section"),
+                               HasSubstr("dtype"))))
+        << dtype;
+  }
+  Write(path);
+  Forge(path, [&](std::string& b) {
+    Set(b, kDimsA, int64_t{1} << 40);
+    Set(b, kDimsA + 8, int64_t{1} << 40);
+  });
+  EXPECT_THAT(DiskTier::Open(path, Specs(), {}).status(),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(path), HasSubstr("malformed layout section"))));
+  // Bytes after the last tensor: the header's layout size disagrees with the layout.
+  Write(path);
+  Forge(path, [&](std::string& b) {
+    int64_t layout_bytes;
+    std::memcpy(&layout_bytes, b.data() + 64, 8);
+    Set(b, 64, layout_bytes + 8);
+  });
+  EXPECT_THAT(DiskTier::Open(path, Specs(), {}).status(),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(path), HasSubstr("malformed layout section"))));
+}
+
+// Regression: the header's section offsets and sizes were trusted: a negative layout offset gave
+// "cannot read" with EINVAL, a layout size up to 64 MiB was allocated whatever the file's size,
+// a state other than committed / writing read as an interrupted write.
+TEST(DiskTierTest, HeaderFieldsOutsideTheFile) {
+  const std::string path = TmpPath("header_fields.fso");
+  struct Case {
+    size_t offset;
+    int64_t value;
+  };
+  for (Case c : {Case{56, -4096}, Case{56, 0}, Case{64, int64_t{32} << 20}, Case{64, -1},
+                 Case{80, -8}, Case{80, int64_t{1} << 62}, Case{88, int64_t{1} << 40},
+                 Case{104, -1}, Case{104, 100}}) {
+    Write(path);
+    Forge(path, [&](std::string& b) { Set(b, c.offset, c.value); });
+    EXPECT_THAT(DiskTier::Open(path, Specs(), {}).status(),
+                StatusIs(absl::StatusCode::kDataLoss,
+                         AllOf(HasSubstr(path), HasSubstr("malformed header"))))
+        << "field at " << c.offset << " = " << c.value;
+  }
+  Write(path);
+  Forge(path, [&](std::string& b) { Set(b, 12, uint32_t{7}); });
+  EXPECT_THAT(DiskTier::Open(path, Specs(), {}).status(),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(path), HasSubstr("malformed header: state 7"))));
 }
 
 }  // namespace

@@ -22,7 +22,8 @@ std::string DescribeSpec(const TensorSpec& spec) {
 
 int64_t Tier::num_chunks(size_t tensor) const {
   const int64_t n = specs().at(tensor).numel();
-  return (n + chunk_elems() - 1) / chunk_elems();
+  // Not (n + chunk_elems - 1) / chunk_elems: that overflows for a chunk_elems near 2^63.
+  return n == 0 ? 0 : (n - 1) / chunk_elems() + 1;
 }
 
 int64_t Tier::chunk_count(size_t tensor, int64_t chunk) const {
