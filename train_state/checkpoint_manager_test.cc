@@ -1,0 +1,267 @@
+// CheckpointManager at 1-4 ranks (inproc): what a restore gives back is what was saved (the
+// reference: values captured at save time), sync and async; the snapshot is a copy; retention;
+// a failing rank, a corrupt file or a mismatching state is a clear error that changes nothing.
+#include "train_state/checkpoint_manager.h"
+
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/rand.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <sys/stat.h>
+#include <torch/nn/modules/linear.h>
+
+#include <atomic>
+#include <fstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "amp/grad_scaler.h"
+#include "base/status_macros.h"
+#include "comm/testing/inproc_ranks.h"
+#include "comm/testing/rank_runner.h"
+#include "gtest/gtest.h"
+#include "testing/tmp.h"
+#include "train_state/items.h"
+
+namespace fairscale::train_state {
+namespace {
+
+using comm::testing::Check;
+using comm::testing::ExpectAllOk;
+using comm::testing::RunInprocRanks;
+
+void SetScale(amp::GradScaler& scaler, double scale) {
+  amp::GradScalerState s = scaler.state_dict();
+  s.scale = scale;
+  scaler.load_state_dict(s);
+}
+
+// The state of one rank: a replicated Linear, a JSON counter, the loss scaler, RNG.
+struct Rank {
+  std::shared_ptr<torch::nn::LinearImpl> linear = std::make_shared<torch::nn::LinearImpl>(3, 2);
+  nlohmann::json counter = {{"step", 0}, {"samples", 0}};
+  amp::GradScaler scaler;
+  TrainState state;
+  Rank() {
+    state.add("model", module_item(linear))
+        .add("trainer", json_item([this] { return counter; },
+                                  [this](const nlohmann::json& j) { counter = j; }))
+        .add("scaler", grad_scaler_item(scaler))
+        .add("rng", rng_item());
+  }
+  void Perturb() {
+    c10::NoGradGuard no_grad;
+    linear->weight.add_(1.0);
+    counter["step"] = -1;
+    SetScale(scaler, 1.0);
+    (void)at::rand({7});
+  }
+};
+
+absl::Status SameTensor(const at::Tensor& a, const at::Tensor& b, const std::string& what) {
+  return Check(at::equal(a, b), what);
+}
+
+class CheckpointManagerTest : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+TEST_P(CheckpointManagerTest, RestoresWhatWasSavedAndTheSnapshotIsACopy) {
+  const auto [world, async] = GetParam();
+  const std::string root =
+      fairscale::testing::UniqueTmpPath(absl::StrCat("mgr_", world, async ? "_async" : "_sync"));
+  ExpectAllOk(RunInprocRanks(world, [&](int rank, int, std::shared_ptr<comm::Communicator> comm)
+                                        -> absl::Status {
+    Rank r;
+    CheckpointManager m(comm, CheckpointManagerOptions(root).async(async).keep_last(2));
+    FS_RETURN_IF_ERROR(Check(!m.restore(r.state).has_value(), "fresh start"));
+    // Identical replicas (what a replicated module is), then save step 10.
+    { c10::NoGradGuard g; r.linear->weight.fill_(0.5); r.linear->bias.fill_(-0.25); }
+    r.counter = {{"step", 10}, {"samples", 640}};
+    SetScale(r.scaler, 1024.0);
+    const at::Tensor w10 = r.linear->weight.clone();
+    const at::Tensor rng10 = at::rand({4});  // the next draw after the save...
+    (void)rng10;
+    at::manual_seed(1234 + rank);  // ...from a known state
+    const at::Tensor draw = at::rand({5});
+    at::manual_seed(1234 + rank);
+    m.save(10, r.state, {{"loss", 3.5}});
+    // Training goes on while an async save writes: the checkpoint must hold the values of the
+    // snapshot.
+    r.Perturb();
+    m.wait();
+    FS_RETURN_IF_ERROR(Check(m.latest_complete() == 10, "latest after the save"));
+    r.Perturb();
+    std::optional<int64_t> step = m.restore(r.state);
+    FS_RETURN_IF_ERROR(Check(step == 10, "restored step"));
+    FS_RETURN_IF_ERROR(SameTensor(r.linear->weight, w10, "weight"));
+    FS_RETURN_IF_ERROR(Check(r.counter["samples"] == 640 && r.counter["step"] == 10, "counter"));
+    FS_RETURN_IF_ERROR(Check(r.scaler.get_scale() == 1024.0, "scale"));
+    FS_RETURN_IF_ERROR(SameTensor(at::rand({5}), draw, "the RNG stream continues"));
+    FS_RETURN_IF_ERROR(Check(m.restored_marker()->metadata["loss"] == 3.5, "metadata"));
+    FS_RETURN_IF_ERROR(Check(m.restored_marker()->world_size == world, "world size"));
+    return absl::OkStatus();
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldsAndModes, CheckpointManagerTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Bool()));
+
+TEST(CheckpointManagerRetention, KeepsLastKAndEveryNth) {
+  const std::string root = fairscale::testing::UniqueTmpPath("mgr_retention");
+  ExpectAllOk(RunInprocRanks(2, [&](int, int, std::shared_ptr<comm::Communicator> comm)
+                                    -> absl::Status {
+    Rank r;
+    CheckpointManager m(comm, CheckpointManagerOptions(root).keep_last(2).keep_every(3));
+    for (int64_t s = 1; s <= 7; ++s) m.save(s, r.state);
+    FS_RETURN_IF_ERROR(
+        Check(m.all_steps() == std::vector<int64_t>({3, 6, 7}), "steps kept"));
+    // A step not after the newest is refused.
+    try {
+      m.save(5, r.state);
+      return absl::InternalError("saving step 5 after 7 did not throw");
+    } catch (const c10::Error& e) {
+      FS_RETURN_IF_ERROR(Check(absl::StrContains(e.what(), "not after the newest complete "
+                                                           "checkpoint (step 7"),
+                               e.what()));
+    }
+    return absl::OkStatus();
+  }));
+}
+
+// An item whose write fails on one rank.
+class FailingItem final : public Stateful {
+ public:
+  explicit FailingItem(int failing_rank) : failing_rank_(failing_rank) {}
+  std::string kind() const override { return "failing"; }
+  class Snap final : public Snapshot {
+   public:
+    explicit Snap(bool fail) : fail_(fail) {}
+    absl::StatusOr<WriteResult> write(const std::string& dir) override {
+      if (fail_) return absl::ResourceExhaustedError("cannot write " + dir + "/x: disk full");
+      return WriteResult{};
+    }
+    bool fail_;
+  };
+  std::unique_ptr<Snapshot> snapshot(const SaveContext& ctx, std::unique_ptr<Snapshot>) override {
+    return std::make_unique<Snap>(armed && ctx.rank == failing_rank_);
+  }
+  std::function<void()> restore(const RestoreContext&) override { return [] {}; }
+  bool armed = false;
+
+ private:
+  int failing_rank_;
+};
+
+TEST(CheckpointManagerFailures, AFailingRankIsNamedAndThePreviousCheckpointStays) {
+  for (bool async : {false, true}) {
+    const std::string root = fairscale::testing::UniqueTmpPath("mgr_fail");
+    ExpectAllOk(RunInprocRanks(3, [&](int, int, std::shared_ptr<comm::Communicator> comm)
+                                      -> absl::Status {
+      Rank r;
+      auto failing = std::make_shared<FailingItem>(1);
+      r.state.add("fails", failing);
+      CheckpointManager m(comm, CheckpointManagerOptions(root).async(async));
+      { c10::NoGradGuard g; r.linear->weight.fill_(2.0); }
+      m.save(1, r.state);
+      m.wait();
+      failing->armed = true;
+      std::string error;
+      try {
+        m.save(2, r.state);
+        m.wait();
+      } catch (const c10::Error& e) {
+        error = e.what();
+      }
+      FS_RETURN_IF_ERROR(Check(absl::StrContains(error, "rank 1") &&
+                                   absl::StrContains(error, "disk full") &&
+                                   absl::StrContains(error, "step 2"),
+                               "error: " + error));
+      FS_RETURN_IF_ERROR(Check(m.latest_complete() == 1, "step 1 is still the newest"));
+      r.Perturb();
+      FS_RETURN_IF_ERROR(Check(m.restore(r.state) == 1, "restores step 1"));
+      FS_RETURN_IF_ERROR(Check(at::equal(r.linear->weight, at::full({2, 3}, 2.0)), "weight"));
+      // The next save cleans the leftovers up and succeeds.
+      failing->armed = false;
+      m.save(2, r.state);
+      m.wait();
+      return Check(m.all_steps() == std::vector<int64_t>({1, 2}), "steps after the retry");
+    }));
+  }
+}
+
+TEST(CheckpointManagerFailures, CorruptFilesAndMismatchedStatesChangeNothing) {
+  const std::string root = fairscale::testing::UniqueTmpPath("mgr_corrupt");
+  ExpectAllOk(RunInprocRanks(2, [&](int rank, int, std::shared_ptr<comm::Communicator> comm)
+                                    -> absl::Status {
+    Rank r;
+    CheckpointManager m(comm, CheckpointManagerOptions(root));
+    m.save(1, r.state);
+    const at::Tensor saved = r.linear->weight.clone();
+    { c10::NoGradGuard g; r.linear->weight.fill_(7.0); }
+    FS_RETURN_IF_ERROR(Check(comm->Barrier().Wait().ok(), "barrier"));
+    if (rank == 0) {
+      std::fstream f(StepDir(root, 1) + "/model/module.pt",
+                     std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(40);
+      f.put('\x5a');
+    }
+    FS_RETURN_IF_ERROR(Check(comm->Barrier().Wait().ok(), "barrier"));
+    std::string error;
+    try {
+      m.restore(r.state);
+    } catch (const c10::Error& e) {
+      error = e.what();
+    }
+    FS_RETURN_IF_ERROR(Check(absl::StrContains(error, "model/module.pt is corrupt"), error));
+    FS_RETURN_IF_ERROR(Check(at::equal(r.linear->weight, at::full({2, 3}, 7.0)), "unchanged"));
+
+    // A state with an item the checkpoint lacks (and lacking one it has).
+    TrainState other;
+    other.add("model", module_item(r.linear)).add("extra", rng_item());
+    CheckpointManager quiet(comm, CheckpointManagerOptions(root).verify_on_restore(false));
+    try {
+      quiet.restore(other);
+      error.clear();
+    } catch (const c10::Error& e) {
+      error = e.what();
+    }
+    FS_RETURN_IF_ERROR(Check(absl::StrContains(error, "item(s) not in the checkpoint: extra") &&
+                                 absl::StrContains(error, "not in the state: rng, scaler, trainer"),
+                             error));
+    (void)saved;
+    return absl::OkStatus();
+  }));
+}
+
+TEST(CheckpointManagerFailures, RngAtAnotherWorldSizeIsRefusedUnlessReseeding) {
+  const std::string root = fairscale::testing::UniqueTmpPath("mgr_rng");
+  ExpectAllOk(RunInprocRanks(2, [&](int, int, std::shared_ptr<comm::Communicator> comm)
+                                    -> absl::Status {
+    Rank r;
+    CheckpointManager(comm, CheckpointManagerOptions(root)).save(3, r.state);
+    return absl::OkStatus();
+  }));
+  ExpectAllOk(RunInprocRanks(3, [&](int, int, std::shared_ptr<comm::Communicator> comm)
+                                    -> absl::Status {
+    Rank r;
+    CheckpointManager m(comm, CheckpointManagerOptions(root));
+    std::string error;
+    try {
+      m.restore(r.state);
+    } catch (const c10::Error& e) {
+      error = e.what();
+    }
+    FS_RETURN_IF_ERROR(Check(absl::StrContains(error, "are of 2 ranks, this run has 3"), error));
+    TrainState reseed;
+    reseed.add("model", module_item(r.linear))
+        .add("trainer", json_item([&] { return r.counter; },
+                                  [&](const nlohmann::json& j) { r.counter = j; }))
+        .add("scaler", grad_scaler_item(r.scaler))
+        .add("rng", rng_item(/*reseed_on_world_change=*/true));
+    return Check(m.restore(reseed) == 3, "restores with reseeding");
+  }));
+}
+
+}  // namespace
+}  // namespace fairscale::train_state

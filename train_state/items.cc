@@ -1,0 +1,328 @@
+#include "train_state/items.h"
+
+#include <ATen/core/Generator.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "amp/grad_scaler.h"
+#include "base/json_fields.h"
+#include "train_state/step_dir.h"
+
+namespace fairscale::train_state {
+namespace {
+
+absl::Status WriteJson(const std::string& path, const nlohmann::json& j) {
+  return WriteFileAtomic(path, j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
+// Reads and parses a JSON file of an item; c10::Error naming the file otherwise.
+nlohmann::json ReadJson(const RestoreContext& ctx, const std::string& name) {
+  const std::string path = absl::StrCat(ctx.dir, "/", name);
+  TORCH_CHECK(std::find(ctx.files.begin(), ctx.files.end(), name) != ctx.files.end(),
+              "the checkpoint lists no ", path);
+  absl::StatusOr<std::string> text = ReadFile(path);
+  TORCH_CHECK(text.ok(), text.status().ToString());
+  nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK(!j.is_discarded(), "checkpoint file ", path, " is not valid JSON");
+  return j;
+}
+
+// A snapshot that writes one JSON file (on the ranks that write).
+class JsonFileSnapshot final : public Stateful::Snapshot {
+ public:
+  JsonFileSnapshot(std::string name, nlohmann::json value, bool writes)
+      : name_(std::move(name)), value_(std::move(value)), writes_(writes) {}
+  absl::StatusOr<WriteResult> write(const std::string& dir) override {
+    WriteResult r;
+    if (!writes_) return r;
+    absl::Status s = WriteJson(absl::StrCat(dir, "/", name_), value_);
+    if (!s.ok()) return s;
+    r.files.push_back(name_);
+    return r;
+  }
+
+ private:
+  std::string name_;
+  nlohmann::json value_;
+  bool writes_;
+};
+
+// ---- json -----------------------------------------------------------------------------------
+
+class JsonItem final : public Stateful {
+ public:
+  JsonItem(std::function<nlohmann::json()> get, std::function<void(const nlohmann::json&)> set)
+      : get_(std::move(get)), set_(std::move(set)) {}
+  std::string kind() const override { return "json"; }
+  std::unique_ptr<Snapshot> snapshot(const SaveContext& ctx, std::unique_ptr<Snapshot>) override {
+    return std::make_unique<JsonFileSnapshot>("state.json", get_(), ctx.rank == 0);
+  }
+  std::function<void()> restore(const RestoreContext& ctx) override {
+    nlohmann::json value = ReadJson(ctx, "state.json");
+    return [this, value = std::move(value)] { set_(value); };
+  }
+
+ private:
+  std::function<nlohmann::json()> get_;
+  std::function<void(const nlohmann::json&)> set_;
+};
+
+// ---- grad scaler ----------------------------------------------------------------------------
+
+class GradScalerItem final : public Stateful {
+ public:
+  explicit GradScalerItem(amp::GradScaler& scaler) : scaler_(scaler) {}
+  std::string kind() const override { return "grad_scaler"; }
+  std::unique_ptr<Snapshot> snapshot(const SaveContext& ctx, std::unique_ptr<Snapshot>) override {
+    const amp::GradScalerState s = scaler_.state_dict();
+    nlohmann::json j = {{"enabled", s.enabled},
+                        {"scale", s.scale},
+                        {"growth_factor", s.growth_factor},
+                        {"backoff_factor", s.backoff_factor},
+                        {"growth_interval", s.growth_interval},
+                        {"growth_tracker", s.growth_tracker}};
+    return std::make_unique<JsonFileSnapshot>("state.json", std::move(j), ctx.rank == 0);
+  }
+  std::function<void()> restore(const RestoreContext& ctx) override {
+    const nlohmann::json j = ReadJson(ctx, "state.json");
+    const base::JsonFields f(absl::StrCat("checkpoint file ", ctx.dir, "/state.json: "));
+    amp::GradScalerState s;
+    auto need = [&](const char* key) -> const nlohmann::json& {
+      auto v = f.Need(j, key, key);
+      TORCH_CHECK(v.ok(), v.status().message());
+      return **v;
+    };
+    TORCH_CHECK(need("enabled").is_boolean(), f.WrongType(need("enabled"), "enabled", "a boolean").message());
+    s.enabled = need("enabled").get<bool>();
+    auto number = [&](const char* key) {
+      auto v = f.Number(need(key), key);
+      TORCH_CHECK(v.ok(), v.status().message());
+      return *v;
+    };
+    auto integer = [&](const char* key) {
+      auto v = f.Int(need(key), key, 0);
+      TORCH_CHECK(v.ok(), v.status().message());
+      return *v;
+    };
+    s.scale = number("scale");
+    s.growth_factor = number("growth_factor");
+    s.backoff_factor = number("backoff_factor");
+    s.growth_interval = integer("growth_interval");
+    s.growth_tracker = integer("growth_tracker");
+    return [this, s] { scaler_.load_state_dict(s); };
+  }
+
+ private:
+  amp::GradScaler& scaler_;
+};
+
+// ---- rng ------------------------------------------------------------------------------------
+
+struct Generators {
+  std::vector<at::Generator> all;  // CPU, then every CUDA device's default
+  static Generators Current() {
+    Generators g;
+    g.all.push_back(at::detail::getDefaultCPUGenerator());
+    if (at::hasCUDA()) {
+      const auto& hooks = at::detail::getCUDAHooks();
+      for (int64_t d = 0; d < hooks.getNumGPUs(); ++d) {
+        g.all.push_back(hooks.getDefaultCUDAGenerator(static_cast<c10::DeviceIndex>(d)));
+      }
+    }
+    return g;
+  }
+};
+
+std::string StateBytes(at::Generator& g) {
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(g.mutex());
+    state = g.get_state();
+  }
+  return std::string(static_cast<const char*>(state.data_ptr()),
+                     static_cast<size_t>(state.nbytes()));
+}
+
+class RngItem final : public Stateful {
+ public:
+  explicit RngItem(bool reseed) : reseed_(reseed) {}
+  std::string kind() const override { return "rng"; }
+  std::unique_ptr<Snapshot> snapshot(const SaveContext& ctx, std::unique_ptr<Snapshot>) override {
+    nlohmann::json states = nlohmann::json::array();
+    for (at::Generator& g : Generators::Current().all) {
+      states.push_back({{"device", g.device().str()}, {"state", absl::Base64Escape(StateBytes(g))}});
+    }
+    return std::make_unique<JsonFileSnapshot>(absl::StrCat("rng_rank", ctx.rank, ".json"),
+                                              nlohmann::json{{"generators", states}}, true);
+  }
+  std::function<void()> restore(const RestoreContext& ctx) override {
+    if (ctx.saved_world_size != ctx.world_size) {
+      TORCH_CHECK(reseed_, "the RNG states in ", ctx.dir, " are of ", ctx.saved_world_size,
+                  " ranks, this run has ", ctx.world_size,
+                  ": per-rank streams cannot be mapped (use rng_item(/*reseed_on_world_change="
+                  "*/true) to keep the current states)");
+      return [] {};
+    }
+    const std::string name = absl::StrCat("rng_rank", ctx.rank, ".json");
+    const nlohmann::json j = ReadJson(ctx, name);
+    const std::string path = absl::StrCat(ctx.dir, "/", name);
+    TORCH_CHECK(j.is_object() && j.contains("generators") && j["generators"].is_array(),
+                "checkpoint file ", path, ": generators: missing or not an array");
+    Generators current = Generators::Current();
+    const nlohmann::json& gens = j["generators"];
+    TORCH_CHECK(gens.size() == current.all.size(), "checkpoint file ", path, " holds ",
+                gens.size(), " generator states, this process has ", current.all.size(),
+                " (CPU + CUDA devices)");
+    std::vector<at::Tensor> states;
+    for (size_t i = 0; i < gens.size(); ++i) {
+      const nlohmann::json& e = gens[i];
+      TORCH_CHECK(e.is_object() && e.contains("state") && e["state"].is_string() &&
+                      e.contains("device") && e["device"].is_string(),
+                  "checkpoint file ", path, ": generators[", i, "] is malformed");
+      TORCH_CHECK(e["device"].get<std::string>() == current.all[i].device().str(),
+                  "checkpoint file ", path, ": generators[", i, "] is of device ",
+                  e["device"].get<std::string>(), ", here ", current.all[i].device().str());
+      std::string bytes;
+      TORCH_CHECK(absl::Base64Unescape(e["state"].get<std::string>(), &bytes),
+                  "checkpoint file ", path, ": generators[", i, "].state is not base64");
+      const std::string now = StateBytes(current.all[i]);
+      TORCH_CHECK(bytes.size() == now.size(), "checkpoint file ", path, ": generators[", i,
+                  "].state has ", bytes.size(), " bytes, this build's has ", now.size());
+      at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+      std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+      states.push_back(t);
+    }
+    return [current, states]() mutable {
+      for (size_t i = 0; i < states.size(); ++i) {
+        std::lock_guard<std::mutex> lock(current.all[i].mutex());
+        current.all[i].set_state(states[i]);
+      }
+    };
+  }
+
+ private:
+  bool reseed_;
+};
+
+// ---- replicated module ----------------------------------------------------------------------
+
+class ModuleSnapshot final : public Stateful::Snapshot {
+ public:
+  std::vector<std::pair<std::string, at::Tensor>> tensors;  // host copies
+  bool writes = false;
+  absl::StatusOr<WriteResult> write(const std::string& dir) override {
+    WriteResult r;
+    if (!writes) return r;
+    const std::string path = dir + "/module.pt";
+    try {
+      torch::serialize::OutputArchive archive;
+      for (const auto& [name, t] : tensors) archive.write(name, t, /*is_buffer=*/false);
+      std::ostringstream out;
+      archive.save_to(out);
+      absl::Status s = WriteFileAtomic(path, out.str());
+      if (!s.ok()) return s;
+    } catch (const c10::Error& e) {
+      return absl::DataLossError(absl::StrCat("cannot write ", path, ": ",
+                                              e.what_without_backtrace()));
+    }
+    r.files.push_back("module.pt");
+    return r;
+  }
+};
+
+std::vector<std::pair<std::string, at::Tensor>> NamedTensors(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : m.named_parameters()) out.emplace_back(p.key(), p.value());
+  for (const auto& b : m.named_buffers()) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+class ModuleItem final : public Stateful {
+ public:
+  explicit ModuleItem(std::shared_ptr<torch::nn::Module> m) : module_(std::move(m)) {}
+  std::string kind() const override { return "module"; }
+  std::unique_ptr<Snapshot> snapshot(const SaveContext& ctx,
+                                     std::unique_ptr<Snapshot> reuse) override {
+    std::unique_ptr<ModuleSnapshot> snap(dynamic_cast<ModuleSnapshot*>(reuse.release()));
+    if (snap == nullptr) snap = std::make_unique<ModuleSnapshot>();
+    snap->writes = ctx.rank == 0;
+    if (!snap->writes) {
+      snap->tensors.clear();
+      return snap;
+    }
+    const auto now = NamedTensors(*module_);
+    bool same = snap->tensors.size() == now.size();
+    for (size_t i = 0; same && i < now.size(); ++i) {
+      same = snap->tensors[i].first == now[i].first &&
+             snap->tensors[i].second.sizes() == now[i].second.sizes() &&
+             snap->tensors[i].second.scalar_type() == now[i].second.scalar_type();
+    }
+    c10::NoGradGuard no_grad;
+    if (!same) {
+      snap->tensors.clear();
+      for (const auto& [n, t] : now) {
+        snap->tensors.emplace_back(n, at::empty(t.sizes(), t.options().device(at::kCPU)));
+      }
+    }
+    for (size_t i = 0; i < now.size(); ++i) snap->tensors[i].second.copy_(now[i].second);
+    return snap;
+  }
+  std::function<void()> restore(const RestoreContext& ctx) override {
+    const std::string path = ctx.dir + "/module.pt";
+    TORCH_CHECK(std::find(ctx.files.begin(), ctx.files.end(), "module.pt") != ctx.files.end(),
+                "the checkpoint lists no ", path);
+    torch::serialize::InputArchive archive;
+    archive.load_from(path);
+    std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (destination, loaded)
+    for (const auto& [name, t] : NamedTensors(*module_)) {
+      at::Tensor loaded;
+      TORCH_CHECK(archive.try_read(name, loaded), "checkpoint file ", path, " has no tensor '",
+                  name, "'");
+      TORCH_CHECK(loaded.sizes() == t.sizes() && loaded.scalar_type() == t.scalar_type(),
+                  "checkpoint file ", path, ": '", name, "' is ", loaded.toString(), " ",
+                  loaded.sizes(), ", the module's is ", t.toString(), " ", t.sizes());
+      copies.emplace_back(t, loaded);
+    }
+    return [copies] {
+      c10::NoGradGuard no_grad;
+      for (const auto& [dst, src] : copies) dst.copy_(src);
+    };
+  }
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+};
+
+}  // namespace
+
+std::shared_ptr<Stateful> json_item(std::function<nlohmann::json()> get,
+                                    std::function<void(const nlohmann::json&)> set) {
+  TORCH_CHECK(get && set, "train_state::json_item: get and set must both be set");
+  return std::make_shared<JsonItem>(std::move(get), std::move(set));
+}
+
+std::shared_ptr<Stateful> grad_scaler_item(amp::GradScaler& scaler) {
+  return std::make_shared<GradScalerItem>(scaler);
+}
+
+std::shared_ptr<Stateful> rng_item(bool reseed_on_world_change) {
+  return std::make_shared<RngItem>(reseed_on_world_change);
+}
+
+std::shared_ptr<Stateful> module_item(std::shared_ptr<torch::nn::Module> module) {
+  TORCH_CHECK(module != nullptr, "train_state::module_item: module is null");
+  return std::make_shared<ModuleItem>(std::move(module));
+}
+
+}  // namespace fairscale::train_state

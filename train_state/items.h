@@ -1,0 +1,47 @@
+// Built-in items of a TrainState (//train_state). Each is a Stateful (stateful.h); the kind in
+// parentheses is what the marker records.
+//
+//   state.add("model", fsdp_item(model, &optimizer))      // (fsdp_sharded) any world size
+//        .add("data", sampler_item(sampler))              // (json) the data position
+//        .add("scaler", grad_scaler_item(scaler))         // (json)
+//        .add("rng", rng_item())                          // (rng) per rank
+//        .add("trainer", json_item(get, set));            // (json) anything else
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "train_state/stateful.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace fairscale::amp {
+class GradScaler;
+}
+
+namespace fairscale::train_state {
+
+// User JSON (kind "json"): get() is called at the snapshot on every rank, rank 0's value is
+// saved ("state.json"); at restore every rank reads it and set() receives it. get() must return
+// the same value on every rank (a data position, a step counter, hyper-parameters).
+std::shared_ptr<Stateful> json_item(std::function<nlohmann::json()> get,
+                                    std::function<void(const nlohmann::json&)> set);
+
+// The loss scaler's state (kind "grad_scaler"; amp::GradScalerState as JSON, rank 0's).
+std::shared_ptr<Stateful> grad_scaler_item(amp::GradScaler& scaler);
+
+// The random number generators (kind "rng"): every rank's CPU generator and, where CUDA is
+// present, every device's default generator, one file per rank ("rng_rank<r>.json"). Restored
+// rank by rank at the same world size; at another world size restore throws (the ranks' streams
+// have no meaningful mapping) unless `reseed_on_world_change`, which keeps the current states.
+std::shared_ptr<Stateful> rng_item(bool reseed_on_world_change = false);
+
+// The parameters and buffers of a module replicated on every rank (plain DDP-style training;
+// kind "module"): rank 0 saves them ("module.pt", torch::save's archive layout, loadable with
+// torch::load); every rank restores them, checking names, shapes and dtypes first.
+std::shared_ptr<Stateful> module_item(std::shared_ptr<torch::nn::Module> module);
+
+}  // namespace fairscale::train_state
