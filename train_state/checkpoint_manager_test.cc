@@ -263,5 +263,39 @@ TEST(CheckpointManagerFailures, RngAtAnotherWorldSizeIsRefusedUnlessReseeding) {
   }));
 }
 
+TEST(CheckpointManagerItems, TheSamplerPositionResumesAtAnotherWorldSize) {
+  // Reference: the global order of epoch 0 at world 1 (global batch 6 = 3 ranks x 2 = 2 x 3).
+  const size_t n = 40;
+  const std::vector<size_t> order = epoch_order(n, 7, 0, true);
+  const std::string root = fairscale::testing::UniqueTmpPath("mgr_sampler");
+  std::vector<std::vector<size_t>> seen(3);
+  ExpectAllOk(RunInprocRanks(2, [&](int rank, int, std::shared_ptr<comm::Communicator> comm)
+                                    -> absl::Status {
+    DistributedSampler sampler(n, rank, 2, DistributedSamplerOptions().seed(7));
+    for (int b = 0; b < 3; ++b) sampler.next(3);  // 18 samples
+    TrainState state;
+    state.add("data", sampler_item(sampler));
+    CheckpointManager(comm, CheckpointManagerOptions(root)).save(3, state);
+    return absl::OkStatus();
+  }));
+  ExpectAllOk(RunInprocRanks(3, [&](int rank, int, std::shared_ptr<comm::Communicator> comm)
+                                    -> absl::Status {
+    DistributedSampler sampler(n, rank, 3, DistributedSamplerOptions().seed(7));
+    TrainState state;
+    state.add("data", sampler_item(sampler));
+    CheckpointManager m(comm, CheckpointManagerOptions(root));
+    FS_RETURN_IF_ERROR(Check(m.restore(state) == 3, "restored"));
+    FS_RETURN_IF_ERROR(Check(sampler.position() == 18, "position"));
+    auto batch = sampler.next(2);
+    FS_RETURN_IF_ERROR(Check(batch.has_value(), "a batch"));
+    seen[rank] = *batch;
+    return absl::OkStatus();
+  }));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(seen[r], std::vector<size_t>(order.begin() + 18 + 2 * r, order.begin() + 20 + 2 * r))
+        << "rank " << r;
+  }
+}
+
 }  // namespace
 }  // namespace fairscale::train_state

@@ -78,6 +78,29 @@ class JsonItem final : public Stateful {
   std::function<void(const nlohmann::json&)> set_;
 };
 
+// ---- sampler --------------------------------------------------------------------------------
+
+class SamplerItem final : public Stateful {
+ public:
+  explicit SamplerItem(DistributedSampler sampler) : sampler_(std::move(sampler)) {}
+  std::string kind() const override { return "sampler"; }
+  std::unique_ptr<Snapshot> snapshot(const SaveContext& ctx, std::unique_ptr<Snapshot>) override {
+    return std::make_unique<JsonFileSnapshot>("state.json", sampler_.state_dict(), ctx.rank == 0);
+  }
+  std::function<void()> restore(const RestoreContext& ctx) override {
+    nlohmann::json value = ReadJson(ctx, "state.json");
+    // Checked on a separate sampler of the same configuration (copies would share the
+    // position), so that nothing changes before every item staged.
+    DistributedSampler probe(sampler_.dataset_size(), sampler_.rank(), sampler_.world_size(),
+                             sampler_.options());
+    probe.load_state_dict(value);
+    return [this, value = std::move(value)] { sampler_.load_state_dict(value); };
+  }
+
+ private:
+  DistributedSampler sampler_;
+};
+
 // ---- grad scaler ----------------------------------------------------------------------------
 
 class GradScalerItem final : public Stateful {
@@ -310,6 +333,10 @@ std::shared_ptr<Stateful> json_item(std::function<nlohmann::json()> get,
                                     std::function<void(const nlohmann::json&)> set) {
   TORCH_CHECK(get && set, "train_state::json_item: get and set must both be set");
   return std::make_shared<JsonItem>(std::move(get), std::move(set));
+}
+
+std::shared_ptr<Stateful> sampler_item(DistributedSampler sampler) {
+  return std::make_shared<SamplerItem>(std::move(sampler));
 }
 
 std::shared_ptr<Stateful> grad_scaler_item(amp::GradScaler& scaler) {

@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "train_state/distributed_sampler.h"
 #include "train_state/stateful.h"
 
 namespace torch::nn {
@@ -29,6 +30,12 @@ namespace fairscale::train_state {
 // the same value on every rank (a data position, a step counter, hyper-parameters).
 std::shared_ptr<Stateful> json_item(std::function<nlohmann::json()> get,
                                     std::function<void(const nlohmann::json&)> set);
+
+// A DistributedSampler's position (kind "sampler"; its state_dict(), the same on every rank,
+// rank 0's saved). `sampler` is a handle: pass the one the data loader uses (copies share the
+// position). Restores at any world size (the global sample order continues); a checkpoint of
+// another dataset size, seed, shuffle or drop_last is an error naming both values.
+std::shared_ptr<Stateful> sampler_item(DistributedSampler sampler);
 
 // The loss scaler's state (kind "grad_scaler"; amp::GradScalerState as JSON, rank 0's).
 std::shared_ptr<Stateful> grad_scaler_item(amp::GradScaler& scaler);
