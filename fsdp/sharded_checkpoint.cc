@@ -11,8 +11,12 @@
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
+#include <exception>
 #include <functional>
+#include <memory>
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -159,63 +163,65 @@ FullOptimState OptimMeta(const Manifest& m) {
 
 }  // namespace
 
-void save_sharded_checkpoint(FullyShardedDataParallel& model,
-                             const torch::optim::Optimizer* optimizer, const std::string& dir) {
-  const std::string what = absl::StrCat("save_sharded_checkpoint('", dir, "') rank ",
-                                        model->rank(), "/", model->world_size());
-  const auto& comm = model->communicator();
-  ModelLayout layout = internal::GetModelLayout(model);
-  FullOptimState groups;
-  if (optimizer != nullptr) {
-    auto g = internal::OptimGroups(layout, *optimizer);
-    base::ThrowIfError(g.status(), what);
-    groups = *std::move(g);
-  }
-  c10::NoGradGuard no_grad;
-  // A manifest from an earlier save in this directory must not vouch for files being replaced.
-  const std::string manifest_path = Join(dir, internal::kManifestName);
-  absl::Status status;
-  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-    status = absl::DataLossError(
-        absl::StrCat("cannot create directory '", dir, "': ", std::strerror(errno)));
-  }
-  if (layout.rank == 0 && status.ok() && std::remove(manifest_path.c_str()) != 0 &&
-      errno != ENOENT) {
-    status = absl::DataLossError(
-        absl::StrCat("cannot remove the old '", manifest_path, "': ", std::strerror(errno)));
-  }
-  internal::ThrowIfAnyFailed(comm, status, what);
+namespace internal {
 
-  Manifest manifest;
-  manifest.world_size = layout.world;
-  internal::ShardFileWriter::Summary summary;
-  {
-    auto writer = internal::ShardFileWriter::Open(Join(dir, internal::RankFileName(layout.rank)),
-                                                  layout.rank, layout.world);
-    status = writer.status();
-    // Writes the part [lo, hi) of flat `f` that `shard` (this rank's, or the whole unsharded
-    // flat) holds, as ranges of its original tensors.
-    // Writes the part of flat `flat` this rank owns (see ForEachOwnedPiece) that `shard` (this
-    // rank's shard, or the whole unsharded flat) holds, as ranges of its original tensors
-    // (those `keep` accepts).
-    auto add_ranges = [&](const internal::FlatRef& flat, const at::Tensor& shard,
-                          const std::string& prefix, const std::string& suffix,
-                          const std::function<bool(size_t)>& keep) {
-      internal::ForEachOwnedPiece(
-          flat, layout.rank, layout.world,
-          [&](size_t i, int64_t entry_begin, int64_t pos, int64_t length) {
-            if (!status.ok() || !keep(i)) return;
-            at::Tensor t = shard.narrow(0, pos, length).detach().to(at::kCPU).contiguous();
-            status = (*writer)->Add(prefix + flat.info.params[i].name + suffix,
-                                    DtypeName(t.scalar_type()), flat.info.params[i].shape,
-                                    entry_begin, entry_begin + length, t.data_ptr(), t.nbytes());
-          });
+// Builds snapshots (the one walk over what a rank file holds, in file order) and reads their
+// manifest drafts.
+struct SnapshotAccess {
+  // This rank's records of `layout` (and, on rank 0, the manifest draft). copy: into host
+  // tensors of their own (reusing `reuse`'s by index where dtype and size match); otherwise the
+  // values are the pieces as the writer takes them (views of CPU shards, for a synchronous save).
+  static ShardedCheckpointSnapshot Take(const ModelLayout& layout,
+                                        const torch::optim::Optimizer* optimizer,
+                                        const FullOptimState& groups, bool copy,
+                                        ShardedCheckpointSnapshot* reuse) {
+    c10::NoGradGuard no_grad;
+    std::vector<ShardedCheckpointSnapshot::Record> old;
+    if (reuse != nullptr) {
+      old = std::move(reuse->records_);
+      *reuse = ShardedCheckpointSnapshot();
+    }
+    ShardedCheckpointSnapshot snap;
+    snap.rank_ = layout.rank;
+    snap.world_size_ = layout.world;
+    auto add = [&](std::string key, std::vector<int64_t> shape, int64_t begin,
+                   const at::Tensor& src) {
+      ShardedCheckpointSnapshot::Record r{std::move(key), std::move(shape), begin,
+                                          begin + src.numel(), at::Tensor()};
+      if (!copy) {
+        r.value = src.detach().to(at::kCPU).contiguous().view({-1});
+      } else {
+        const size_t i = snap.records_.size();
+        if (i < old.size() && old[i].value.defined() &&
+            old[i].value.scalar_type() == src.scalar_type() &&
+            old[i].value.numel() == src.numel()) {
+          r.value = std::move(old[i].value);
+        } else {
+          r.value = at::empty({src.numel()}, at::TensorOptions().dtype(src.scalar_type()));
+        }
+        r.value.view(src.sizes()).copy_(src.detach());
+      }
+      snap.records_.push_back(std::move(r));
     };
-    for (const internal::FlatRef& flat : layout.flats) {
-      if (!status.ok()) break;
+    Manifest manifest;
+    manifest.world_size = layout.world;
+    // The part of flat `flat` this rank owns (see ForEachOwnedPiece) that `shard` (this rank's
+    // shard, or the whole unsharded flat) holds, as ranges of its original tensors (those `keep`
+    // accepts).
+    auto add_ranges = [&](const FlatRef& flat, const at::Tensor& shard, const std::string& prefix,
+                          const std::string& suffix, const std::function<bool(size_t)>& keep) {
+      ForEachOwnedPiece(flat, layout.rank, layout.world,
+                        [&](size_t i, int64_t entry_begin, int64_t pos, int64_t length) {
+                          if (!keep(i)) return;
+                          add(prefix + flat.info.params[i].name + suffix,
+                              flat.info.params[i].shape, entry_begin,
+                              shard.narrow(0, pos, length));
+                        });
+    };
+    for (const FlatRef& flat : layout.flats) {
       add_ranges(flat, flat.shard, "p/", "", [](size_t) { return true; });
       if (optimizer == nullptr) continue;
-      const internal::FlatOptimState ps = internal::GetFlatOptimState(flat, *optimizer);
+      const FlatOptimState ps = GetFlatOptimState(flat, *optimizer);
       for (const auto& [tname, t] : ps.tensors) {
         add_ranges(flat, t, "o/", "/" + tname,
                    [&ps, &tname = tname](size_t e) { return ps.names[e].count(tname) > 0; });
@@ -227,32 +233,10 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
         for (const std::string& tname : ps.names[e]) saved.tensors.push_back(tname);
       }
     }
-    if (layout.rank == 0) {
-      for (const auto& [name, b] : layout.buffers) {
-        if (!status.ok()) break;
-        at::Tensor t = b.detach().to(at::kCPU).contiguous();
-        status = (*writer)->Add("b/" + name, DtypeName(t.scalar_type()), t.sizes().vec(), 0,
-                                t.numel(), t.data_ptr(), t.nbytes());
-      }
-    }
-    if (status.ok()) {
-      auto s = (*writer)->Finish();
-      status = s.status();
-      if (s.ok()) summary = *s;
-    }
-  }
-  internal::ThrowIfAnyFailed(comm, status, what);
+    if (layout.rank != 0) return snap;
+    for (const auto& [name, b] : layout.buffers) add("b/" + name, b.sizes().vec(), 0, b);
 
-  // Rank 0 learns every file's size and checksums, then writes the manifest last.
-  const int64_t mine[3] = {summary.bytes, static_cast<int64_t>(summary.fnv1a),
-                           static_cast<int64_t>(summary.header_fnv1a)};
-  std::vector<int64_t> all(3 * layout.world);
-  base::ThrowIfError(
-      comm->AllGather(comm::MakeConstBuffer(mine, 3), comm::MakeBuffer(all.data(), all.size()))
-          .Wait(),
-      what + ": all_gather of the file checksums");
-  if (layout.rank == 0) {
-    for (const internal::FlatRef& flat : layout.flats) {
+    for (const FlatRef& flat : layout.flats) {
       if (std::find(manifest.units.begin(), manifest.units.end(), flat.unit->prefix()) ==
           manifest.units.end()) {
         manifest.units.push_back(flat.unit->prefix());
@@ -269,12 +253,152 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
     manifest.has_optimizer = optimizer != nullptr;
     manifest.optimizer_kind = groups.kind;
     for (const auto& g : groups.param_groups) manifest.param_groups.push_back({g.options, g.params});
-    for (int r = 0; r < layout.world; ++r) {
-      manifest.files.push_back({internal::RankFileName(r), all[3 * r],
-                                static_cast<uint64_t>(all[3 * r + 1]),
-                                static_cast<uint64_t>(all[3 * r + 2])});
+    snap.manifest_ = std::make_unique<Manifest>(std::move(manifest));
+    return snap;
+  }
+
+  static const Manifest* manifest(const ShardedCheckpointSnapshot& snap) {
+    return snap.manifest_.get();
+  }
+};
+
+}  // namespace internal
+
+ShardedCheckpointSnapshot::ShardedCheckpointSnapshot() = default;
+ShardedCheckpointSnapshot::~ShardedCheckpointSnapshot() = default;
+ShardedCheckpointSnapshot::ShardedCheckpointSnapshot(ShardedCheckpointSnapshot&&) noexcept =
+    default;
+ShardedCheckpointSnapshot& ShardedCheckpointSnapshot::operator=(
+    ShardedCheckpointSnapshot&&) noexcept = default;
+
+int64_t ShardedCheckpointSnapshot::bytes() const {
+  int64_t n = 0;
+  for (const Record& r : records_) n += static_cast<int64_t>(r.value.nbytes());
+  return n;
+}
+
+absl::StatusOr<ShardFileSummary> ShardedCheckpointSnapshot::write(const std::string& dir) const {
+  if (world_size_ == 0) {
+    return absl::FailedPreconditionError("write of an empty sharded checkpoint snapshot");
+  }
+  const std::string name = internal::RankFileName(rank_);
+  const std::string path = Join(dir, name);
+  try {
+    // Only host memory and the file system from here: no LibTorch operator, no communicator.
+    auto writer = internal::ShardFileWriter::Open(path, rank_, world_size_);
+    if (!writer.ok()) return writer.status();
+    for (const Record& r : records_) {
+      absl::Status s = (*writer)->Add(r.key, DtypeName(r.value.scalar_type()), r.shape, r.begin,
+                                      r.end, r.value.data_ptr(),
+                                      static_cast<int64_t>(r.value.nbytes()));
+      if (!s.ok()) return s;
     }
-    status = internal::WriteFileAtomically(manifest_path, internal::ManifestToJson(manifest));
+    auto summary = (*writer)->Finish();
+    if (!summary.ok()) return summary.status();
+    return ShardFileSummary{name, summary->bytes, summary->fnv1a, summary->header_fnv1a};
+  } catch (const std::exception& e) {  // allocation, JSON: the contract is a Status
+    return absl::InternalError(absl::StrCat("writing '", path, "': ", e.what()));
+  }
+}
+
+ShardedCheckpointSnapshot snapshot_sharded_checkpoint(FullyShardedDataParallel& model,
+                                                      const torch::optim::Optimizer* optimizer,
+                                                      ShardedCheckpointSnapshot* reuse) {
+  const std::string what = absl::StrCat("snapshot_sharded_checkpoint rank ", model->rank(), "/",
+                                        model->world_size());
+  ModelLayout layout = internal::GetModelLayout(model);
+  FullOptimState groups;
+  if (optimizer != nullptr) {
+    groups = base::ValueOrThrow(internal::OptimGroups(layout, *optimizer), what);
+  }
+  return internal::SnapshotAccess::Take(layout, optimizer, groups, /*copy=*/true, reuse);
+}
+
+absl::Status write_sharded_manifest(const ShardedCheckpointSnapshot& rank0,
+                                    const std::vector<ShardFileSummary>& summaries,
+                                    const std::string& dir) {
+  const Manifest* draft = internal::SnapshotAccess::manifest(rank0);
+  if (draft == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "write_sharded_manifest needs rank 0's snapshot, got ",
+        rank0.world_size() == 0 ? std::string("an empty one")
+                                : absl::StrCat("rank ", rank0.rank(), "'s")));
+  }
+  if (static_cast<int>(summaries.size()) != rank0.world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("write_sharded_manifest: ", summaries.size(),
+                     " file summaries for world size ", rank0.world_size()));
+  }
+  for (size_t r = 0; r < summaries.size(); ++r) {
+    if (summaries[r].name != internal::RankFileName(static_cast<int>(r))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("write_sharded_manifest: summaries[", r, "] is of '", summaries[r].name,
+                       "', rank ", r, "'s file is '", internal::RankFileName(static_cast<int>(r)),
+                       "'"));
+    }
+  }
+  try {
+    Manifest manifest = *draft;
+    for (const ShardFileSummary& f : summaries) {
+      manifest.files.push_back({f.name, f.bytes, f.fnv1a, f.header_fnv1a});
+    }
+    return internal::WriteFileAtomically(Join(dir, internal::kManifestName),
+                                         internal::ManifestToJson(manifest));
+  } catch (const std::exception& e) {
+    return absl::InternalError(
+        absl::StrCat("writing '", Join(dir, internal::kManifestName), "': ", e.what()));
+  }
+}
+
+void save_sharded_checkpoint(FullyShardedDataParallel& model,
+                             const torch::optim::Optimizer* optimizer, const std::string& dir) {
+  const std::string what = absl::StrCat("save_sharded_checkpoint('", dir, "') rank ",
+                                        model->rank(), "/", model->world_size());
+  const auto& comm = model->communicator();
+  ModelLayout layout = internal::GetModelLayout(model);
+  FullOptimState groups;
+  if (optimizer != nullptr) {
+    auto g = internal::OptimGroups(layout, *optimizer);
+    base::ThrowIfError(g.status(), what);
+    groups = *std::move(g);
+  }
+  // A manifest from an earlier save in this directory must not vouch for files being replaced.
+  const std::string manifest_path = Join(dir, internal::kManifestName);
+  absl::Status status;
+  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    status = absl::DataLossError(
+        absl::StrCat("cannot create directory '", dir, "': ", std::strerror(errno)));
+  }
+  if (layout.rank == 0 && status.ok() && std::remove(manifest_path.c_str()) != 0 &&
+      errno != ENOENT) {
+    status = absl::DataLossError(
+        absl::StrCat("cannot remove the old '", manifest_path, "': ", std::strerror(errno)));
+  }
+  internal::ThrowIfAnyFailed(comm, status, what);
+
+  // The phases of an asynchronous save, run in place: nothing changes the model meanwhile, so the
+  // snapshot takes the pieces as they are (no host copy of CPU tensors).
+  const ShardedCheckpointSnapshot snap =
+      internal::SnapshotAccess::Take(layout, optimizer, groups, /*copy=*/false, nullptr);
+  absl::StatusOr<ShardFileSummary> summary = snap.write(dir);
+  internal::ThrowIfAnyFailed(comm, summary.status(), what);
+
+  // Rank 0 learns every file's size and checksums, then writes the manifest last.
+  const int64_t mine[3] = {summary->bytes, static_cast<int64_t>(summary->fnv1a),
+                           static_cast<int64_t>(summary->header_fnv1a)};
+  std::vector<int64_t> all(3 * layout.world);
+  base::ThrowIfError(
+      comm->AllGather(comm::MakeConstBuffer(mine, 3), comm::MakeBuffer(all.data(), all.size()))
+          .Wait(),
+      what + ": all_gather of the file checksums");
+  if (layout.rank == 0) {
+    std::vector<ShardFileSummary> summaries;
+    for (int r = 0; r < layout.world; ++r) {
+      summaries.push_back({internal::RankFileName(r), all[3 * r],
+                           static_cast<uint64_t>(all[3 * r + 1]),
+                           static_cast<uint64_t>(all[3 * r + 2])});
+    }
+    status = write_sharded_manifest(snap, summaries, dir);
   }
   internal::ThrowIfAnyFailed(comm, status, what);
 }

@@ -53,15 +53,22 @@ absl::Status CommitFile(const std::string& tmp, const std::string& path) {
   const int fd = ::open(tmp.c_str(), O_RDONLY);
   if (fd < 0) return absl::DataLossError(absl::StrCat("cannot open '", tmp, "': ", Errno()));
   const int rc = ::fsync(fd);
+  const std::string fsync_err = Errno();
   ::close(fd);
-  if (rc != 0) return absl::DataLossError(absl::StrCat("fsync of '", tmp, "' failed: ", Errno()));
+  if (rc != 0) {
+    std::remove(tmp.c_str());
+    return absl::DataLossError(absl::StrCat("fsync of '", tmp, "' failed: ", fsync_err));
+  }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     const std::string err = Errno();
     std::remove(tmp.c_str());
     return absl::DataLossError(
         absl::StrCat("renaming '", tmp, "' to '", path, "' failed: ", err));
   }
-  return SyncDirOf(path);
+  absl::Status s = SyncDirOf(path);
+  // Not known to be durable: the caller reports a failed save, so no file vouches for it.
+  if (!s.ok()) std::remove(path.c_str());
+  return s;
 }
 
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view data) {
@@ -69,10 +76,12 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view data
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
   if (f == nullptr) return absl::DataLossError(absl::StrCat("cannot create '", tmp, "': ", Errno()));
   const bool ok = std::fwrite(data.data(), 1, data.size(), f) == data.size();
+  const std::string write_err = Errno();
   const bool closed = std::fclose(f) == 0;
+  const std::string err = ok ? Errno() : write_err;
   if (!ok || !closed) {
     std::remove(tmp.c_str());
-    return absl::DataLossError(absl::StrCat("cannot write '", tmp, "': ", Errno()));
+    return absl::DataLossError(absl::StrCat("cannot write '", tmp, "': ", err));
   }
   return CommitFile(tmp, path);
 }
@@ -169,10 +178,11 @@ absl::StatusOr<ShardFileWriter::Summary> ShardFileWriter::Finish() {
   if (s.ok()) s = Write(kMagic, sizeof(kMagic));
   if (!s.ok()) return s;
   const bool closed = std::fclose(file_) == 0;
+  const std::string err = Errno();  // before remove() may change errno (ENOSPC shows up here)
   file_ = nullptr;
   if (!closed) {
     std::remove((path_ + ".tmp").c_str());
-    return absl::DataLossError(absl::StrCat("cannot write '", path_, ".tmp': ", Errno()));
+    return absl::DataLossError(absl::StrCat("cannot write '", path_, ".tmp': ", err));
   }
   s = CommitFile(path_ + ".tmp", path_);
   if (!s.ok()) return s;

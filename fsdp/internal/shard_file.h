@@ -27,7 +27,9 @@
 
 namespace fairscale::fsdp::internal {
 
-// fsync(tmp), rename(tmp, path), fsync(directory of path). kDataLoss naming the file on error.
+// fsync(tmp), rename(tmp, path), fsync(directory of path). kDataLoss naming the file on error,
+// which leaves neither `tmp` nor `path` behind (a file whose directory entry may not be durable
+// is removed too).
 absl::Status CommitFile(const std::string& tmp, const std::string& path);
 // Writes `data` to `path` atomically (tmp, fsync, rename).
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view data);
