@@ -403,8 +403,9 @@ void save_sharded_checkpoint(FullyShardedDataParallel& model,
   internal::ThrowIfAnyFailed(comm, status, what);
 }
 
-void load_sharded_checkpoint(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
-                             const std::string& dir) {
+std::function<void()> stage_sharded_checkpoint(FullyShardedDataParallel& model,
+                                               torch::optim::Optimizer* optimizer,
+                                               const std::string& dir) {
   const std::string what = absl::StrCat("load_sharded_checkpoint('", dir, "') rank ",
                                         model->rank(), "/", model->world_size());
   ModelLayout layout = internal::GetModelLayout(model);
@@ -452,8 +453,17 @@ void load_sharded_checkpoint(FullyShardedDataParallel& model, torch::optim::Opti
     status = absl::InternalError(e.what_without_backtrace());
   }
   internal::ThrowIfAnyFailed(model->communicator(), status, what);
-  model->load_local_state_dict(staged_model);
-  if (optimizer != nullptr) internal::ApplyOptim(*optimizer, std::move(staged_optim));
+  auto staged = std::make_shared<std::pair<LocalStateDict, internal::StagedOptim>>(
+      std::move(staged_model), std::move(staged_optim));
+  return [model, optimizer, staged]() mutable {
+    model->load_local_state_dict(staged->first);
+    if (optimizer != nullptr) internal::ApplyOptim(*optimizer, std::move(staged->second));
+  };
+}
+
+void load_sharded_checkpoint(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
+                             const std::string& dir) {
+  stage_sharded_checkpoint(model, optimizer, dir)();
 }
 
 absl::StatusOr<ConsolidatedCheckpoint> consolidate_sharded_checkpoint(const std::string& dir) {

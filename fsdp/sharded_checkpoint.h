@@ -34,6 +34,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -134,6 +135,14 @@ absl::Status write_sharded_manifest(const ShardedCheckpointSnapshot& rank0,
 // kind and grouping; the groups' hyper-parameters are restored too.
 void load_sharded_checkpoint(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
                              const std::string& dir);
+
+// load_sharded_checkpoint in two steps (for train_state, which stages every item of a training
+// state before applying any): reads and checks everything and agrees with the other ranks
+// (collective; throws as load_sharded_checkpoint does, nothing changed), and returns what
+// applies it to `model` and `optimizer` (local; call it once, on every rank).
+std::function<void()> stage_sharded_checkpoint(FullyShardedDataParallel& model,
+                                               torch::optim::Optimizer* optimizer,
+                                               const std::string& dir);
 
 struct ConsolidatedCheckpoint {
   int world_size = 0;  // of the run that saved it

@@ -34,6 +34,7 @@
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/wrap.h"
 #include "train_state/checkpoint_manager.h"
+#include "train_state/fsdp_item.h"
 #include "train_state/items.h"
 
 ABSL_FLAG(int, ranks, 2, "world size");

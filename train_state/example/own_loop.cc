@@ -4,7 +4,7 @@
 // where the newest complete checkpoint left off, exactly: own_loop_test.sh checks that a run
 // killed and resumed ends bitwise equal to an uninterrupted one.
 //
-//   bazel-bin/launch/fs_launch --nproc_per_node=2 -- bazel-bin/train_state/example/own_loop \
+//   bazel-bin/launch/fs_launch --nproc_per_node=2 -- bazel-bin/train_state/example/own_loop
 //       --ckpt=/tmp/ckpt --steps=40
 #include <torch/torch.h>
 
@@ -15,6 +15,7 @@
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "train_state/checkpoint_manager.h"
 #include "train_state/distributed_sampler.h"
+#include "train_state/fsdp_item.h"
 #include "train_state/items.h"
 
 ABSL_FLAG(std::string, ckpt, "/tmp/own_loop_ckpt", "checkpoint root");
@@ -35,14 +36,19 @@ struct Points : torch::data::datasets::Dataset<Points> {
   torch::optional<size_t> size() const override { return 1000; }
 };
 
+struct NetImpl : torch::nn::Module {
+  torch::nn::Linear fc1 = register_module("fc1", torch::nn::Linear(8, 32));
+  torch::nn::Linear fc2 = register_module("fc2", torch::nn::Linear(32, 1));
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::relu(fc1(x))); }
+};
+TORCH_MODULE(Net);
+
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   auto comm = fairscale::comm::CreateCommunicatorFromEnv().value();  // throws on failure
   const int rank = comm->rank(), world = comm->size();
   torch::manual_seed(0);  // the same initial weights on every rank
-  FullyShardedDataParallel model(
-      torch::nn::Sequential(torch::nn::Linear(8, 32), torch::nn::ReLU(), torch::nn::Linear(32, 1)),
-      comm);
+  FullyShardedDataParallel model(Net(), comm);
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
   ts::DistributedSampler sampler(1000, rank, world, ts::DistributedSamplerOptions().seed(1));
   auto loader = torch::data::make_data_loader(Points().map(torch::data::transforms::Stack<>()),
