@@ -63,6 +63,10 @@ fs_fuzz_run() {
     trap 'rm -rf "$FS_FUZZ_SHM"' EXIT
     env=(TEST_TMPDIR="$FS_FUZZ_SHM")
   fi
+  # ASan keeps a stack trace per allocation and a 256 MiB quarantine by default; the targets
+  # that allocate per execution spend most of their time there. Shorter allocation traces and a
+  # smaller quarantine double their rate; a report still names the access and the free site.
+  env=("ASAN_OPTIONS=${ASAN_OPTIONS:-malloc_context_size=2:quarantine_size_mb=32}" "${env[@]}")
   echo "run_libfuzzer: fuzzing $FS_FUZZ_NAME for ${FS_FUZZ_SECONDS}s" >&2
   env "${env[@]}" "$FS_FUZZ_BIN" \
     -max_total_time="$FS_FUZZ_SECONDS" \
