@@ -12,10 +12,12 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <sstream>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "amp/grad_scaler.h"
+#include "oss/oss.h"
 #include "base/json_fields.h"
 #include "train_state/step_dir.h"
 
@@ -327,7 +329,60 @@ class ModuleItem final : public Stateful {
   std::shared_ptr<torch::nn::Module> module_;
 };
 
+// ---- oss ------------------------------------------------------------------------------------
+
+class BytesSnapshot final : public Stateful::Snapshot {
+ public:
+  BytesSnapshot(std::string name, std::string bytes, bool writes)
+      : name_(std::move(name)), bytes_(std::move(bytes)), writes_(writes) {}
+  absl::StatusOr<WriteResult> write(const std::string& dir) override {
+    WriteResult r;
+    if (!writes_) return r;
+    absl::Status s = WriteFileAtomic(absl::StrCat(dir, "/", name_), bytes_);
+    if (!s.ok()) return s;
+    r.files.push_back(name_);
+    return r;
+  }
+
+ private:
+  std::string name_, bytes_;
+  bool writes_;
+};
+
+class OssItem final : public Stateful {
+ public:
+  explicit OssItem(oss::OSS& optimizer) : optimizer_(optimizer) {}
+  std::string kind() const override { return "oss"; }
+  std::unique_ptr<Snapshot> snapshot(const SaveContext& ctx, std::unique_ptr<Snapshot>) override {
+    optimizer_.consolidate_state_dict(0);
+    std::string bytes;
+    if (ctx.rank == 0) {
+      torch::serialize::OutputArchive archive;
+      optimizer_.save(archive);
+      std::ostringstream out;
+      archive.save_to(out);
+      bytes = out.str();
+    }
+    return std::make_unique<BytesSnapshot>("optimizer.pt", std::move(bytes), ctx.rank == 0);
+  }
+  std::function<void()> restore(const RestoreContext& ctx) override {
+    const std::string path = ctx.dir + "/optimizer.pt";
+    TORCH_CHECK(std::find(ctx.files.begin(), ctx.files.end(), "optimizer.pt") != ctx.files.end(),
+                "the checkpoint lists no ", path);
+    auto archive = std::make_shared<torch::serialize::InputArchive>();
+    archive->load_from(path);  // a damaged archive fails here, before anything changes
+    return [this, archive] { optimizer_.load(*archive); };
+  }
+
+ private:
+  oss::OSS& optimizer_;
+};
+
 }  // namespace
+
+std::shared_ptr<Stateful> oss_item(oss::OSS& optimizer) {
+  return std::make_shared<OssItem>(optimizer);
+}
 
 std::shared_ptr<Stateful> json_item(std::function<nlohmann::json()> get,
                                     std::function<void(const nlohmann::json&)> set) {

@@ -22,6 +22,9 @@ class Module;
 namespace fairscale::amp {
 class GradScaler;
 }
+namespace fairscale::oss {
+class OSS;
+}
 
 namespace fairscale::train_state {
 
@@ -50,5 +53,12 @@ std::shared_ptr<Stateful> rng_item(bool reseed_on_world_change = false);
 // kind "module"): rank 0 saves them ("module.pt", torch::save's archive layout, loadable with
 // torch::load); every rank restores them, checking names, shapes and dtypes first.
 std::shared_ptr<Stateful> module_item(std::shared_ptr<torch::nn::Module> module);
+
+// A ZeRO-sharded optimizer (oss::OSS; kind "oss"): the snapshot consolidates the state on rank 0
+// (collective, on the training thread) and serializes it there; rank 0 writes "optimizer.pt",
+// the unsharded optimizer's torch::save archive (loadable by a plain torch::optim optimizer).
+// Restores at any world size: every rank reads the archive and keeps its partition's part.
+// With ShardedDataParallel (replicated parameters), pair it with module_item for the model.
+std::shared_ptr<Stateful> oss_item(oss::OSS& optimizer);
 
 }  // namespace fairscale::train_state
