@@ -29,6 +29,10 @@ FEATURE_LIBRARIES = [
     "//pipe:fsdp_stage",  # FSDP inside each pipeline stage
     "//trace",  # Chrome traces, TracingCommunicator, the compute/communication profile
     "//launch:launcher",  # what fs_launch does, as a library (a job that launches itself)
+    "//train_state",  # CheckpointManager, TrainState, the built-in items (sync and async saves)
+    "//train_state:fsdp_item",  # an FSDP model + optimizer as a TrainState item
+    "//train_state:sampler",  # DistributedSampler: the data order, resumable at any world size
+    "//train_state:step_dir",  # step directories and the COMPLETE marker (no LibTorch)
 ]
 
 # The communication layer (Google style: absl::Status). Backend-free as well.
