@@ -4,8 +4,15 @@
 
 #include <cstdio>
 
+#include <cstdlib>
+#include <optional>
+#include <string>
+
 #include "comm/registry.h"
 #include "fsdp/fully_sharded_data_parallel.h"
+#include "train_state/checkpoint_manager.h"
+#include "train_state/fsdp_item.h"
+#include "train_state/items.h"
 
 struct NetImpl : torch::nn::Module {
   torch::nn::Linear fc1{register_module("fc1", torch::nn::Linear(16, 64))};
@@ -22,9 +29,23 @@ int main() {
   torch::manual_seed(0);  // the same initial model on every rank
   fairscale::fsdp::FullyShardedDataParallel model(Net(), *comm);  // FULL_SHARD by default
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
-  torch::manual_seed(1 + (*comm)->rank());  // each rank its own data
+  // The model, its optimizer and the step, checkpointed every 50 steps under $CKPT_DIR (if set)
+  // in the background; a run started again resumes from the newest checkpoint.
+  namespace ts = fairscale::train_state;
+  int step = 0;
+  ts::TrainState state;
+  state.add("model", ts::fsdp_item(model, &opt))
+      .add("step", ts::json_item([&] { return nlohmann::json(step); },
+                                 [&](const nlohmann::json& j) { step = j.get<int>(); }));
+  const char* ckpt = std::getenv("CKPT_DIR");
+  std::optional<ts::CheckpointManager> manager;
+  if (ckpt != nullptr) {
+    manager.emplace(*comm, ts::CheckpointManagerOptions(ckpt).async(true));
+    if (manager->restore(state) && (*comm)->rank() == 0) std::printf("resumed at step %d\n", step);
+  }
+  torch::manual_seed(1 + (*comm)->rank() + 1000 * step);  // each rank its own data
   const torch::Tensor w = torch::linspace(-0.5, 0.5, 16).unsqueeze(1);
-  for (int step = 1; step <= 100; ++step) {
+  while (++step <= 100) {
     const torch::Tensor x = torch::randn({32, 16});
     torch::Tensor loss = torch::mse_loss(model(x), torch::tanh(x.matmul(w)));
     opt.zero_grad();
@@ -33,5 +54,7 @@ int main() {
     if ((*comm)->rank() == 0 && (step == 1 || step % 25 == 0)) {
       std::printf("step %d loss %.4f\n", step, loss.item<float>());
     }
+    if (manager && step % 50 == 0) manager->save(step, state);
   }
+  if (manager) manager->wait();
 }

@@ -5,6 +5,14 @@
 set -euo pipefail
 launch="$1"
 loop="$2"
+readme="$3"
+source_file="$4"
+# The README's listing is this file.
+if ! diff <(sed -n '/<!-- begin example\/own_loop.cc -->/,/<!-- end example\/own_loop.cc -->/p' \
+              "$readme" | sed '1,2d;$d' | sed '$d') "$source_file" > /dev/null; then
+  echo "train_state/README.md's listing differs from example/own_loop.cc" >&2
+  exit 1
+fi
 tmp="${TEST_TMPDIR:-/tmp}/own_loop_$$"
 mkdir -p "$tmp"
 run() { timeout 300 "$launch" --nproc_per_node=2 --master_port=0 -- "$loop" "$@"; }
