@@ -154,7 +154,12 @@ absl::Status CheckpointManager::RunSaveUnchecked(Job& job) {
   for (const Job::Item& item : job.items) {
     if (!s.ok()) break;
     const std::string dir = absl::StrCat(step_dir, "/", item.name);
-    absl::StatusOr<WriteResult> r = item.snapshot->write(dir);
+    absl::StatusOr<WriteResult> r = absl::InternalError("not written");
+    try {  // write() must not throw; if it does, this rank still takes part in the exchange
+      r = item.snapshot->write(dir);
+    } catch (const std::exception& e) {
+      r = absl::InternalError(e.what());
+    }
     if (!r.ok()) {
       s = absl::Status(r.status().code(),
                        absl::StrCat("item '", item.name, "': ", r.status().message()));
@@ -187,10 +192,24 @@ absl::Status CheckpointManager::RunSaveUnchecked(Job& job) {
   }
 
   // Rank 0 finalizes the items and writes COMPLETE last, then applies the retention policy.
+  // Whatever happens there, every rank meets in the final Agree.
   if (rank == 0) {
+    try {
+      s = FinalizeOnRank0(job, step_dir, all);
+    } catch (const std::exception& e) {
+      s = absl::InternalError(e.what());
+    }
+  }
+  return Agree(s, what + ": writing the marker");
+}
+
+absl::Status CheckpointManager::FinalizeOnRank0(Job& job, const std::string& step_dir,
+                                                const std::vector<std::string>& all) {
+  absl::Status s;
+  {
     Marker marker;
     marker.step = job.step;
-    marker.world_size = own_->size();
+    marker.world_size = static_cast<int>(all.size());
     marker.metadata = job.metadata;
     for (const Job::Item& item : job.items) {
       if (!s.ok()) break;
@@ -239,7 +258,7 @@ absl::Status CheckpointManager::RunSaveUnchecked(Job& job) {
       }
     }
   }
-  return Agree(s, what + ": writing the marker");
+  return s;
 }
 
 void CheckpointManager::save(int64_t step, TrainState& state, const nlohmann::json& metadata) {

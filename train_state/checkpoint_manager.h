@@ -104,6 +104,8 @@ class CheckpointManager {
   struct Job;
   absl::Status RunSave(Job& job);
   absl::Status RunSaveUnchecked(Job& job);
+  absl::Status FinalizeOnRank0(Job& job, const std::string& step_dir,
+                               const std::vector<std::string>& all);
   absl::StatusOr<std::vector<std::string>> Exchange(const std::string& mine,
                                                     const std::string& what);
   absl::Status Agree(const absl::Status& mine, const std::string& what);
