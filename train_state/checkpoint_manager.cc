@@ -167,7 +167,7 @@ absl::Status CheckpointManager::RunSaveUnchecked(Job& job) {
     }
     nlohmann::json files = nlohmann::json::array();
     for (const std::string& f : r->files) {
-      s = CheckPlainName(f, "file");
+      s = CheckRelativePath(f, "file");
       if (!s.ok()) break;
       absl::StatusOr<FileDigest> d = DigestFile(dir, f);
       if (!d.ok()) {
@@ -191,11 +191,62 @@ absl::Status CheckpointManager::RunSaveUnchecked(Job& job) {
     }
   }
 
-  // Rank 0 finalizes the items and writes COMPLETE last, then applies the retention policy.
-  // Whatever happens there, every rank meets in the final Agree.
+  // Every rank finalizes the items with every rank's results (most items do nothing, FSDP's
+  // writes its manifest on rank 0); the ranks exchange what that wrote; rank 0 writes COMPLETE
+  // last and applies the retention policy. Whatever happens, every rank meets in each exchange.
+  std::vector<std::vector<WriteResult>> results(job.items.size());
+  nlohmann::json finalized = nlohmann::json::object();
+  try {
+    for (size_t r = 0; r < all.size(); ++r) {
+      const nlohmann::json j = nlohmann::json::parse(all[r].substr(1));
+      for (size_t i = 0; i < job.items.size(); ++i) {
+        const nlohmann::json& e = j.at(job.items[i].name);
+        WriteResult w;
+        w.info = e.at("info");
+        for (const auto& f : e.at("files")) w.files.push_back(f.at(0).get<std::string>());
+        results[i].push_back(std::move(w));
+      }
+    }
+    for (size_t i = 0; s.ok() && i < job.items.size(); ++i) {
+      const Job::Item& item = job.items[i];
+      const std::string dir = absl::StrCat(step_dir, "/", item.name);
+      absl::StatusOr<std::vector<std::string>> extra = item.snapshot->finalize(dir, results[i]);
+      if (!extra.ok()) {
+        s = absl::Status(extra.status().code(),
+                         absl::StrCat("item '", item.name, "': ", extra.status().message()));
+        break;
+      }
+      nlohmann::json files = nlohmann::json::array();
+      for (const std::string& f : *extra) {
+        s = CheckRelativePath(f, "file");
+        if (!s.ok()) break;
+        absl::StatusOr<FileDigest> d = DigestFile(dir, f);
+        if (!d.ok()) {
+          s = d.status();
+          break;
+        }
+        files.push_back({f, d->bytes, d->fnv1a64});
+      }
+      finalized[item.name] = files;
+    }
+  } catch (const std::exception& e) {
+    s = absl::InternalError(e.what());
+  }
+  const std::string payload2 =
+      s.ok() ? finalized.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) : "";
+  FS_ASSIGN_OR_RETURN(std::vector<std::string> all2,
+                      Exchange(absl::StrCat(s.ok() ? "+" : "-", s.ok() ? payload2 : s.ToString()),
+                               what + ": exchanging what finalizing wrote"));
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+  for (size_t r = 0; r < all2.size(); ++r) {
+    if (all2[r].empty() || all2[r][0] != '+') {
+      return absl::AbortedError(absl::StrCat(what, ": rank ", r, " failed: ",
+                                             all2[r].empty() ? "" : all2[r].substr(1)));
+    }
+  }
   if (rank == 0) {
     try {
-      s = FinalizeOnRank0(job, step_dir, all);
+      s = WriteMarkerOnRank0(job, step_dir, all, all2);
     } catch (const std::exception& e) {
       s = absl::InternalError(e.what());
     }
@@ -203,50 +254,34 @@ absl::Status CheckpointManager::RunSaveUnchecked(Job& job) {
   return Agree(s, what + ": writing the marker");
 }
 
-absl::Status CheckpointManager::FinalizeOnRank0(Job& job, const std::string& step_dir,
-                                                const std::vector<std::string>& all) {
+absl::Status CheckpointManager::WriteMarkerOnRank0(Job& job, const std::string& step_dir,
+                                                   const std::vector<std::string>& written,
+                                                   const std::vector<std::string>& finalized) {
   absl::Status s;
   {
     Marker marker;
     marker.step = job.step;
-    marker.world_size = static_cast<int>(all.size());
+    marker.world_size = static_cast<int>(written.size());
     marker.metadata = job.metadata;
     for (const Job::Item& item : job.items) {
-      if (!s.ok()) break;
       Marker::Item& m = marker.items[item.name];
       m.kind = item.kind;
-      std::vector<WriteResult> results(all.size());
       std::set<std::string> names;
-      for (size_t r = 0; r < all.size(); ++r) {
-        const nlohmann::json j = nlohmann::json::parse(all[r].substr(1));
-        const nlohmann::json& e = j.at(item.name);
-        results[r].info = e.at("info");
-        for (const auto& f : e.at("files")) {
-          FileDigest d{f.at(0).get<std::string>(), f.at(1).get<uint64_t>(),
-                       f.at(2).get<uint64_t>()};
-          results[r].files.push_back(d.name);
-          if (!names.insert(d.name).second) {
-            s = absl::InternalError(absl::StrCat("item '", item.name, "': file ", d.name,
-                                                 " written by two ranks"));
+      for (const std::vector<std::string>* round : {&written, &finalized}) {
+        for (const std::string& payload : *round) {
+          const nlohmann::json j = nlohmann::json::parse(payload.substr(1));
+          const nlohmann::json& files =
+              round == &written ? j.at(item.name).at("files") : j.at(item.name);
+          for (const auto& f : files) {
+            FileDigest d{f.at(0).get<std::string>(), f.at(1).get<uint64_t>(),
+                         f.at(2).get<uint64_t>()};
+            if (!names.insert(d.name).second) {
+              return absl::InternalError(absl::StrCat("item '", item.name, "': file ", d.name,
+                                                      " written twice (by two ranks?)"));
+            }
+            m.files.push_back(std::move(d));
           }
-          m.files.push_back(std::move(d));
         }
-      }
-      if (!s.ok()) break;
-      const std::string dir = absl::StrCat(step_dir, "/", item.name);
-      absl::StatusOr<std::vector<std::string>> extra = item.snapshot->finalize(dir, results);
-      if (!extra.ok()) {
-        s = absl::Status(extra.status().code(),
-                         absl::StrCat("item '", item.name, "': ", extra.status().message()));
-        break;
-      }
-      for (const std::string& f : *extra) {
-        absl::StatusOr<FileDigest> d = DigestFile(dir, f);
-        if (!d.ok()) {
-          s = d.status();
-          break;
-        }
-        m.files.push_back(*std::move(d));
       }
     }
     if (s.ok()) s = WriteMarker(step_dir, marker);

@@ -15,9 +15,9 @@
 //   manager.wait();
 //
 // Directory layout and marker: step_dir.h. A save: every item snapshots (training thread), then
-// every rank writes its files (atomically), the ranks exchange what they wrote, rank 0 finalizes
-// the items, writes COMPLETE (with every file's size and checksum) last, and applies the
-// retention policy. A save interrupted anywhere (a killed rank, a full disk) leaves no COMPLETE
+// every rank writes its files (atomically), the ranks exchange what they wrote, every rank
+// finalizes the items (FSDP's manifest, on rank 0), the ranks exchange that too, and rank 0
+// writes COMPLETE (with every file's size and checksum) last and applies the retention policy. A save interrupted anywhere (a killed rank, a full disk) leaves no COMPLETE
 // in its directory: the previous checkpoints are untouched, and the next save or restore removes
 // the leftovers. With async(true), save() returns after the snapshot and the rest runs on a
 // background thread, while training continues; at most one save is in flight (the next save()
@@ -104,8 +104,9 @@ class CheckpointManager {
   struct Job;
   absl::Status RunSave(Job& job);
   absl::Status RunSaveUnchecked(Job& job);
-  absl::Status FinalizeOnRank0(Job& job, const std::string& step_dir,
-                               const std::vector<std::string>& all);
+  absl::Status WriteMarkerOnRank0(Job& job, const std::string& step_dir,
+                                  const std::vector<std::string>& written,
+                                  const std::vector<std::string>& finalized);
   absl::StatusOr<std::vector<std::string>> Exchange(const std::string& mine,
                                                     const std::string& what);
   absl::Status Agree(const absl::Status& mine, const std::string& what);

@@ -30,6 +30,7 @@ class FsdpSnapshot final : public Stateful::Snapshot {
 
   absl::StatusOr<std::vector<std::string>> finalize(
       const std::string& dir, const std::vector<WriteResult>& results) override {
+    if (snap.rank() != 0) return std::vector<std::string>();  // the manifest is rank 0's
     std::vector<fsdp::ShardFileSummary> summaries;
     for (const WriteResult& r : results) {
       const nlohmann::json& i = r.info;

@@ -7,9 +7,9 @@
 //   snapshot()  on the training thread, at the same point on every rank (it may communicate on
 //               the training communicator): copies what this rank saves into host memory;
 //   write()     on any thread, with no communication: writes this rank's files, each
-//               atomically, into the item's directory; then, on rank 0 only and after every
+//               atomically, into the item's directory; then, on every rank and after every
 //               rank's write() succeeded, finalize() writes what needs every rank's result
-//               (FSDP's manifest).
+//               (FSDP's manifest, on rank 0; a pipeline stage's, on the stage's first rank).
 // Restoring is staged: restore() reads and checks everything (collectively if it must) without
 // changing the item and returns the function that applies it; the manager applies the items
 // only once every item on every rank has staged successfully, so a bad checkpoint changes
@@ -30,8 +30,9 @@ namespace fairscale::train_state {
 
 // What one rank's write() produced.
 struct WriteResult {
-  std::vector<std::string> files;  // written into the item's directory (plain names)
-  nlohmann::json info;             // handed to rank 0's finalize() (null if unused)
+  // Written into the item's directory: relative paths of plain names (CheckRelativePath).
+  std::vector<std::string> files;
+  nlohmann::json info;  // handed to every rank's finalize() (null if unused)
 };
 
 struct SaveContext {
@@ -62,8 +63,8 @@ class Stateful {
     // Any thread, no communication. Errors (kDataLoss, kResourceExhausted for a full disk)
     // name the file.
     virtual absl::StatusOr<WriteResult> write(const std::string& dir) = 0;
-    // Rank 0, after every rank's write() succeeded; results[r] is rank r's. Returns the names
-    // of the files it wrote into `dir`.
+    // Every rank, after every rank's write() succeeded; results[r] is rank r's. Returns the
+    // names of the files this rank wrote into `dir` (none, for most items and ranks).
     virtual absl::StatusOr<std::vector<std::string>> finalize(
         const std::string& dir, const std::vector<WriteResult>& results) {
       (void)dir;

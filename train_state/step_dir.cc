@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "base/fnv1a.h"
 #include "base/json_fields.h"
 #include "base/status_macros.h"
@@ -63,6 +64,18 @@ absl::Status CheckPlainName(absl::string_view name, absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat(
         what, " \"", absl::CEscape(name),
         "\" is not a plain name (1 to 128 of [A-Za-z0-9_.-], not \".\" or \"..\")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRelativePath(absl::string_view path, absl::string_view what) {
+  std::vector<absl::string_view> parts = absl::StrSplit(path, '/');
+  bool ok = parts.size() <= 4;
+  for (absl::string_view part : parts) ok = ok && CheckPlainName(part, what).ok();
+  if (!ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " \"", absl::CEscape(path),
+        "\" is not a relative path of 1 to 4 plain names ([A-Za-z0-9_.-], not \".\" or \"..\")"));
   }
   return absl::OkStatus();
 }
@@ -203,9 +216,9 @@ absl::StatusOr<Marker> MarkerFromJson(absl::string_view json, const std::string&
       FileDigest d;
       FS_ASSIGN_OR_RETURN(const nlohmann::json* n, f.Need(e, "name", ff + ".name"));
       FS_ASSIGN_OR_RETURN(d.name, f.String(*n, ff + ".name"));
-      if (!CheckPlainName(d.name, "file").ok()) {
+      if (!CheckRelativePath(d.name, "file").ok()) {
         return f.Error(ff + ".name", absl::StrCat("\"", absl::CEscape(d.name),
-                                                  "\" is not a plain name inside the item's "
+                                                  "\" is not a plain path inside the item's "
                                                   "directory"));
       }
       if (!seen.insert(d.name).second) {

@@ -37,9 +37,12 @@ std::string StepDir(const std::string& root, int64_t step);        // <root>/ste
 // kInvalidArgument unless `name` is a plain directory entry name ([A-Za-z0-9_.-], not "." or
 // "..", at most 128 characters): item names and the files items write.
 absl::Status CheckPlainName(absl::string_view name, absl::string_view what);
+// kInvalidArgument unless `path` is 1 to 4 plain names joined by '/' (a file inside an item's
+// directory, e.g. "stage1/rank00000.shard": nothing absolute, no "." or "..").
+absl::Status CheckRelativePath(absl::string_view path, absl::string_view what);
 
 struct FileDigest {
-  std::string name;  // relative to its item's directory
+  std::string name;  // relative to its item's directory (CheckRelativePath)
   uint64_t bytes = 0;
   uint64_t fnv1a64 = 0;
   bool operator==(const FileDigest& o) const {

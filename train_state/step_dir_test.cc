@@ -63,7 +63,7 @@ TEST(MarkerTest, EveryBadFieldIsNamed) {
   EXPECT_THAT(with("\"state.json\"", "\"../state.json\""),
               StatusIs(absl::StatusCode::kDataLoss,
                        prefix + "items.data.files[0].name: \"../state.json\" is not a plain "
-                                "name inside the item's directory"));
+                                "path inside the item's directory"));
   EXPECT_THAT(with("\"manifest.json\"", "\"rank00000.shard\""),
               StatusIs(absl::StatusCode::kDataLoss,
                        prefix + "items.model.files[1].name: \"rank00000.shard\" is listed twice"));
@@ -133,6 +133,15 @@ TEST(RetentionTest, KeepsLastKEveryNthAndNewerIncompleteOnes) {
   EXPECT_THAT(Deleted(steps, 10, 0), ElementsAre(50));
   // Nothing complete: nothing is deleted (the incomplete ones may be saves in flight).
   EXPECT_THAT(Deleted({{20, "", false}, {10, "", false}}, 1, 0), ElementsAre());
+}
+
+TEST(NamesTest, RelativePathsOfPlainNames) {
+  EXPECT_OK(CheckRelativePath("stage1/rank00000.shard", "file"));
+  EXPECT_OK(CheckRelativePath("a/b/c/d", "file"));
+  for (const char* bad : {"", "/x", "x/", "a//b", "a/../b", "./a", "a/b/c/d/e"}) {
+    EXPECT_THAT(CheckRelativePath(bad, "file"), StatusIs(absl::StatusCode::kInvalidArgument))
+        << bad;
+  }
 }
 
 TEST(NamesTest, PlainNamesOnly) {

@@ -2,7 +2,8 @@
 // reader (MarkerFromJson, //train_state:step_dir): the bytes a restore trusts nothing in. For
 // every input: no crash, no sanitizer report, no exception; an error is kDataLoss starting with
 // "corrupt checkpoint marker <path>: "; a marker that parses obeys the documented bounds (step
-// >= 0, world size in [1, kMaxWorldSize], plain item and file names, no file listed twice in an
+// >= 0, world size in [1, kMaxWorldSize], plain item names, file paths of plain names inside the
+// item's directory, no file listed twice in an
 // item, metadata an object) and survives MarkerToJson -> MarkerFromJson unchanged.
 #include <cstddef>
 #include <cstdint>
@@ -35,7 +36,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FS_FUZZ_CHECK(ts::CheckPlainName(name, "item").ok());
     std::set<std::string> names;
     for (const ts::FileDigest& f : item.files) {
-      FS_FUZZ_CHECK(ts::CheckPlainName(f.name, "file").ok());
+      FS_FUZZ_CHECK(ts::CheckRelativePath(f.name, "file").ok());
       FS_FUZZ_CHECK(names.insert(f.name).second);
     }
   }
