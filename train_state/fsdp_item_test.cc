@@ -4,8 +4,14 @@
 // uninterrupted single-process reference.
 #include "train_state/fsdp_item.h"
 
+#include <ATen/ops/arange.h>
+#include <ATen/ops/full.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "comm/testing/inproc_ranks.h"
@@ -73,6 +79,74 @@ TEST(FsdpItemTest, SavedAt4RestoresAt1To3AndContinuesLikeTheReference) {
       }), absl::StrCat(async ? "async" : "sync", " restore at ", world));
     }
   }
+}
+
+// A stage's model: fixed weights per stage (the global generator is shared by thread ranks).
+struct StageNetImpl : torch::nn::Module {
+  torch::nn::Linear fc = register_module("fc", torch::nn::Linear(4, 3));
+  explicit StageNetImpl(int stage) {
+    c10::NoGradGuard g;
+    fc->weight.copy_(at::arange(12, at::kFloat).reshape({3, 4}).mul(0.1 * (stage + 1)).sin());
+    fc->bias.fill_(0.5 * stage);
+  }
+  at::Tensor forward(at::Tensor x) { return fc(x); }
+};
+TORCH_MODULE(StageNet);
+
+// Two pipeline stages, each an FSDP model over the communicator of its replicas (rank = replica *
+// stages + stage, like pipe::MakePipeGrid), saved at 2 replicas through stage_item(fsdp_item):
+// each stage restores its own state at 1 and 3 replicas; another number of stages is refused.
+TEST(FsdpItemTest, PipelineStagesRestoreAtOtherReplicaCounts) {
+  constexpr int kStages = 2;
+  const std::string root = fairscale::testing::UniqueTmpPath("stage_item");
+  std::vector<fsdp::StateDict> saved(kStages);
+  auto run = [&](int replicas, bool save) {
+    ExpectAllOk(RunInprocRanks(kStages * replicas, [&](int rank, int, std::shared_ptr<comm::Communicator> comm)
+                                                       -> absl::Status {
+      const int stage = rank % kStages, replica = rank / kStages;
+      auto stage_comm = comm->Split(stage, replica);
+      FS_RETURN_IF_ERROR(stage_comm.status());
+      fsdp::FullyShardedDataParallel model(StageNet(stage), *stage_comm);
+      torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.1));
+      TrainState state;
+      state.add("pipe", stage_item(stage, kStages, replica, replicas, fsdp_item(model, &opt)));
+      CheckpointManager m(comm, CheckpointManagerOptions(root));
+      if (save) {
+        for (int step = 0; step < 2; ++step) {
+          opt.zero_grad();
+          model(at::full({2, 4}, 0.25 * (replica + step + 1))).pow(2).sum().backward();
+          opt.step();
+        }
+        m.save(2, state);
+        fsdp::StateDict sd = fsdp::full_state_dict(model, true);
+        if (replica == 0) saved[stage] = sd;
+        return absl::OkStatus();
+      }
+      FS_RETURN_IF_ERROR(Check(m.restore(state) == 2, "restored"));
+      const fsdp::StateDict loaded = fsdp::full_state_dict(model, true);
+      if (replica == 0) FS_RETURN_IF_ERROR(ft::SameDict(loaded, saved[stage], "stage state"));
+      return absl::OkStatus();
+    }), absl::StrCat(save ? "save" : "restore", " at ", replicas, " replicas"));
+  };
+  run(2, true);
+  run(1, false);
+  run(3, false);
+  // Three stages cannot load a two-stage checkpoint.
+  ExpectAllOk(RunInprocRanks(3, [&](int rank, int, std::shared_ptr<comm::Communicator> comm)
+                                    -> absl::Status {
+    auto stage_comm = comm->Split(rank, 0);
+    FS_RETURN_IF_ERROR(stage_comm.status());
+    fsdp::FullyShardedDataParallel model(StageNet(rank), *stage_comm);
+    TrainState state;
+    state.add("pipe", stage_item(rank, 3, 0, 1, fsdp_item(model, nullptr)));
+    CheckpointManager m(comm, CheckpointManagerOptions(root));
+    try {
+      m.restore(state);
+      return absl::InternalError("restored a 2-stage checkpoint into 3 stages");
+    } catch (const c10::Error& e) {
+      return Check(absl::StrContains(e.what(), "holds 2 pipeline stages, this run has 3"), e.what());
+    }
+  }), "3 stages");
 }
 
 }  // namespace

@@ -10,11 +10,14 @@
 #include <torch/serialize/output-archive.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <set>
 #include <map>
 #include <mutex>
 #include <sstream>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "amp/grad_scaler.h"
 #include "oss/oss.h"
@@ -378,7 +381,135 @@ class OssItem final : public Stateful {
   oss::OSS& optimizer_;
 };
 
+// ---- pipeline stages ------------------------------------------------------------------------
+
+std::string StageDir(int stage) { return absl::StrCat("stage", stage); }
+
+absl::Status MakeDir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::DataLossError(absl::StrCat("cannot create directory ", dir, ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+class StageSnapshot final : public Stateful::Snapshot {
+ public:
+  StageSnapshot(int stage, int replica, int replicas, std::unique_ptr<Stateful::Snapshot> inner)
+      : stage_(stage), replica_(replica), replicas_(replicas), inner_(std::move(inner)) {}
+  absl::StatusOr<WriteResult> write(const std::string& dir) override {
+    const std::string sub = absl::StrCat(dir, "/", StageDir(stage_));
+    absl::Status s = MakeDir(sub);
+    if (!s.ok()) return s;
+    absl::StatusOr<WriteResult> r = inner_->write(sub);
+    if (!r.ok()) return r.status();
+    WriteResult out;
+    for (const std::string& f : r->files) out.files.push_back(StageDir(stage_) + "/" + f);
+    out.info = {{"stage", stage_}, {"replica", replica_}, {"inner", r->info}};
+    return out;
+  }
+  absl::StatusOr<std::vector<std::string>> finalize(
+      const std::string& dir, const std::vector<WriteResult>& results) override {
+    // This stage's replicas' results, by replica.
+    std::vector<WriteResult> mine(static_cast<size_t>(replicas_));
+    std::vector<bool> seen(mine.size(), false);
+    const std::string prefix = StageDir(stage_) + "/";
+    for (const WriteResult& r : results) {
+      const nlohmann::json& i = r.info;
+      if (!i.is_object() || !i.contains("stage") || !i["stage"].is_number_integer() ||
+          !i.contains("replica") || !i["replica"].is_number_integer()) {
+        return absl::InternalError(absl::StrCat("a rank's stage result is malformed: ", i.dump()));
+      }
+      if (i["stage"].get<int>() != stage_) continue;
+      const int replica = i["replica"].get<int>();
+      if (replica < 0 || replica >= replicas_ || seen[replica]) {
+        return absl::InternalError(absl::StrCat("stage ", stage_, ": replica ", replica,
+                                                " is out of range or reported twice"));
+      }
+      seen[replica] = true;
+      mine[replica].info = i["inner"];
+      for (const std::string& f : r.files) mine[replica].files.push_back(f.substr(prefix.size()));
+    }
+    for (int r = 0; r < replicas_; ++r) {
+      if (!seen[r]) {
+        return absl::InternalError(absl::StrCat("stage ", stage_, ": replica ", r,
+                                                " reported nothing (stage / replica arguments "
+                                                "disagree between ranks?)"));
+      }
+    }
+    absl::StatusOr<std::vector<std::string>> extra =
+        inner_->finalize(dir + "/" + StageDir(stage_), mine);
+    if (!extra.ok()) return extra.status();
+    std::vector<std::string> out;
+    for (const std::string& f : *extra) out.push_back(prefix + f);
+    return out;
+  }
+  std::unique_ptr<Stateful::Snapshot> release_inner() { return std::move(inner_); }
+
+ private:
+  int stage_, replica_, replicas_;
+  std::unique_ptr<Stateful::Snapshot> inner_;
+};
+
+class StageItem final : public Stateful {
+ public:
+  StageItem(int stage, int num_stages, int replica, int replicas, std::shared_ptr<Stateful> inner)
+      : stage_(stage), num_stages_(num_stages), replica_(replica), replicas_(replicas),
+        inner_(std::move(inner)) {}
+  std::string kind() const override { return "stages/" + inner_->kind(); }
+  std::unique_ptr<Snapshot> snapshot(const SaveContext& ctx,
+                                     std::unique_ptr<Snapshot> reuse) override {
+    TORCH_CHECK(ctx.world_size == num_stages_ * replicas_, "stage_item: ", num_stages_,
+                " stages x ", replicas_, " replicas != world size ", ctx.world_size);
+    std::unique_ptr<Snapshot> inner_reuse;
+    if (auto* prev = dynamic_cast<StageSnapshot*>(reuse.get())) inner_reuse = prev->release_inner();
+    return std::make_unique<StageSnapshot>(
+        stage_, replica_, replicas_,
+        inner_->snapshot(SaveContext{ctx.step, replica_, replicas_}, std::move(inner_reuse)));
+  }
+  std::function<void()> restore(const RestoreContext& ctx) override {
+    std::set<int> stages;
+    RestoreContext inner = ctx;
+    inner.files.clear();
+    const std::string prefix = StageDir(stage_) + "/";
+    for (const std::string& f : ctx.files) {
+      int s = -1;
+      const size_t slash = f.find('/');
+      TORCH_CHECK(slash != std::string::npos && f.compare(0, 5, "stage") == 0 &&
+                      absl::SimpleAtoi(f.substr(5, slash - 5), &s),
+                  "the checkpoint's ", ctx.dir, " holds ", f, ", not a stage's file");
+      stages.insert(s);
+      if (s == stage_) inner.files.push_back(f.substr(prefix.size()));
+    }
+    const int saved_stages = static_cast<int>(stages.size());
+    TORCH_CHECK(saved_stages == num_stages_ && *stages.begin() == 0 &&
+                    *stages.rbegin() == num_stages_ - 1,
+                "the checkpoint's ", ctx.dir, " holds ", saved_stages,
+                " pipeline stages, this run has ", num_stages_);
+    TORCH_CHECK(ctx.saved_world_size % num_stages_ == 0, "the checkpoint's world size ",
+                ctx.saved_world_size, " is not a multiple of its ", num_stages_, " stages");
+    inner.rank = replica_;
+    inner.world_size = replicas_;
+    inner.saved_world_size = ctx.saved_world_size / num_stages_;
+    inner.dir = ctx.dir + "/" + StageDir(stage_);
+    return inner_->restore(inner);
+  }
+
+ private:
+  int stage_, num_stages_, replica_, replicas_;
+  std::shared_ptr<Stateful> inner_;
+};
+
 }  // namespace
+
+std::shared_ptr<Stateful> stage_item(int stage, int num_stages, int replica, int replicas,
+                                     std::shared_ptr<Stateful> inner) {
+  TORCH_CHECK(inner != nullptr, "train_state::stage_item: inner is null");
+  TORCH_CHECK(num_stages >= 1 && stage >= 0 && stage < num_stages,
+              "train_state::stage_item: stage ", stage, " of ", num_stages);
+  TORCH_CHECK(replicas >= 1 && replica >= 0 && replica < replicas,
+              "train_state::stage_item: replica ", replica, " of ", replicas);
+  return std::make_shared<StageItem>(stage, num_stages, replica, replicas, std::move(inner));
+}
 
 std::shared_ptr<Stateful> oss_item(oss::OSS& optimizer) {
   return std::make_shared<OssItem>(optimizer);

@@ -61,4 +61,14 @@ std::shared_ptr<Stateful> module_item(std::shared_ptr<torch::nn::Module> module)
 // With ShardedDataParallel (replicated parameters), pair it with module_item for the model.
 std::shared_ptr<Stateful> oss_item(oss::OSS& optimizer);
 
+// Pipeline stages (kind "stages/<inner kind>"): `inner` is this rank's item of its own stage (for
+// instance fsdp_item of the stage's FullyShardedDataParallel over the communicator of the stage's
+// replicas); the stage's ranks save it into "stage<s>/" of the item's directory, and `inner` sees
+// the replica index and count as its rank and world size (so FSDP's rank files and manifest are
+// the stage's). Every rank adds one stage_item under the same name. Restores with the same number
+// of stages, at any number of replicas `inner` restores at; another number of stages is an error
+// naming both.
+std::shared_ptr<Stateful> stage_item(int stage, int num_stages, int replica, int replicas,
+                                     std::shared_ptr<Stateful> inner);
+
 }  // namespace fairscale::train_state
