@@ -61,7 +61,7 @@ double Median(std::vector<double> v) {
 gpt::GptConfig ModelConfig(const std::string& name) {
   if (name == "main") return gpt::GptConfig().vocab(65).seq(64).width(128).heads(4).blocks(4);
   if (name == "fsdp_bench") {
-    return gpt::GptConfig().vocab(256).seq(64).width(512).heads(8).blocks(8);
+    return gpt::GptConfig().vocab(1024).seq(64).width(512).heads(8).blocks(8);
   }
   std::fprintf(stderr, "unknown model '%s'\n", name.c_str());
   std::exit(2);
