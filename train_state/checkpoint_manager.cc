@@ -123,6 +123,24 @@ absl::Status CheckpointManager::Agree(const absl::Status& mine, const std::strin
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<std::string>> CheckpointManager::ExchangeResults(
+    const absl::Status& mine, const nlohmann::json& payload, const std::string& what,
+    const std::string& stage) {
+  const std::string sent =
+      mine.ok() ? "+" + payload.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                : "-" + mine.ToString();
+  FS_ASSIGN_OR_RETURN(std::vector<std::string> all, Exchange(sent, what + ": " + stage));
+  if (!mine.ok()) return absl::Status(mine.code(), absl::StrCat(what, ": ", mine.message()));
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r].empty() || all[r][0] != '+') {
+      return absl::AbortedError(absl::StrCat(what, ": rank ", r, " failed: ",
+                                             all[r].empty() ? "" : all[r].substr(1)));
+    }
+    all[r].erase(0, 1);
+  }
+  return all;
+}
+
 absl::Status CheckpointManager::RunSave(Job& job) {
   try {
     return RunSaveUnchecked(job);
@@ -178,18 +196,8 @@ absl::Status CheckpointManager::RunSaveUnchecked(Job& job) {
     }
     mine[item.name] = {{"files", files}, {"info", r->info}};
   }
-  const std::string payload =
-      s.ok() ? mine.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) : "";
   FS_ASSIGN_OR_RETURN(std::vector<std::string> all,
-                      Exchange(absl::StrCat(s.ok() ? "+" : "-", s.ok() ? payload : s.ToString()),
-                               what + ": exchanging what each rank wrote"));
-  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r].empty() || all[r][0] != '+') {
-      return absl::AbortedError(absl::StrCat(what, ": rank ", r, " failed: ",
-                                             all[r].empty() ? "" : all[r].substr(1)));
-    }
-  }
+                      ExchangeResults(s, mine, what, "exchanging what each rank wrote"));
 
   // Every rank finalizes the items with every rank's results (most items do nothing, FSDP's
   // writes its manifest on rank 0); the ranks exchange what that wrote; rank 0 writes COMPLETE
@@ -198,7 +206,7 @@ absl::Status CheckpointManager::RunSaveUnchecked(Job& job) {
   nlohmann::json finalized = nlohmann::json::object();
   try {
     for (size_t r = 0; r < all.size(); ++r) {
-      const nlohmann::json j = nlohmann::json::parse(all[r].substr(1));
+      const nlohmann::json j = nlohmann::json::parse(all[r]);
       for (size_t i = 0; i < job.items.size(); ++i) {
         const nlohmann::json& e = j.at(job.items[i].name);
         WriteResult w;
@@ -232,18 +240,8 @@ absl::Status CheckpointManager::RunSaveUnchecked(Job& job) {
   } catch (const std::exception& e) {
     s = absl::InternalError(e.what());
   }
-  const std::string payload2 =
-      s.ok() ? finalized.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) : "";
   FS_ASSIGN_OR_RETURN(std::vector<std::string> all2,
-                      Exchange(absl::StrCat(s.ok() ? "+" : "-", s.ok() ? payload2 : s.ToString()),
-                               what + ": exchanging what finalizing wrote"));
-  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
-  for (size_t r = 0; r < all2.size(); ++r) {
-    if (all2[r].empty() || all2[r][0] != '+') {
-      return absl::AbortedError(absl::StrCat(what, ": rank ", r, " failed: ",
-                                             all2[r].empty() ? "" : all2[r].substr(1)));
-    }
-  }
+                      ExchangeResults(s, finalized, what, "exchanging what finalizing wrote"));
   if (rank == 0) {
     try {
       s = WriteMarkerOnRank0(job, step_dir, all, all2);
@@ -269,7 +267,7 @@ absl::Status CheckpointManager::WriteMarkerOnRank0(Job& job, const std::string& 
       std::set<std::string> names;
       for (const std::vector<std::string>* round : {&written, &finalized}) {
         for (const std::string& payload : *round) {
-          const nlohmann::json j = nlohmann::json::parse(payload.substr(1));
+          const nlohmann::json j = nlohmann::json::parse(payload);
           const nlohmann::json& files =
               round == &written ? j.at(item.name).at("files") : j.at(item.name);
           for (const auto& f : files) {

@@ -110,6 +110,12 @@ class CheckpointManager {
   absl::StatusOr<std::vector<std::string>> Exchange(const std::string& mine,
                                                     const std::string& what);
   absl::Status Agree(const absl::Status& mine, const std::string& what);
+  // Exchange of this rank's status and, when OK, its JSON payload: every rank's payload, or an
+  // error naming the first rank that failed (this rank's own error first).
+  absl::StatusOr<std::vector<std::string>> ExchangeResults(const absl::Status& mine,
+                                                           const nlohmann::json& payload,
+                                                           const std::string& what,
+                                                           const std::string& stage);
 
   std::shared_ptr<comm::Communicator> comm_;
   std::shared_ptr<comm::Communicator> own_;  // the manager's communicator
