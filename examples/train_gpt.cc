@@ -113,6 +113,9 @@ ABSL_FLAG(std::string, out_dir, "",
 ABSL_FLAG(std::string, checkpoint_dir, "", "default <out_dir>/checkpoints; 'none' disables");
 ABSL_FLAG(int64_t, checkpoint_every, 100, "save a sharded checkpoint every K steps (and at the end)");
 ABSL_FLAG(int, keep_checkpoints, 2, "complete checkpoints to keep");
+ABSL_FLAG(bool, async_checkpoint, false,
+          "save checkpoints in the background: training continues once the state is copied to "
+          "host memory (at most one save in flight; an error is reported by the next save)");
 ABSL_FLAG(std::string, resume, "never",
           "never | auto (resume if a complete checkpoint exists) | true (must resume); a bare "
           "--resume means true");
@@ -145,7 +148,7 @@ ABSL_FLAG(bool, profile, false,
 ABSL_FLAG(std::string, fault_kill, "",
           "fault injection for tests, RANK:STEP: that rank SIGKILLs itself after that step, in "
           "the first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0); RANK:STEP:save: "
-          "inside that step's checkpoint save instead (its file written, COMPLETE not yet)");
+          "inside that step's checkpoint save instead (its files written, COMPLETE not yet)");
 
 namespace fairscale::examples {
 namespace {
@@ -211,6 +214,7 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   if (c.checkpoint_dir == "none") c.checkpoint_dir.clear();
   c.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
+  c.async_checkpoint = absl::GetFlag(FLAGS_async_checkpoint);
   const std::string resume = absl::GetFlag(FLAGS_resume);
   if (resume == "never" || resume == "false" || resume.empty()) {
     c.resume = gpt::ResumeMode::kNever;

@@ -6,6 +6,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
@@ -332,7 +333,7 @@ class ModuleItem final : public Stateful {
   std::shared_ptr<torch::nn::Module> module_;
 };
 
-// ---- oss ------------------------------------------------------------------------------------
+// ---- optimizers (oss, replicated) -----------------------------------------------------------
 
 class BytesSnapshot final : public Stateful::Snapshot {
  public:
@@ -352,12 +353,18 @@ class BytesSnapshot final : public Stateful::Snapshot {
   bool writes_;
 };
 
-class OssItem final : public Stateful {
+// An optimizer saved as one torch::serialize archive by rank 0 ("optimizer.pt", the layout of
+// an unsharded torch::optim optimizer) and loaded from it by every rank: a ZeRO-sharded OSS
+// (which consolidates its state on rank 0 first, collectively, and keeps its partition's part
+// when loading) or a plain optimizer replicated on every rank.
+class OptimizerArchiveItem final : public Stateful {
  public:
-  explicit OssItem(oss::OSS& optimizer) : optimizer_(optimizer) {}
-  std::string kind() const override { return "oss"; }
+  OptimizerArchiveItem(std::string kind, torch::optim::Optimizer& optimizer,
+                       std::function<void()> before_save)
+      : kind_(std::move(kind)), optimizer_(optimizer), before_save_(std::move(before_save)) {}
+  std::string kind() const override { return kind_; }
   std::unique_ptr<Snapshot> snapshot(const SaveContext& ctx, std::unique_ptr<Snapshot>) override {
-    optimizer_.consolidate_state_dict(0);
+    if (before_save_) before_save_();
     std::string bytes;
     if (ctx.rank == 0) {
       torch::serialize::OutputArchive archive;
@@ -378,7 +385,9 @@ class OssItem final : public Stateful {
   }
 
  private:
-  oss::OSS& optimizer_;
+  std::string kind_;
+  torch::optim::Optimizer& optimizer_;
+  std::function<void()> before_save_;
 };
 
 // ---- pipeline stages ------------------------------------------------------------------------
@@ -512,7 +521,12 @@ std::shared_ptr<Stateful> stage_item(int stage, int num_stages, int replica, int
 }
 
 std::shared_ptr<Stateful> oss_item(oss::OSS& optimizer) {
-  return std::make_shared<OssItem>(optimizer);
+  return std::make_shared<OptimizerArchiveItem>(
+      "oss", optimizer, [&optimizer] { optimizer.consolidate_state_dict(0); });
+}
+
+std::shared_ptr<Stateful> optimizer_item(torch::optim::Optimizer& optimizer) {
+  return std::make_shared<OptimizerArchiveItem>("optimizer", optimizer, nullptr);
 }
 
 std::shared_ptr<Stateful> json_item(std::function<nlohmann::json()> get,

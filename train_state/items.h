@@ -5,6 +5,7 @@
 //        .add("data", sampler_item(sampler))              // (json) the data position
 //        .add("scaler", grad_scaler_item(scaler))         // (json)
 //        .add("rng", rng_item())                          // (rng) per rank
+//        .add("model", module_item(m)).add("optimizer", optimizer_item(adam))  // replicated
 //        .add("trainer", json_item(get, set));            // (json) anything else
 #pragma once
 
@@ -18,6 +19,9 @@
 
 namespace torch::nn {
 class Module;
+}
+namespace torch::optim {
+class Optimizer;
 }
 namespace fairscale::amp {
 class GradScaler;
@@ -60,6 +64,11 @@ std::shared_ptr<Stateful> module_item(std::shared_ptr<torch::nn::Module> module)
 // Restores at any world size: every rank reads the archive and keeps its partition's part.
 // With ShardedDataParallel (replicated parameters), pair it with module_item for the model.
 std::shared_ptr<Stateful> oss_item(oss::OSS& optimizer);
+
+// A plain torch::optim optimizer replicated on every rank (DDP-style training, or the replicas
+// of a pipeline stage; kind "optimizer"): rank 0 saves its torch::save archive ("optimizer.pt");
+// every rank loads it. Restores at any world size. Pair it with module_item for the model.
+std::shared_ptr<Stateful> optimizer_item(torch::optim::Optimizer& optimizer);
 
 // Pipeline stages (kind "stages/<inner kind>"): `inner` is this rank's item of its own stage (for
 // instance fsdp_item of the stage's FullyShardedDataParallel over the communicator of the stage's

@@ -22,11 +22,8 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/torch_error.h"
-#include "examples/gpt/checkpoint_dir.h"
 #include "examples/gpt/parallel_model_internal.h"
 #include "fsdp/fully_sharded_data_parallel.h"
-#include "fsdp/local_checkpoint.h"
-#include "fsdp/sharded_checkpoint.h"
 #include "fsdp/wrap.h"
 #include "offload/offloaded_optimizer.h"
 #include "oss/oss.h"
@@ -35,6 +32,8 @@
 #include "pipe/fsdp_stage.h"
 #include "pipe/grid.h"
 #include "pipe/pipe.h"
+#include "train_state/fsdp_item.h"
+#include "train_state/items.h"
 
 namespace fairscale::examples::gpt {
 namespace internal {
@@ -108,26 +107,11 @@ uint64_t HashNamed(const std::string& name, const at::Tensor& t, uint64_t h) {
   return HashTensor(t, Fnv1a64(name.data(), name.size(), h));
 }
 
-// The resume check of the modes whose checkpoints load only in their own format at the world
-// size that wrote them (sdp, pipeline).
-absl::Status CheckSameWorldResume(const std::string& format, const char* want, int saved_world,
-                                  int world, const char* mode) {
-  if (format != want) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("its format is '", format, "'; ", mode, " loads only ", want));
-  }
-  if (saved_world != world) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("it was written by ", saved_world, " ranks, this job has ", world, " (",
-                     mode, " resumes at the same world size only)"));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace internal
 
 using internal::AllReduceSum;
-using internal::CheckSameWorldResume;
+using internal::Fnv1a64;
+using internal::kFnv1a64Basis;
 using internal::HashNamed;
 using internal::HashTensor;
 using internal::ParsePartition;
@@ -169,6 +153,42 @@ void CopyOptimizer(const torch::optim::Optimizer& from, torch::optim::Optimizer&
   to.load(in);
 }
 
+// fsdp_item for a model whose Adam state lives on the disk tier (offload::OffloadedAdam): the
+// snapshot copies the state into an in-memory torch::optim::Adam (the same archive layout,
+// bitwise) and snapshots that, then drops its state; a restore stages into that Adam and, when
+// applied, copies it back. So its checkpoints are fsdp_item's ("fsdp_sharded"), and a run may
+// resume with or without --optimizer_offload. The whole state is in memory during a snapshot and
+// a restore (as it is for OffloadedAdam's own archive save / load).
+class OffloadedFsdpItem final : public train_state::Stateful {
+ public:
+  OffloadedFsdpItem(fsdp::FullyShardedDataParallel model, offload::OffloadedAdam& offloaded,
+                    const torch::optim::AdamOptions& adam)
+      : offloaded_(offloaded),
+        staging_(std::make_unique<torch::optim::Adam>(model->parameters(), adam)),
+        inner_(train_state::fsdp_item(std::move(model), staging_.get())) {}
+  std::string kind() const override { return inner_->kind(); }
+  std::unique_ptr<Snapshot> snapshot(const train_state::SaveContext& context,
+                                     std::unique_ptr<Snapshot> reuse) override {
+    CopyOptimizer(offloaded_, *staging_);
+    std::unique_ptr<Snapshot> snap = inner_->snapshot(context, std::move(reuse));
+    staging_->state().clear();  // the snapshot holds its own copy
+    return snap;
+  }
+  std::function<void()> restore(const train_state::RestoreContext& context) override {
+    std::function<void()> apply = inner_->restore(context);
+    return [this, apply] {
+      apply();
+      CopyOptimizer(*staging_, offloaded_);
+      staging_->state().clear();
+    };
+  }
+
+ private:
+  offload::OffloadedAdam& offloaded_;
+  std::unique_ptr<torch::optim::Adam> staging_;
+  std::shared_ptr<train_state::Stateful> inner_;
+};
+
 // FSDP: the embeddings, every block and the head each their own unit under a parameterless root;
 // Adam over the units' f32 master shards.
 class FsdpModel final : public ParallelModel {
@@ -193,51 +213,13 @@ class FsdpModel final : public ParallelModel {
   int64_t num_params() const override { return num_params_; }
   std::string label() const override { return label_; }
 
-  // fsdp::save_sharded_checkpoint: rank<r>.shard per rank + manifest.json, loadable at any
-  // world size. An OffloadedAdam is converted through a torch::optim::Adam (same archive layout)
-  // for the save, so the state is in memory for its duration.
-  std::string checkpoint_format() const override { return kFormatFsdpSharded; }
-  void save(const std::string& step_dir) override {
+  // The sharded model and its Adam (fsdp_item: restorable at any world size). An OffloadedAdam
+  // is staged through an in-memory torch::optim::Adam of the same archive layout.
+  void add_state(train_state::TrainState& state) override {
     if (auto* offloaded = dynamic_cast<offload::OffloadedAdam*>(opt_.get())) {
-      torch::optim::Adam adam(model_->parameters(), adam_);
-      CopyOptimizer(*offloaded, adam);
-      fsdp::save_sharded_checkpoint(model_, &adam, step_dir);
+      state.add("model", std::make_shared<OffloadedFsdpItem>(model_, *offloaded, adam_));
     } else {
-      fsdp::save_sharded_checkpoint(model_, opt_.get(), step_dir);
-    }
-  }
-  std::vector<std::string> checkpoint_files(int world) const override {
-    std::vector<std::string> files;
-    for (int r = 0; r < world; ++r) files.push_back(ShardFileName(r));
-    files.push_back(kShardManifestName);
-    return files;
-  }
-  absl::Status check_resume(const std::string& format, int saved_world,
-                            int world) const override {
-    if (format == kFormatFsdpSharded) return absl::OkStatus();
-    if (format == kFormatRankFiles) {
-      if (saved_world == world) return absl::OkStatus();
-      return absl::FailedPreconditionError(absl::StrCat(
-          "it is in the per-rank local format (", kFormatRankFiles,
-          ": rank<r>.pt, fsdp::save_local_checkpoint, written before the sharded format), which "
-          "loads only at the world size that wrote it (", saved_world, "); this job has ", world,
-          " ranks: resume it at ", saved_world, " ranks (its next checkpoints are sharded)"));
-    }
-    return absl::FailedPreconditionError(
-        absl::StrCat("its format '", format, "' is not one data_parallel fsdp loads (",
-                     kFormatFsdpSharded, " or ", kFormatRankFiles, ")"));
-  }
-  void load(const std::string& step_dir, const std::string& format) override {
-    if (format == kFormatRankFiles) {  // older checkpoints: same world size (check_resume)
-      fsdp::load_local_checkpoint(model_, opt_.get(), RankFile(step_dir, model_->rank()));
-      return;
-    }
-    if (auto* offloaded = dynamic_cast<offload::OffloadedAdam*>(opt_.get())) {
-      torch::optim::Adam adam(model_->parameters(), adam_);
-      fsdp::load_sharded_checkpoint(model_, &adam, step_dir);
-      CopyOptimizer(adam, *offloaded);
-    } else {
-      fsdp::load_sharded_checkpoint(model_, opt_.get(), step_dir);
+      state.add("model", train_state::fsdp_item(model_, opt_.get()));
     }
   }
 
@@ -278,11 +260,10 @@ class FsdpModel final : public ParallelModel {
 // ShardedDataParallel reduces each gradient to its owner only.
 class SdpModel final : public ParallelModel {
  public:
-  SdpModel(Gpt plain, std::shared_ptr<oss::OSS> opt, int rank, std::string label)
+  SdpModel(Gpt plain, std::shared_ptr<oss::OSS> opt, std::string label)
       : plain_(std::move(plain)),
         oss_(std::move(opt)),
         sdp_(torch::nn::AnyModule(plain_), oss_),
-        rank_(rank),
         label_(std::move(label)) {}
 
   // Evaluation and sampling run the local replica: no ShardedDataParallel collectives.
@@ -299,52 +280,11 @@ class SdpModel final : public ParallelModel {
   }
   std::string label() const override { return label_; }
 
-  // "model/<name>" for every parameter (the full model, the same on every rank) and, in rank 0's
-  // file, "optimizer": the OSS state consolidated on rank 0 (the layout of an unsharded
-  // torch::optim::Adam). Collective (the consolidation).
-  std::string checkpoint_format() const override { return kFormatRankFiles; }
-  std::vector<std::string> checkpoint_files(int world) const override {
-    return RankFileNames(world);
-  }
-  absl::Status check_resume(const std::string& format, int saved_world,
-                            int world) const override {
-    return CheckSameWorldResume(format, kFormatRankFiles, saved_world, world, "data_parallel sdp");
-  }
-  void save(const std::string& step_dir) override {
-    const std::string file = RankFile(step_dir, rank_);
-    oss_->consolidate_state_dict(0);
-    torch::serialize::OutputArchive archive;
-    for (const auto& item : plain_->named_parameters()) {
-      archive.write("model/" + item.key(), item.value().detach());
-    }
-    if (rank_ == 0) {
-      torch::serialize::OutputArchive optimizer;
-      oss_->save(optimizer);
-      archive.write("optimizer", optimizer);
-    }
-    const std::string tmp = file + ".tmp";
-    archive.save_to(tmp);
-    std::filesystem::rename(tmp, file);
-  }
-  // Every rank reads rank 0's file (the full parameters and the consolidated OSS state; OSS::load
-  // keeps this rank's part).
-  void load(const std::string& step_dir, const std::string&) override {
-    const std::string file = RankFile(step_dir, 0);
-    torch::serialize::InputArchive archive;
-    archive.load_from(file);
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& item : plain_->named_parameters()) {
-        at::Tensor saved;
-        archive.read("model/" + item.key(), saved);
-        TORCH_CHECK(saved.sizes() == item.value().sizes(), "parameter ", item.key(), " has shape ",
-                    saved.sizes(), " in the checkpoint, ", item.value().sizes(), " in the model");
-        item.value().copy_(saved);
-      }
-    }
-    torch::serialize::InputArchive optimizer;
-    archive.read("optimizer", optimizer);
-    oss_->load(optimizer);
+  // The replicated fp32 model (module_item: rank 0's copy) and the OSS Adam state consolidated
+  // on rank 0 (oss_item: an unsharded Adam's archive); both restore at any world size.
+  void add_state(train_state::TrainState& state) override {
+    state.add("model", train_state::module_item(plain_.ptr()))
+        .add("optimizer", train_state::oss_item(*oss_));
   }
 
   uint64_t param_hash() override {
@@ -362,7 +302,6 @@ class SdpModel final : public ParallelModel {
   Gpt plain_;
   std::shared_ptr<oss::OSS> oss_;
   oss::ShardedDataParallel sdp_;
-  int rank_;
   std::string label_;
 };
 
@@ -381,9 +320,8 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
     Gpt plain(model_config);
     std::shared_ptr<oss::OSS> opt = oss::OSS::make<torch::optim::Adam>(
         plain->parameters(), adam, comm, oss::OssOptions().partition(partition));
-    const int rank = comm->rank();
     return std::unique_ptr<ParallelModel>(std::make_unique<SdpModel>(
-        std::move(plain), std::move(opt), rank, absl::StrCat("sdp/", config.oss_partition)));
+        std::move(plain), std::move(opt), absl::StrCat("sdp/", config.oss_partition)));
   }
   FS_ASSIGN_OR_RETURN(fsdp::ShardingStrategy strategy, ParseStrategy(config.strategy));
   FS_ASSIGN_OR_RETURN(c10::optional<c10::ScalarType> dtype, ParsePrecision(config.precision));

@@ -8,8 +8,8 @@
 // rank, world / stages replicas (pipe::MakePipeGrid) sharding each stage with FSDP
 // (pipe::fsdp_stage; fp32 or bf16 over f32 masters) or averaging its gradients (no_shard, fp32),
 // an Adam per stage. The pipe mode computes the loss itself (computes_loss()), since no rank holds the
-// logits of the whole model. Each mode also owns its checkpoint file format (save / load) and
-// what its parameter hashes cover. Used by the trainer only.
+// logits of the whole model. Each mode also says which //train_state items checkpoint it
+// (add_state) and what its parameter hashes cover. Used by the trainer only.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,6 +25,7 @@
 #include "comm/communicator.h"
 #include "examples/gpt/model.h"
 #include "examples/gpt/trainer.h"
+#include "train_state/stateful.h"
 
 namespace fairscale::examples::gpt {
 
@@ -62,22 +63,12 @@ class ParallelModel {
   // For the banner and the plot title: the FSDP strategy, or "sdp/<partition>".
   virtual std::string label() const = 0;
 
-  // The format of the step directories save() writes (checkpoint_dir.h): fsdp
-  // kFormatFsdpSharded, sdp kFormatRankFiles.
-  virtual std::string checkpoint_format() const = 0;
-  // Writes this rank's part of the checkpoint into `step_dir` (every file atomically: tmp +
-  // rename). Collective.
-  virtual void save(const std::string& step_dir) = 0;
-  // The files, relative to the step directory, of a checkpoint save() wrote at `world` ranks:
-  // what COMPLETE lists and checksums.
-  virtual std::vector<std::string> checkpoint_files(int world) const = 0;
-  // OK if this mode, at world size `world`, can resume from a checkpoint of `format` written by
-  // `saved_world` ranks; kFailedPrecondition saying why not (naming the format) otherwise.
-  virtual absl::Status check_resume(const std::string& format, int saved_world,
-                                    int world) const = 0;
-  // Loads a checkpoint that passed check_resume (collective for fsdp_sharded); raises naming
-  // what differs, the file or the tensor.
-  virtual void load(const std::string& step_dir, const std::string& format) = 0;
+  // Adds this mode's items to the job's training state (//train_state; every rank adds the same
+  // names): fsdp "model" (fsdp_item: the sharded model and its Adam); sdp "model" (module_item)
+  // and "optimizer" (oss_item); pipeline "model" (stage_item of fsdp_item, or of module_item)
+  // and, with whole stages, "optimizer" (stage_item of optimizer_item). All of them restore at
+  // any world size (a pipeline: with the same pipeline_stages). The items refer to this model.
+  virtual void add_state(train_state::TrainState& state) = 0;
 
   // FNV-1a 64 of this rank's parameters as the optimizer steps them (FSDP: the f32 shards).
   virtual uint64_t param_hash() = 0;

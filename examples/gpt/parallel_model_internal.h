@@ -1,5 +1,5 @@
 // Shared by the trainer's parallel modes (parallel_model.cc: fsdp, sdp; pipe_model.cc: pipeline):
-// flag parsing, hashing and resume checks written once. Not part of the trainer's API.
+// flag parsing and hashing written once. Not part of the trainer's API.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/fnv1a.h"
 #include "comm/communicator.h"
 #include "examples/gpt/model.h"
 #include "examples/gpt/parallel_model.h"
@@ -34,14 +35,12 @@ absl::StatusOr<pipe::CheckpointMode> ParsePipeCheckpoint(const std::string& s);
 // Sum of `value` over `comm` (collective); throws naming `what` on failure.
 double AllReduceSum(comm::Communicator& comm, double value, const char* what);
 
+using base::Fnv1a64;
+using base::kFnv1a64Basis;
+
 // FNV-1a 64 of a tensor's bytes (and of its name first), continuing from `h`.
 uint64_t HashTensor(const at::Tensor& t, uint64_t h);
 uint64_t HashNamed(const std::string& name, const at::Tensor& t, uint64_t h);
-
-// The resume check of the modes whose checkpoints load only in their own format at the world
-// size that wrote them (sdp, pipeline without FSDP).
-absl::Status CheckSameWorldResume(const std::string& format, const char* want, int saved_world,
-                                  int world, const char* mode);
 
 // The pipeline mode (config.pipeline_stages > 1): pipe_model.cc.
 absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(

@@ -17,14 +17,14 @@
 #include "absl/strings/str_cat.h"
 #include "base/fnv1a.h"
 #include "base/status_macros.h"
-#include "examples/gpt/checkpoint_dir.h"
 #include "examples/gpt/parallel_model_internal.h"
 #include "fsdp/fully_sharded_data_parallel.h"
-#include "fsdp/sharded_checkpoint.h"
 #include "pipe/balance.h"
 #include "pipe/fsdp_stage.h"
 #include "pipe/grid.h"
 #include "pipe/pipe.h"
+#include "train_state/fsdp_item.h"
+#include "train_state/items.h"
 
 namespace fairscale::examples::gpt::internal {
 namespace {
@@ -35,10 +35,9 @@ namespace {
 // (full_shard / shard_grad_op: pipe::fsdp_stage; the Adam steps this rank's shard).
 class PipeModel final : public ParallelModel {
  public:
-  PipeModel(int rank, pipe::PipeGrid grid, std::unique_ptr<pipe::Pipe> pipe, int64_t vocab,
+  PipeModel(pipe::PipeGrid grid, std::unique_ptr<pipe::Pipe> pipe, int64_t vocab,
             int64_t num_params, torch::optim::AdamOptions adam, std::string label)
-      : rank_(rank),
-        grid_(std::move(grid)),
+      : grid_(std::move(grid)),
         pipe_(std::move(pipe)),
         fsdp_(std::dynamic_pointer_cast<fsdp::FullyShardedDataParallelImpl>(pipe_->module())),
         opt_(pipe_->parameters(), adam),
@@ -91,82 +90,23 @@ class PipeModel final : public ParallelModel {
   int64_t num_params() const override { return num_params_; }
   std::string label() const override { return label_; }
 
-  // Whole stages: every rank writes its stage in rank<r>.pt, "model/<full-model name>" for each
-  // of the stage's parameters and "optimizer" (its Adam); loadable at the same world size and
-  // stages only (pipeline_stages is part of the checkpoint's config). FSDP: each stage's
-  // replicas write an fsdp sharded checkpoint (model + Adam) into stage<s>/, loadable with any
-  // number of replicas.
-  std::string checkpoint_format() const override {
-    return fsdp_ ? kFormatPipeFsdpSharded : kFormatPipeStages;
-  }
-  std::vector<std::string> checkpoint_files(int world) const override {
-    if (!fsdp_) return RankFileNames(world);
-    // Rank r's file first (r = replica * stages + stage), then every stage's manifest.
-    std::vector<std::string> files;
-    for (int r = 0; r < world; ++r) {
-      files.push_back(StageDir(r % grid_.stages) + "/" + ShardFileName(r / grid_.stages));
-    }
-    for (int s = 0; s < grid_.stages; ++s) files.push_back(StageDir(s) + "/" + kShardManifestName);
-    return files;
-  }
-  absl::Status check_resume(const std::string& format, int saved_world,
-                            int world) const override {
-    if (!fsdp_) {
-      return CheckSameWorldResume(format, kFormatPipeStages, saved_world, world, "pipeline mode");
-    }
-    if (format != kFormatPipeFsdpSharded) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "its format is '", format, "'; a pipeline with FSDP inside its stages loads only ",
-          kFormatPipeFsdpSharded));
-    }
-    if (saved_world % grid_.stages != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "it was written by ", saved_world, " ranks, not a multiple of pipeline_stages ",
-          grid_.stages));
-    }
-    return absl::OkStatus();
-  }
-  void save(const std::string& step_dir) override {
+  // Every stage's replicas save their stage (stage_item, "stage<s>/" of each item): FSDP inside
+  // the stages, the stage's sharded model and Adam (fsdp_item); whole stages, the stage's
+  // parameters by their full-model names (module_item) and its Adam (optimizer_item), replica
+  // 0's. Both restore with the same pipeline_stages at any number of replicas.
+  void add_state(train_state::TrainState& state) override {
+    const int stage = static_cast<int>(grid_.stage), stages = static_cast<int>(grid_.stages);
+    const int replica = static_cast<int>(grid_.replica), replicas = static_cast<int>(grid_.replicas);
     if (fsdp_) {
-      fsdp::FullyShardedDataParallel holder(fsdp_);
-      fsdp::save_sharded_checkpoint(holder, &opt_, step_dir + "/" + StageDir(grid_.stage));
+      state.add("model", train_state::stage_item(
+                             stage, stages, replica, replicas,
+                             train_state::fsdp_item(fsdp::FullyShardedDataParallel(fsdp_), &opt_)));
       return;
     }
-    const std::string file = RankFile(step_dir, rank_);
-    torch::serialize::OutputArchive archive;
-    for (const auto& item : pipe_->stage_module()->named_parameters()) {
-      archive.write("model/" + item.key(), item.value().detach());
-    }
-    torch::serialize::OutputArchive optimizer;
-    opt_.save(optimizer);
-    archive.write("optimizer", optimizer);
-    const std::string tmp = file + ".tmp";
-    archive.save_to(tmp);
-    std::filesystem::rename(tmp, file);
-  }
-  void load(const std::string& step_dir, const std::string&) override {
-    if (fsdp_) {
-      fsdp::FullyShardedDataParallel holder(fsdp_);
-      fsdp::load_sharded_checkpoint(holder, &opt_, step_dir + "/" + StageDir(grid_.stage));
-      return;
-    }
-    const std::string file = RankFile(step_dir, rank_);
-    torch::serialize::InputArchive archive;
-    archive.load_from(file);
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& item : pipe_->stage_module()->named_parameters()) {
-        at::Tensor saved;
-        archive.read("model/" + item.key(), saved);
-        TORCH_CHECK(saved.sizes() == item.value().sizes(), file, ": parameter ", item.key(),
-                    " has shape ", saved.sizes(), " in the checkpoint, ", item.value().sizes(),
-                    " in stage ", grid_.stage);
-        item.value().copy_(saved);
-      }
-    }
-    torch::serialize::InputArchive optimizer;
-    archive.read("optimizer", optimizer);
-    opt_.load(optimizer);
+    state.add("model", train_state::stage_item(stage, stages, replica, replicas,
+                                               train_state::module_item(pipe_->stage_module().ptr())))
+        .add("optimizer", train_state::stage_item(stage, stages, replica, replicas,
+                                                  train_state::optimizer_item(opt_)));
   }
 
   uint64_t param_hash() override {
@@ -190,11 +130,6 @@ class PipeModel final : public ParallelModel {
   }
 
  private:
-  static constexpr char kFormatPipeStages[] = "pipe_stages";
-  static constexpr char kFormatPipeFsdpSharded[] = "pipe_fsdp_sharded";
-  static std::string StageDir(int64_t stage) { return absl::StrCat("stage", stage); }
-
-  int rank_;
   pipe::PipeGrid grid_;
   std::unique_ptr<pipe::Pipe> pipe_;
   std::shared_ptr<fsdp::FullyShardedDataParallelImpl> fsdp_;  // null: whole stages
@@ -290,7 +225,7 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
       ", ", config.pipeline_schedule, ", ", config.pipeline_chunks, " micro-batches");
   const int64_t vocab = model_config.vocab();
   return std::unique_ptr<ParallelModel>(std::make_unique<PipeModel>(
-      comm->rank(), std::move(grid), std::move(p), vocab, num_params, adam, label));
+      std::move(grid), std::move(p), vocab, num_params, adam, label));
 }
 
 }  // namespace fairscale::examples::gpt::internal

@@ -19,7 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
-#include "examples/gpt/checkpoint_dir.h"
+#include "examples/gpt/checkpoints.h"
 #include "examples/gpt/parallel_model.h"
 #include "examples/gpt/trainer.h"
 
@@ -123,9 +123,21 @@ absl::StatusOr<int64_t> ResumeScheduleSteps(const TrainConfig& config,
                                             const std::string& checkpoint_dir,
                                             int64_t checkpoint_step,
                                             const nlohmann::json& checkpoint_config) {
-  nlohmann::json saved = checkpoint_config;
-  // Checkpoints written before data_parallel existed are FSDP ones.
-  if (!saved.contains("data_parallel")) saved["data_parallel"] = "fsdp";
+  // The marker's metadata is read from disk: nothing in it is trusted.
+  const std::string where = absl::StrCat("corrupt checkpoint marker ", checkpoint_dir, "/",
+                                         train_state::kMarkerName, ": metadata.config");
+  if (!checkpoint_config.is_object()) {
+    return absl::DataLossError(absl::StrCat(where, ": is not a JSON object"));
+  }
+  for (const char* key : {"steps", "schedule_steps"}) {
+    if (checkpoint_config.contains(key) &&
+        (!checkpoint_config[key].is_number_integer() || checkpoint_config[key].get<int64_t>() < 0)) {
+      return absl::DataLossError(
+          absl::StrCat(where, ".", key, ": is ", checkpoint_config[key].dump(),
+                       ", not an integer >= 0"));
+    }
+  }
+  const nlohmann::json& saved = checkpoint_config;
   const nlohmann::json want = config.ToJson();
   for (const auto& [key, value] : want.items()) {
     if (key == "steps" || key == "schedule_steps") continue;  // a run may be extended
@@ -231,16 +243,18 @@ absl::Status CheckBeforeLaunch(const TrainConfig& config, int world_size) {
     return absl::InvalidArgumentError(
         "resume needs a checkpoint directory: drop --checkpoint_dir=none, or --resume");
   }
-  absl::StatusOr<std::optional<CompleteCheckpoint>> latest =
-      FindLatestComplete(config.checkpoint_dir);
+  absl::StatusOr<std::optional<LatestCheckpoint>> latest =
+      FindLatestCheckpoint(config.checkpoint_dir);
   if (!latest.ok()) return WithOlderCheckpointHint(latest.status(), config.checkpoint_dir);
   if (!latest->has_value()) {
     return config.resume == ResumeMode::kRequired ? NoCompleteCheckpointError(config.checkpoint_dir)
                                                   : absl::OkStatus();
   }
-  const CompleteCheckpoint& c = **latest;
-  FS_RETURN_IF_ERROR(ResumeScheduleSteps(config, c.dir, c.step, c.config).status());
-  return WithOlderCheckpointHint(VerifyCheckpoint(c), config.checkpoint_dir);
+  const LatestCheckpoint& c = **latest;
+  FS_RETURN_IF_ERROR(
+      ResumeScheduleSteps(config, c.dir, c.marker.step, MarkerConfig(c.marker)).status());
+  return WithOlderCheckpointHint(train_state::VerifyFiles(c.dir, c.marker),
+                                 config.checkpoint_dir);
 }
 
 double EstimateRankBytes(const TrainConfig& c, int64_t vocab) {

@@ -33,7 +33,7 @@
 #include "absl/strings/numbers.h"
 #include "amp/sharded_grad_scaler.h"
 #include "base/status_macros.h"
-#include "examples/gpt/checkpoint_dir.h"
+#include "examples/gpt/checkpoints.h"
 #include "examples/gpt/data.h"
 #include "examples/gpt/metrics_file.h"
 #include "examples/gpt/model.h"
@@ -43,6 +43,9 @@
 #include "trace/profile.h"
 #include "trace/recorder.h"
 #include "trace/tracing_communicator.h"
+#include "train_state/checkpoint_manager.h"
+#include "train_state/items.h"
+#include "train_state/step_dir.h"
 
 namespace fairscale::examples::gpt {
 namespace {
@@ -81,7 +84,7 @@ class Metrics {
     std::error_code ec;
     const std::filesystem::path parent = std::filesystem::path(path).parent_path();
     if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-    FS_RETURN_IF_ERROR(WriteFileAtomic(path, kept.text));
+    FS_RETURN_IF_ERROR(train_state::WriteFileAtomic(path, kept.text));
     out_.open(path, std::ios::app);
     if (!out_) return absl::UnavailableError(absl::StrCat("cannot open metrics file ", path));
     return absl::OkStatus();
@@ -98,6 +101,93 @@ class Metrics {
   std::string path_;
   std::ofstream out_;
   std::vector<nlohmann::json> records_;
+};
+
+// The trainer's own item of the training state (kind "json": rank 0's "trainer/state.json"): the
+// loss scaler's state when there is one ({} otherwise, so a run may resume with or without
+// --loss_scale; the scaler then starts afresh). The data need no item: the batch of a step is a
+// function of (seed, step, rank), and the step is the checkpoint's. Fault injection in the
+// save (--fault_kill=R:S:save): rank R's write() of step S SIGKILLs the process after its own
+// files are written (this item is added last, and a save writes the items in order), before
+// rank 0 writes COMPLETE.
+class TrainerItem final : public train_state::Stateful {
+ public:
+  TrainerItem(amp::ShardedGradScaler* scaler, int rank, int64_t fault_step)
+      : inner_(train_state::json_item([this] { return Get(); },
+                                      [this](const nlohmann::json& j) { Set(j); })),
+        scaler_(scaler),
+        rank_(rank),
+        fault_step_(fault_step) {}
+  std::string kind() const override { return inner_->kind(); }
+  std::unique_ptr<Snapshot> snapshot(const train_state::SaveContext& context,
+                                     std::unique_ptr<Snapshot> reuse) override {
+    std::unique_ptr<Snapshot> snap = inner_->snapshot(context, std::move(reuse));
+    if (context.step != fault_step_) return snap;
+    return std::make_unique<KillAfterWrite>(std::move(snap), rank_, context.step);
+  }
+  // Checks the file's fields before anything is applied (the file is read again by the inner
+  // item: a few bytes).
+  std::function<void()> restore(const train_state::RestoreContext& context) override {
+    const std::string path = context.dir + "/state.json";
+    absl::StatusOr<std::string> text = train_state::ReadFile(path);
+    TORCH_CHECK(text.ok(), text.status().ToString());
+    const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    TORCH_CHECK(j.is_object(), "checkpoint file ", path, " is not a JSON object");
+    if (j.contains("grad_scaler")) {
+      const nlohmann::json& g = j["grad_scaler"];
+      TORCH_CHECK(g.is_object() && g.contains("scale") && g["scale"].is_number() &&
+                      g["scale"].get<double>() > 0 && g.contains("growth_tracker") &&
+                      g["growth_tracker"].is_number_integer() &&
+                      g["growth_tracker"].get<int64_t>() >= 0,
+                  "checkpoint file ", path, ": grad_scaler is ", g.dump(),
+                  ", not {\"scale\": number > 0, \"growth_tracker\": integer >= 0}");
+    }
+    return inner_->restore(context);
+  }
+
+ private:
+  class KillAfterWrite final : public Snapshot {
+   public:
+    KillAfterWrite(std::unique_ptr<Snapshot> inner, int rank, int64_t step)
+        : inner_(std::move(inner)), rank_(rank), step_(step) {}
+    absl::StatusOr<train_state::WriteResult> write(const std::string& dir) override {
+      absl::StatusOr<train_state::WriteResult> r = inner_->write(dir);
+      std::fprintf(stderr,
+                   "%strain_gpt: fault injection: SIGKILL in the checkpoint save of step %lld "
+                   "(this rank's files written, COMPLETE not yet)\n",
+                   base::OutputRankPrefix(rank_).c_str(), static_cast<long long>(step_));
+      std::fflush(stderr);
+      ::raise(SIGKILL);
+      return r;
+    }
+
+   private:
+    std::unique_ptr<Snapshot> inner_;
+    int rank_;
+    int64_t step_;
+  };
+
+  nlohmann::json Get() const {
+    nlohmann::json j = nlohmann::json::object();
+    if (scaler_ != nullptr) {
+      const amp::GradScalerState st = scaler_->state_dict();
+      j["grad_scaler"] = {{"scale", st.scale}, {"growth_tracker", st.growth_tracker}};
+    }
+    return j;
+  }
+  // Called when the restore is applied (every item staged without error).
+  void Set(const nlohmann::json& j) {
+    if (scaler_ == nullptr || !j.is_object() || !j.contains("grad_scaler")) return;
+    amp::GradScalerState st = scaler_->state_dict();  // checked by restore()
+    st.scale = j["grad_scaler"]["scale"].get<double>();
+    st.growth_tracker = j["grad_scaler"]["growth_tracker"].get<int64_t>();
+    scaler_->load_state_dict(st);
+  }
+
+  std::shared_ptr<train_state::Stateful> inner_;
+  amp::ShardedGradScaler* scaler_;
+  int rank_;
+  int64_t fault_step_;  // -1: none
 };
 
 // Runs the job on one rank; throws c10::Error / std::exception for errors below the Status
@@ -144,6 +234,7 @@ class Trainer {
     data_rank_ = model_->data_rank(rank_);
     replicas_ = model_->data_replicas(world_);
     if (config_.loss_scale) scaler_ = std::make_unique<amp::ShardedGradScaler>(comm_);
+    FS_RETURN_IF_ERROR(MakeCheckpointManager());
 
     TrainResult result;
     std::vector<int64_t> prompt;
@@ -163,10 +254,12 @@ class Trainer {
                       {"schedule_steps", config_.schedule_length()},
                       {"full_param_fnv1a64", absl::StrFormat("%016x", resumed_full_param_hash_)}});
     }
-    if (rank_ == 0 && !config_.checkpoint_dir.empty()) {
-      FS_RETURN_IF_ERROR(RemoveCheckpointsAfter(config_.checkpoint_dir, result.start_step));
+    if (!config_.checkpoint_dir.empty() && config_.resume == ResumeMode::kNever &&
+        config_.overwrite_checkpoints) {
+      // A run from step 0 owns the directory: the old checkpoints go before it saves.
+      if (rank_ == 0) FS_RETURN_IF_ERROR(RemoveAllCheckpoints(config_.checkpoint_dir));
+      FS_RETURN_IF_ERROR(comm_->Barrier().Wait());
     }
-    FS_RETURN_IF_ERROR(comm_->Barrier().Wait());  // nobody saves before the stale ones are gone
     if (rank_ == 0 && config_.progress) {
       std::string options;
       if (config_.checkpoint_activations != "none") {
@@ -319,6 +412,7 @@ class Trainer {
       }
       result.last_step = step;
     }
+    FS_RETURN_IF_ERROR(WaitForCheckpoint());
     FS_RETURN_IF_ERROR(FinishTrace());
     result.train_loss = train_loss;
     result.val_loss = val_loss;
@@ -458,10 +552,31 @@ class Trainer {
     return out;
   }
 
+  // The job's training state (the mode's model and optimizer items, then the trainer's own) and
+  // the manager of --checkpoint_dir (collective: it splits off a communicator of its own, from
+  // the untraced one: checkpoint traffic is not part of the trace).
+  absl::Status MakeCheckpointManager() {
+    if (config_.checkpoint_dir.empty()) return absl::OkStatus();
+    try {
+      model_->add_state(state_);
+      const int64_t fault_step =
+          rank_ == config_.fault_rank && config_.fault_in_save ? config_.fault_step : -1;
+      state_.add("trainer", std::make_shared<TrainerItem>(scaler_.get(), rank_, fault_step));
+      manager_ = std::make_unique<train_state::CheckpointManager>(
+          plain_comm_, train_state::CheckpointManagerOptions(config_.checkpoint_dir)
+                           .keep_last(config_.keep_checkpoints)
+                           .async(config_.async_checkpoint));
+    } catch (const c10::Error& e) {
+      return absl::UnavailableError(absl::StrCat("checkpoints in ", config_.checkpoint_dir, ": ",
+                                                 e.what_without_backtrace()));
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<int64_t> MaybeResume() {
     num_params_ = model_->num_params();
     if (config_.resume == ResumeMode::kNever) {
-      // Starting from step 0 deletes every step directory (RemoveCheckpointsAfter): not
+      // Starting from step 0 deletes every step directory (RemoveAllCheckpoints): not
       // silently. Every rank checks, so every rank fails with the same message.
       if (!config_.overwrite_checkpoints && !config_.checkpoint_dir.empty()) {
         FS_RETURN_IF_ERROR(RefuseToOverwriteCheckpoints(config_.checkpoint_dir));
@@ -472,108 +587,81 @@ class Trainer {
       return absl::InvalidArgumentError("resume needs a checkpoint directory (--checkpoint_dir)");
     }
     const std::string& root = config_.checkpoint_dir;
-    absl::StatusOr<std::optional<CompleteCheckpoint>> found = FindLatestComplete(root);
+    // The marker first (every rank reads it): the config must match before anything loads.
+    absl::StatusOr<std::optional<LatestCheckpoint>> found = FindLatestCheckpoint(root);
     if (!found.ok()) return WithOlderCheckpointHint(found.status(), root);
-    std::optional<CompleteCheckpoint> latest = *std::move(found);
-    if (!latest) {
+    if (!found->has_value()) {
       if (config_.resume == ResumeMode::kAuto) return 0;
       return NoCompleteCheckpointError(root);
     }
-    if (absl::Status st = model_->check_resume(latest->format, latest->world_size, world_);
-        !st.ok()) {
-      return absl::Status(st.code(), absl::StrCat("resume: checkpoint ", latest->dir, ": ",
-                                                  st.message()));
-    }
+    const LatestCheckpoint latest = **found;
     FS_ASSIGN_OR_RETURN(config_.schedule_steps,
-                        ResumeScheduleSteps(config_, latest->dir, latest->step, latest->config));
-    // Every rank checks every file, so all ranks fail with the same message.
-    FS_RETURN_IF_ERROR(WithOlderCheckpointHint(VerifyCheckpoint(*latest), root));
+                        ResumeScheduleSteps(config_, latest.dir, latest.marker.step,
+                                            MarkerConfig(latest.marker)));
+    // The manager verifies every file (rank 0) and stages every item before applying any: a
+    // damaged checkpoint changes nothing. Collective.
     try {
-      model_->load(latest->dir, latest->format);
+      manager_->restore(state_, latest.marker.step);
     } catch (const c10::Error& e) {
       return WithOlderCheckpointHint(
-          absl::DataLossError(absl::StrCat("resume: cannot load ", latest->dir, ": ",
+          absl::DataLossError(absl::StrCat("resume: cannot load ", latest.dir, ": ",
                                            e.what_without_backtrace())),
-          root);
-    } catch (const std::exception& e) {
-      return WithOlderCheckpointHint(
-          absl::DataLossError(absl::StrCat("resume: cannot load ", latest->dir, ": ", e.what())),
           root);
     }
     // The full parameters (gathered) must be bitwise those the checkpoint was saved with, at
-    // any world size; checkpoints written before the hash was recorded are not checked.
+    // any world size.
     FS_ASSIGN_OR_RETURN(std::vector<uint64_t> full, FullParamHashes());
     resumed_full_param_hash_ = full[0];
-    resumed_from_world_ = latest->world_size;
-    if (latest->trainer_state.contains("full_param_fnv1a64")) {
-      const std::string saved = latest->trainer_state["full_param_fnv1a64"].get<std::string>();
-      if (saved != absl::StrFormat("%016x", full[0])) {
-        return WithOlderCheckpointHint(
-            absl::DataLossError(absl::StrFormat(
-                "resume: checkpoint %s: the full parameters after loading hash to %016x "
-                "(FNV-1a), the run that saved them recorded %s",
-                latest->dir, full[0], saved)),
-            root);
-      }
+    resumed_from_world_ = latest.marker.world_size;
+    const std::optional<std::string> saved = MarkerFullParamHash(latest.marker);
+    if (!saved.has_value() || *saved != absl::StrFormat("%016x", full[0])) {
+      return WithOlderCheckpointHint(
+          absl::DataLossError(absl::StrFormat(
+              "resume: checkpoint %s: the full parameters after loading hash to %016x "
+              "(FNV-1a), the run that saved them recorded %s",
+              latest.dir, full[0], saved.value_or("none"))),
+          root);
     }
-    // A checkpoint written without --loss_scale has no scaler state: the scaler starts afresh.
-    // (Recorded in trainer_state; checkpoints before it had it in config.)
-    const nlohmann::json& holder =
-        latest->trainer_state.contains("grad_scaler") ? latest->trainer_state : latest->config;
-    if (scaler_ && holder.contains("grad_scaler")) {
-      const nlohmann::json& saved = holder["grad_scaler"];
-      amp::GradScalerState st = scaler_->state_dict();
-      st.scale = saved.value("scale", st.scale);
-      st.growth_tracker = saved.value("growth_tracker", st.growth_tracker);
-      scaler_->load_state_dict(st);
-    }
-    return latest->step;
+    return latest.marker.step;
   }
 
   absl::Status SaveCheckpoint(int64_t step) {
-    const std::string dir = StepDir(config_.checkpoint_dir, step);
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) return absl::UnavailableError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
-    try {
-      model_->save(dir);
-    } catch (const c10::Error& e) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot save checkpoint ", dir, ": ", e.what_without_backtrace()));
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("cannot save checkpoint ", dir, ": ", e.what()));
-    }
-    if (rank_ == config_.fault_rank && step == config_.fault_step && config_.fault_in_save) {
-      std::fprintf(stderr,
-                   "%strain_gpt: fault injection: SIGKILL in the checkpoint save of "
-                   "step %lld (%s written, COMPLETE not yet)\n",
-                   base::OutputRankPrefix(rank_).c_str(), static_cast<long long>(step),
-                   model_->checkpoint_files(world_)[rank_].c_str());
-      std::fflush(stderr);
-      ::raise(SIGKILL);
-    }
+    const std::string dir = train_state::StepDir(config_.checkpoint_dir, step);
     // The gathered full parameters' hash, recorded so that a resume (at any world size) can
     // check it loaded exactly them. Collective.
     FS_ASSIGN_OR_RETURN(std::vector<uint64_t> full, FullParamHashes());
-    // Every rank's file is in place before rank 0 declares the step complete.
-    FS_RETURN_IF_ERROR(comm_->Barrier().Wait());
-    if (rank_ != 0) return absl::OkStatus();
-    // The trainer's own state rides in COMPLETE, written atomically with it: the loss scaler
-    // (the same on every rank: ShardedGradScaler agrees on every decision) and the hash. The
-    // step is COMPLETE's; the data and the sampling are functions of (seed, step, rank).
-    nlohmann::json state = {{"full_param_fnv1a64", absl::StrFormat("%016x", full[0])}};
-    if (scaler_) {
-      const amp::GradScalerState st = scaler_->state_dict();
-      state["grad_scaler"] = {{"scale", st.scale}, {"growth_tracker", st.growth_tracker}};
+    const std::string hash = absl::StrFormat("%016x", full[0]);
+    const nlohmann::json metadata = {
+        {"config", config_.ToJson()}, {"full_param_fnv1a64", hash}, {"mode", ModeLabel()}};
+    try {
+      manager_->save(step, state_, metadata);  // async: throws the previous save's error
+    } catch (const c10::Error& e) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot save checkpoint ", dir, ": ", e.what_without_backtrace()));
     }
-    FS_RETURN_IF_ERROR(WriteComplete(dir, step, world_, model_->checkpoint_format(),
-                                     model_->checkpoint_files(world_), config_.ToJson(), state));
+    nlohmann::json items = nlohmann::json::object();
+    for (const auto& [name, item] : state_.items()) items[name] = item->kind();
+    // Async: the snapshot is taken and the files are being written; a failure is reported by
+    // the next save or at the end of the run.
     metrics_.Write({{"type", "checkpoint"},
                     {"step", step},
                     {"world_size", world_},
-                    {"format", model_->checkpoint_format()},
-                    {"full_param_fnv1a64", state["full_param_fnv1a64"]}});
-    return PruneCheckpoints(config_.checkpoint_dir, config_.keep_checkpoints);
+                    {"items", items},
+                    {"async", config_.async_checkpoint},
+                    {"full_param_fnv1a64", hash}});
+    return absl::OkStatus();
+  }
+
+  // The asynchronous save in flight, if any, finished (its error, naming the step's files).
+  absl::Status WaitForCheckpoint() {
+    if (manager_ == nullptr) return absl::OkStatus();
+    try {
+      manager_->wait();
+    } catch (const c10::Error& e) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot save checkpoint: ", e.what_without_backtrace()));
+    }
+    return absl::OkStatus();
   }
 
   std::string ProgressLine(int64_t step, double loss, double val, double tokens_per_s,
@@ -603,7 +691,7 @@ class Trainer {
     std::error_code ec;
     const std::filesystem::path parent = std::filesystem::path(config_.plot_path).parent_path();
     if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-    return WriteFileAtomic(
+    return train_state::WriteFileAtomic(
         config_.plot_path,
         LinePlotSvg({train, val},
                     absl::StrFormat("GPT %lldx%lld on KJV Genesis+Exodus, %d ranks, %s, %s",
@@ -624,6 +712,8 @@ class Trainer {
   torch::optim::Optimizer* optim_ = nullptr;        // model_->optimizer()
   std::unique_ptr<amp::ShardedGradScaler> scaler_;  // with loss_scale
   Metrics metrics_;
+  train_state::TrainState state_;                            // with checkpoint_dir
+  std::unique_ptr<train_state::CheckpointManager> manager_;  // with checkpoint_dir
   int64_t num_params_ = 0;
   // The batch this rank trains on and the number of distinct batches per step (ParallelModel).
   int data_rank_ = 0;

@@ -7,15 +7,15 @@
 // head each its own FSDP unit (GptWrapPolicy) under a parameterless root; the data are the embedded corpus at character level (examples/gpt/data.h), the
 // batch of (step, rank) a pure function of (seed, step, rank). Rank 0 prints the progress line
 // and writes the metrics (JSON lines), the loss plot (SVG) and the sample; every rank writes its
-// shard of each checkpoint (examples/gpt/checkpoint_dir.h for the layout and the guarantees).
+// part of each checkpoint (//train_state's CheckpointManager; examples/gpt/checkpoints.h for what
+// the job adds: the config and parameter hash in the marker, the resume policy).
 // Resuming from a checkpoint gives bitwise the same losses and parameters as a run that was
 // never interrupted: the data, the learning-rate schedule and the sampling depend only on the
 // step and the seed, and the checkpoint holds the parameters and the optimizer state.
-// The fsdp mode's checkpoints are sharded (fsdp::save_sharded_checkpoint), so a run may resume
-// at another world size: the per-rank batch stays (`batch` is part of ToJson()), rank r trains
+// Every mode's checkpoints restore at another world size (ParallelModel::add_state): the per-rank batch stays (`batch` is part of ToJson()), rank r trains
 // on the batch of (seed, step, r), so the global batch becomes world size x batch; the schedule
 // continues from the step. Right after loading, the gathered full parameters must hash to the
-// value the saving run recorded in COMPLETE (kDataLoss otherwise), at any world size.
+// value the saving run recorded in the marker (kDataLoss otherwise), at any world size.
 #pragma once
 
 #include <cstdint>
@@ -61,14 +61,14 @@ struct TrainConfig {
   // Data parallelism: "fsdp" (FullyShardedDataParallel over GptWrapPolicy units, `strategy`)
   // or "sdp" (the plain model under oss::ShardedDataParallel with an oss::OSS Adam partitioned
   // by `oss_partition` (greedy | flat): ZeRO-2). sdp computes in fp32 (precision must be fp32);
-  // its checkpoints hold the full parameters in every rank file and the OSS state consolidated
-  // into rank 0's (resumable at any partition).
+  // its checkpoints hold the full parameters (train_state::module_item) and the OSS state
+  // consolidated on rank 0 (oss_item), resumable at any world size and partition.
   std::string data_parallel = "fsdp";
   std::string oss_partition = "greedy";
   // Dynamic loss scaling (amp::ShardedGradScaler over the job's communicator): the loss is
   // scaled before backward, the gradients unscaled before clipping, a step with inf/NaN
-  // gradients skipped on every rank. The scaler's state (scale, growth tracker) is recorded in
-  // each checkpoint's COMPLETE and restored on resume.
+  // gradients skipped on every rank. The scaler's state (scale, growth tracker) is saved in
+  // each checkpoint (the "trainer" item) and restored on resume.
   bool loss_scale = false;
   // Activation checkpointing of the transformer blocks: "none", "all" or "every:K" (block i when
   // i % K == 0, so "every:1" = "all", "every:2" = blocks 0, 2, ...). A checkpointed block keeps
@@ -104,12 +104,11 @@ struct TrainConfig {
   // the norm over the whole model. Needs data_parallel fsdp and precision fp32, or bf16 with FSDP
   // inside the stages (bf16 compute, boundary activations and their gradients over f32 master
   // shards, gradients reduced in f32); not supported (rejected by Validate): loss_scale,
-  // optimizer_offload. Checkpoints: with FSDP, each stage's
-  // replicas write an fsdp sharded checkpoint into stage<s>/ (format pipe_fsdp_sharded),
-  // resumable with another number of replicas (same stages and balance); without, every rank
-  // saves its stage and its Adam state in its rank file (format pipe_stages), resumable at the
-  // same world size only, bitwise. pipeline_stages (and pipeline_balance when not even) are in
-  // ToJson(). No sample is drawn at the end (no rank holds the whole model).
+  // optimizer_offload. Checkpoints (train_state::stage_item, "stage<s>/" of each item): with
+  // FSDP, each stage's replicas write an fsdp sharded checkpoint; without, replica 0 of each
+  // stage saves the stage's parameters and its Adam state; both resume with another number of
+  // replicas (same stages and balance), bitwise. pipeline_stages (and pipeline_balance when not
+  // even) are in ToJson(). No sample is drawn at the end (no rank holds the whole model).
   int64_t pipeline_stages = 1;
   int64_t pipeline_chunks = 4;
   std::string pipeline_schedule = "1f1b";
@@ -138,6 +137,9 @@ struct TrainConfig {
   std::string checkpoint_dir;
   int64_t checkpoint_every = 100;  // 0: never
   int keep_checkpoints = 2;
+  // Save in the background (train_state::CheckpointManagerOptions::async): the loop continues
+  // once the state is snapshotted into host memory. Not part of ToJson().
+  bool async_checkpoint = false;
   ResumeMode resume = ResumeMode::kNever;
   // With resume kNever, a checkpoint_dir that already holds complete checkpoints is refused
   // (RefuseToOverwriteCheckpoints: starting from step 0 deletes them) unless this is set.
@@ -157,7 +159,7 @@ struct TrainConfig {
   bool profile = false;
   // Fault injection for tests: rank `fault_rank` SIGKILLs itself right after the optimizer step
   // of `fault_step` (before that step's checkpoint), or with `fault_in_save` inside that step's
-  // checkpoint save: after its own rank file is written, before rank 0 writes COMPLETE. -1 = off.
+  // checkpoint save: after its own files are written, before rank 0 writes COMPLETE. -1 = off.
   int fault_rank = -1;
   int64_t fault_step = 0;
   bool fault_in_save = false;
@@ -203,7 +205,7 @@ absl::StatusOr<TrainResult> TrainRank(const TrainConfig& config,
 // (RefuseToOverwriteCheckpoints, unless overwrite_checkpoints); with `resume`, a complete
 // checkpoint exists (kNotFound
 // under ResumeMode::kRequired), matches the config (ResumeScheduleSteps) and is intact
-// (VerifyCheckpoint; kDataLoss pointing to an older intact one). Each message ends with what to
+// (train_state::VerifyFiles; kDataLoss pointing to an older intact one). Each message ends with what to
 // do. Creates the output directories.
 absl::Status CheckBeforeLaunch(const TrainConfig& config, int world_size);
 

@@ -11,10 +11,13 @@
 #include <torch/utils.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -372,53 +375,122 @@ TEST(TrainRankTest, PipelineBf16TracksTheUnpipelinedBf16Run) {
               ::testing::HasSubstr("x 2 replicas (FSDP FULL_SHARD)"));
 }
 
-// A pipeline with FSDP inside its stages saves an fsdp sharded checkpoint per stage, so a run of
-// 2 stages x 2 replicas stopped at step 4 resumes as 2 stages x 1 replica: its losses (steps 1-4
-// at 4 ranks, 5-8 at 2) match the unpipelined fsdp run stopped at 2 ranks and resumed at 1
-// within 1e-5, the full-parameter hash recorded at the save is the one found after loading, and
-// every stage's shard files and manifest exist.
-TEST(TrainRankTest, PipelineWithFsdpResumesWithAnotherReplicaCount) {
+// Every mode's checkpoints (//train_state items, ParallelModel::add_state) restore at another
+// world size. A run stopped at step 4 and resumed at half its ranks: the unpipelined fsdp run
+// 2 -> 1 (the reference), a pipeline with FSDP inside its stages 2 stages x 2 replicas -> 2 x 1
+// (fsdp_item per stage), a pipeline of whole stages 2 x 2 -> 2 x 1 (module_item + optimizer_item
+// per stage, saved asynchronously) and sdp 2 -> 1 (module_item + oss_item, asynchronously). The
+// same model, data and mean gradients, so every run's losses (steps 1-4 at the first world size,
+// 5-8 at the second) match the reference within 1e-5; the full-parameter hash recorded at the
+// save is the one found after loading; the files are where the items put them.
+TEST(TrainRankTest, EveryModeResumesAtAnotherWorldSize) {
   namespace fs = std::filesystem;
-  const std::string tmp = fairscale::testing::TmpPath("trainer_test_pipe_reshard");
-  JobOutput runs[2][2];  // [unpipelined, pipelined][first, resumed]
-  for (int piped = 0; piped < 2; ++piped) {
+  const std::string tmp = fairscale::testing::TmpPath("trainer_test_mode_reshard");
+  struct Variant {
+    std::string name;
+    int world;  // of the first part; the resumed part has half
+    std::function<void(TrainConfig&)> set;
+  };
+  const std::vector<Variant> variants = {
+      {"fsdp", 2, [](TrainConfig&) {}},
+      {"pipe_fsdp", 4, [](TrainConfig& c) { c.pipeline_stages = 2, c.pipeline_chunks = 2; }},
+      {"pipe_whole", 4,
+       [](TrainConfig& c) {
+         c.pipeline_stages = 2, c.pipeline_chunks = 2, c.strategy = "no_shard";
+         c.async_checkpoint = true;
+       }},
+      {"sdp", 2, [](TrainConfig& c) { c.data_parallel = "sdp", c.async_checkpoint = true; }},
+  };
+  std::vector<std::array<JobOutput, 2>> runs(variants.size());  // [first, resumed]
+  for (size_t v = 0; v < variants.size(); ++v) {
     TrainConfig first = TinyConfig("");
     first.checkpoint_every = 4, first.stop_after = 4;
-    first.checkpoint_dir = absl::StrCat(tmp, "/ck", piped);
-    if (piped == 1) first.pipeline_stages = 2, first.pipeline_chunks = 2;
-    const int world = piped == 1 ? 4 : 2;
-    const std::string name = absl::StrCat("pipe_reshard", piped);
+    first.checkpoint_dir = absl::StrCat(tmp, "/ck_", variants[v].name);
+    variants[v].set(first);
+    const std::string name = absl::StrCat("mode_reshard_", variants[v].name);
     if (!comm::testing::IsRankProcess()) fs::remove_all(first.checkpoint_dir);
-    runs[piped][0] = RunJob(first, world, name);
+    runs[v][0] = RunJob(first, variants[v].world, name);
     TrainConfig second = first;
     second.stop_after = 0, second.resume = ResumeMode::kRequired;
-    runs[piped][1] = RunJob(second, world / 2, name);
+    runs[v][1] = RunJob(second, variants[v].world / 2, name);
   }
   if (comm::testing::IsRankProcess()) return;
   const JobOutput& ref = runs[0][1];
-  const JobOutput& got = runs[1][1];
   ASSERT_EQ(ref.losses.size(), 8u);
-  ASSERT_EQ(got.losses.size(), 8u);
-  ExpectSameLosses(got, ref, "2x2 resumed as 2x1");
-  const JobOutput& saved = runs[1][0];
-  ASSERT_EQ(saved.checkpoints.size(), 1u);
-  EXPECT_EQ(saved.checkpoints[0]["format"], "pipe_fsdp_sharded");
-  EXPECT_EQ(saved.checkpoints[0]["world_size"], 4);
-  for (int s = 0; s < 2; ++s) {
-    const std::string stage = absl::StrFormat("%s/ck1/step_00000004/stage%d", tmp, s);
-    for (const std::string& f : {std::string("rank00000.shard"), std::string("rank00001.shard"),
-                                 std::string("manifest.json")}) {
-      EXPECT_TRUE(fs::exists(stage + "/" + f)) << stage << "/" << f;
-    }
+  const std::map<std::string, std::map<std::string, std::string>> kinds = {
+      {"fsdp", {{"model", "fsdp_sharded"}, {"trainer", "json"}}},
+      {"pipe_fsdp", {{"model", "stages/fsdp_sharded"}, {"trainer", "json"}}},
+      {"pipe_whole",
+       {{"model", "stages/module"}, {"optimizer", "stages/optimizer"}, {"trainer", "json"}}},
+      {"sdp", {{"model", "module"}, {"optimizer", "oss"}, {"trainer", "json"}}},
+  };
+  for (size_t v = 0; v < variants.size(); ++v) {
+    const std::string& name = variants[v].name;
+    const JobOutput& saved = runs[v][0];
+    const JobOutput& got = runs[v][1];
+    ASSERT_EQ(got.losses.size(), 8u) << name;
+    if (v > 0) ExpectSameLosses(got, ref, name);
+    ASSERT_EQ(saved.checkpoints.size(), 1u) << name;
+    EXPECT_EQ(saved.checkpoints[0]["world_size"], variants[v].world) << name;
+    using Kinds = std::map<std::string, std::string>;
+    EXPECT_EQ(saved.checkpoints[0]["items"].get<Kinds>(), kinds.at(name)) << name;
+    ASSERT_EQ(got.resumes.size(), 1u) << name;
+    EXPECT_EQ(got.resumes[0]["from_world_size"], variants[v].world) << name;
+    EXPECT_EQ(got.resumes[0]["world_size"], variants[v].world / 2) << name;
+    EXPECT_EQ(got.resumes[0]["full_param_fnv1a64"], saved.checkpoints[0]["full_param_fnv1a64"])
+        << name;
+    ASSERT_EQ(got.checkpoints.size(), 2u) << name;
+    EXPECT_EQ(got.checkpoints[1]["step"], 8) << name;
+    EXPECT_EQ(got.checkpoints[1]["world_size"], variants[v].world / 2) << name;
+    EXPECT_LT(got.losses[7], got.losses[3]) << name;
   }
-  ASSERT_EQ(got.resumes.size(), 1u);
-  EXPECT_EQ(got.resumes[0]["from_world_size"], 4);
-  EXPECT_EQ(got.resumes[0]["world_size"], 2);
-  EXPECT_EQ(got.resumes[0]["full_param_fnv1a64"], saved.checkpoints[0]["full_param_fnv1a64"]);
-  ASSERT_EQ(got.checkpoints.size(), 2u);
-  EXPECT_EQ(got.checkpoints[1]["step"], 8);
-  EXPECT_EQ(got.checkpoints[1]["world_size"], 2);
-  EXPECT_LT(got.losses[7], got.losses[3]);
+  // Where the items put their files (the step-8 checkpoints at the smaller world size).
+  const auto exists = [&](const std::string& variant, const std::string& file) {
+    const std::string path = absl::StrCat(tmp, "/ck_", variant, "/step_00000008/", file);
+    EXPECT_TRUE(fs::exists(path)) << path;
+  };
+  exists("fsdp", "model/rank00000.shard");
+  exists("fsdp", "model/manifest.json");
+  exists("fsdp", "trainer/state.json");
+  exists("fsdp", "COMPLETE");
+  for (int s = 0; s < 2; ++s) {
+    exists("pipe_fsdp", absl::StrFormat("model/stage%d/rank00000.shard", s));
+    exists("pipe_fsdp", absl::StrFormat("model/stage%d/manifest.json", s));
+    exists("pipe_whole", absl::StrFormat("model/stage%d/module.pt", s));
+    exists("pipe_whole", absl::StrFormat("optimizer/stage%d/optimizer.pt", s));
+  }
+  exists("sdp", "model/module.pt");
+  exists("sdp", "optimizer/optimizer.pt");
+}
+
+// --async_checkpoint: the saves run in the background while training continues, and a run
+// stopped after step 5 and resumed from its step-4 checkpoint gives bitwise the losses and final
+// parameters of the uninterrupted run (fsdp at 2 ranks, a save every 2 steps).
+TEST(TrainRankTest, AsyncCheckpointsResumeBitwise) {
+  const std::string tmp = fairscale::testing::TmpPath("trainer_test_async");
+  TrainConfig config = TinyConfig("");
+  config.checkpoint_every = 2;
+  config.async_checkpoint = true;
+  config.checkpoint_dir = tmp + "/whole";
+  config.overwrite_checkpoints = true;
+  const JobOutput whole = RunJob(config, 2, "async_whole");
+  TrainConfig first = config;
+  first.checkpoint_dir = tmp + "/split";
+  first.stop_after = 5;
+  RunJob(first, 2, "async_split");
+  TrainConfig second = first;
+  second.stop_after = 0, second.resume = ResumeMode::kRequired;
+  second.overwrite_checkpoints = false;
+  const JobOutput resumed = RunJob(second, 2, "async_split");
+  if (comm::testing::IsRankProcess()) return;
+  ASSERT_EQ(whole.checkpoints.size(), 4u);
+  for (const nlohmann::json& c : whole.checkpoints) EXPECT_EQ(c["async"], true);
+  ASSERT_EQ(resumed.resumes.size(), 1u);
+  EXPECT_EQ(resumed.resumes[0]["step"], 4);
+  EXPECT_EQ(resumed.losses, whole.losses);
+  ASSERT_TRUE(whole.final_record.is_object());
+  EXPECT_EQ(resumed.final_record["param_fnv1a64"], whole.final_record["param_fnv1a64"]);
+  EXPECT_EQ(resumed.final_record["full_param_fnv1a64"], whole.final_record["full_param_fnv1a64"]);
 }
 
 // --strategy=hybrid_shard --hybrid_shard_group_size=2 at 4 ranks (2 shard groups of 2, the
@@ -540,7 +612,7 @@ TEST(TrainRankTest, OptimizerOffloadGivesTheSameLossesAndResumes) {
   }
 }
 
-// The fsdp checkpoints are sharded (fsdp::save_sharded_checkpoint): a run saved at 4 ranks
+// The fsdp checkpoints are sharded (train_state::fsdp_item): a run saved at 4 ranks
 // resumes at 2 (Adam in memory) and at 3 (Adam offloaded to disk, converted through Adam's
 // archive layout). The trainer checks that the full parameters it gathers right after loading
 // hash to what the 4-rank run recorded at its save (it fails the resume otherwise); here the
@@ -582,9 +654,9 @@ TEST(TrainRankTest, ResumesAtAnotherWorldSize) {
   ASSERT_EQ(saved.checkpoints.size(), 1u);
   EXPECT_EQ(saved.checkpoints[0]["step"], 4);
   EXPECT_EQ(saved.checkpoints[0]["world_size"], 4);
-  EXPECT_EQ(saved.checkpoints[0]["format"], "fsdp_sharded");
+  EXPECT_EQ(saved.checkpoints[0]["items"]["model"], "fsdp_sharded");
   for (int r = 0; r < 4; ++r) {
-    const std::string shard = absl::StrFormat("%s/step_00000004/rank%05d.shard",
+    const std::string shard = absl::StrFormat("%s/step_00000004/model/rank%05d.shard",
                                               first.checkpoint_dir, r);
     EXPECT_TRUE(fs::exists(shard)) << shard;
   }

@@ -1,12 +1,13 @@
 // Fuzz target (libFuzzer's LLVMFuzzerTestOneInput) for the two files of the GPT job that a
-// resume reads back and trusts nothing in: a step directory's COMPLETE marker
-// (FindLatestComplete) and metrics.jsonl (ReadMetricsForResume). The first input byte picks the
-// reader (even: COMPLETE, odd: metrics; for metrics it also sets keep_through_step), the rest is
-// the file. Checks, for every input:
-// * COMPLETE: either a checkpoint whose every field obeys the documented bounds (step as the
-//   directory says, world_size in [1, kMaxWorldSize], a non-empty list of distinct relative
-//   names inside the step directory, exactly the format's files for the known formats), or
-//   kDataLoss "corrupt checkpoint marker <path>: ..." naming the file. Never a crash.
+// resume reads back and trusts nothing in: a step directory's COMPLETE marker as the job finds it
+// (FindLatestCheckpoint: its check for train_gpt's formats from before //train_state, then
+// train_state::ReadMarker, then the job's metadata readers) and metrics.jsonl
+// (ReadMetricsForResume). The first input byte picks the reader (even: COMPLETE, odd: metrics;
+// for metrics it also sets keep_through_step), the rest is the file. Checks, for every input:
+// * COMPLETE: either a marker of step 7 (as the directory says) with world_size in
+//   [1, kMaxWorldSize] and plain item names, whose metadata readers return a value; or kDataLoss
+//   "corrupt checkpoint marker <path>: ..." naming the file; or kFailedPrecondition naming the
+//   step directory and the old format. Never a crash or an exception.
 // * metrics: every kept record is an object with an integer step <= keep_through_step that is
 //   not a "final" or "sample" record; the kept text has one line per record; every warning
 //   names the file and a line number that exists; kept + warned <= the non-empty lines.
@@ -25,12 +26,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/fuzz_check.h"
-#include "examples/gpt/checkpoint_dir.h"
+#include "examples/gpt/checkpoints.h"
 #include "examples/gpt/metrics_file.h"
+#include "train_state/step_dir.h"
 
 namespace {
 
 namespace gpt = fairscale::examples::gpt;
+namespace train_state = fairscale::train_state;
 
 const std::string& Root() {
   static const std::string root = [] {
@@ -47,43 +50,35 @@ void Write(const std::string& path, const uint8_t* data, size_t size) {
   out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
 }
 
-bool InsideStepDir(const std::string& name) {
-  if (name.empty() || name[0] == '/') return false;
-  for (absl::string_view part : absl::StrSplit(name, '/')) {
-    if (part.empty() || part == "." || part == "..") return false;
-  }
-  return name.find('\0') == std::string::npos;
-}
-
 void CheckComplete(const uint8_t* data, size_t size) {
   const std::string ckpt = Root() + "/ckpt";
-  const std::string marker = ckpt + "/step_00000007/COMPLETE";
+  const std::string step_dir = ckpt + "/step_00000007";
+  const std::string marker = step_dir + "/COMPLETE";
   Write(marker, data, size);
-  const auto found = gpt::FindLatestComplete(ckpt);
+  const auto found = gpt::FindLatestCheckpoint(ckpt);
   if (!found.ok()) {
+    if (found.status().code() == absl::StatusCode::kFailedPrecondition) {
+      FS_FUZZ_CHECK(absl::StartsWith(found.status().message(),
+                                     absl::StrCat("checkpoint ", step_dir, " is in train_gpt's format")));
+      return;
+    }
     FS_FUZZ_CHECK(found.status().code() == absl::StatusCode::kDataLoss);
     FS_FUZZ_CHECK(absl::StartsWith(found.status().message(),
                                    absl::StrCat("corrupt checkpoint marker ", marker)));
     return;
   }
   FS_FUZZ_CHECK(found->has_value());  // the marker exists
-  const gpt::CompleteCheckpoint& c = **found;
-  FS_FUZZ_CHECK(c.step == 7);
-  FS_FUZZ_CHECK(c.world_size >= 1 && c.world_size <= gpt::kMaxWorldSize);
-  FS_FUZZ_CHECK(!c.files.empty());
-  std::set<std::string> names;
-  for (const gpt::FileDigest& f : c.files) {
-    FS_FUZZ_CHECK(InsideStepDir(f.name));
-    FS_FUZZ_CHECK(names.insert(f.name).second);
+  const gpt::LatestCheckpoint& c = **found;
+  FS_FUZZ_CHECK(c.dir == step_dir);
+  FS_FUZZ_CHECK(c.marker.step == 7);
+  FS_FUZZ_CHECK(c.marker.world_size >= 1 && c.marker.world_size <= train_state::kMaxWorldSize);
+  for (const auto& [name, item] : c.marker.items) {
+    FS_FUZZ_CHECK(train_state::CheckPlainName(name, "item").ok());
   }
-  if (c.format == gpt::kFormatRankFiles) {
-    const std::vector<std::string> want = gpt::RankFileNames(c.world_size);
-    FS_FUZZ_CHECK(names == std::set<std::string>(want.begin(), want.end()));
-  } else if (c.format == gpt::kFormatFsdpSharded) {
-    FS_FUZZ_CHECK(names.size() == static_cast<size_t>(c.world_size) + 1);
-    FS_FUZZ_CHECK(names.count(gpt::kShardManifestName) == 1);
-    for (int r = 0; r < c.world_size; ++r) FS_FUZZ_CHECK(names.count(gpt::ShardFileName(r)) == 1);
-  }
+  const nlohmann::json config = gpt::MarkerConfig(c.marker);
+  FS_FUZZ_CHECK(config.is_null() || c.marker.metadata.contains("config"));
+  const std::optional<std::string> hash = gpt::MarkerFullParamHash(c.marker);
+  FS_FUZZ_CHECK(!hash.has_value() || c.marker.metadata["full_param_fnv1a64"].is_string());
 }
 
 void CheckMetrics(int64_t keep, const uint8_t* data, size_t size) {

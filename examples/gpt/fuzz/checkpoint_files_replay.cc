@@ -1,5 +1,5 @@
 // Replays the checkpoint-files fuzz target without libFuzzer on every test run: the seeds (valid
-// markers of both formats, metrics files with every record kind, and broken ones), then a fixed
+// markers of the current format and of the old ones, metrics files with every record kind, and broken ones), then a fixed
 // number of deterministic mutations (the same inputs every run, so a failure reproduces).
 #include <cstdint>
 #include <cstdio>
@@ -13,6 +13,14 @@ namespace {
 
 // The first byte picks the reader: even = COMPLETE, odd = metrics.jsonl.
 const std::vector<std::string> kSeeds = {
+    std::string("\x00", 1) +
+        R"({"format":"fairscale.train_state.v1","step":7,"world_size":2,"items":{"model":)"
+        R"({"kind":"fsdp_sharded","files":[{"name":"rank00000.shard","bytes":10,)"
+        R"("fnv1a64":"00000000000000aa"}]},"trainer":{"kind":"json","files":[]}},)"
+        R"("metadata":{"config":{"steps":20,"batch":8},"full_param_fnv1a64":"0123456789abcdef"}})",
+    std::string("\x00", 1) +
+        R"({"format":"fairscale.train_state.v1","step":7,"world_size":1,"items":{},)"
+        R"("metadata":{"config":[],"full_param_fnv1a64":7}})",
     std::string("\x00", 1) +
         R"({"step":7,"world_size":2,"format":"rank_files","config":{"steps":20,"batch":8},)"
         R"("trainer_state":{},"files":[{"name":"rank0.pt","bytes":10,"fnv1a64":"00000000000000aa"},)"
