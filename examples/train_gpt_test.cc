@@ -220,7 +220,7 @@ TEST_F(TrainGptTest, ShardedDataParallelMatchesFsdpNoShardAndLossScaling) {
 }
 
 // sdp checkpoints (full parameters + the OSS state consolidated on rank 0; with --loss_scale the
-// scaler's state in COMPLETE): a run stopped at
+// scaler's state in the trainer item): a run stopped at
 // step 12 under the flat partition and resumed from step 10 under the greedy one matches an
 // uninterrupted run bitwise (OSS saves the unsharded Adam's layout, loadable at any partition).
 TEST_F(TrainGptTest, ShardedDataParallelResumeMatchesAnUninterruptedRunBitwise) {
@@ -236,13 +236,13 @@ TEST_F(TrainGptTest, ShardedDataParallelResumeMatchesAnUninterruptedRunBitwise) 
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
   JobResult first = Run("parts", with({"--stop_after=12", "--oss_partition=flat"}));
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  // The loss scaler's state rides in COMPLETE: 10 clean steps at the initial scale.
+  // The loss scaler's state is the trainer item's: 10 clean steps at the initial scale.
   {
-    std::ifstream in(dir_ + "/parts/checkpoints/step_00000010/COMPLETE");
-    const nlohmann::json complete = nlohmann::json::parse(in);
-    const nlohmann::json& scaler = complete["trainer_state"]["grad_scaler"];
-    EXPECT_EQ(scaler["scale"].get<double>(), 65536.0) << complete;
-    EXPECT_EQ(scaler["growth_tracker"].get<int64_t>(), 10) << complete;
+    std::ifstream in(dir_ + "/parts/checkpoints/step_00000010/trainer/state.json");
+    const nlohmann::json state = nlohmann::json::parse(in);
+    const nlohmann::json& scaler = state["grad_scaler"];
+    EXPECT_EQ(scaler["scale"].get<double>(), 65536.0) << state;
+    EXPECT_EQ(scaler["growth_tracker"].get<int64_t>(), 10) << state;
   }
   JobResult second = Run("parts", with({"--resume"}));
   ASSERT_EQ(second.exit_code, 0) << second.output;
@@ -278,8 +278,8 @@ TEST_F(TrainGptTest, ResumeMatchesAnUninterruptedRunBitwise) {
   EXPECT_TRUE(first.final_record.is_null());
   // A save that was killed before COMPLETE: skipped by resume.
   const std::string ckpt = dir_ + "/parts/checkpoints";
-  fs::create_directories(ckpt + "/step_00000015");
-  std::ofstream(ckpt + "/step_00000015/rank00000.shard") << "half a file";
+  fs::create_directories(ckpt + "/step_00000015/model");
+  std::ofstream(ckpt + "/step_00000015/model/rank00000.shard") << "half a file";
 
   JobResult second = Run("parts", with({"--resume"}));
   ASSERT_EQ(second.exit_code, 0) << second.output;
@@ -293,7 +293,7 @@ TEST_F(TrainGptTest, ResumeMatchesAnUninterruptedRunBitwise) {
   EXPECT_EQ(second.final_record["param_fnv1a64"], whole.final_record["param_fnv1a64"]);
   // The stale directory was replaced by the resumed run's own step-15 checkpoint.
   EXPECT_TRUE(fs::exists(ckpt + "/step_00000015/COMPLETE"));
-  EXPECT_GT(fs::file_size(ckpt + "/step_00000015/rank00000.shard"), 1000u);
+  EXPECT_GT(fs::file_size(ckpt + "/step_00000015/model/rank00000.shard"), 1000u);
 
   // --resume=auto on a finished run resumes at its last checkpoint (step 20): nothing to train,
   // same parameters.
@@ -308,7 +308,7 @@ TEST_F(TrainGptTest, CorruptCheckpointFailsNamingTheFile) {
                                         "--sample_tokens=0"};
   JobResult r = Run("c", job);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const std::string victim = dir_ + "/c/checkpoints/step_00000010/rank00001.shard";
+  const std::string victim = dir_ + "/c/checkpoints/step_00000010/model/rank00001.shard";
   ASSERT_TRUE(fs::exists(victim));
   {
     std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
@@ -333,6 +333,37 @@ TEST_F(TrainGptTest, CorruptCheckpointFailsNamingTheFile) {
   JobResult older = Run("c", args);
   ASSERT_EQ(older.exit_code, 0) << older.output;
   EXPECT_THAT(older.output, HasSubstr("resumed at step 5"));
+}
+
+// A step directory train_gpt wrote before it used //train_state (here the sharded format of
+// then: COMPLETE with "format": "fsdp_sharded" and the shards beside it) is refused before any
+// rank starts, once, naming the directory and the format, with what to do; nothing is deleted.
+TEST_F(TrainGptTest, OldCheckpointFormatIsRefusedNamingIt) {
+  const std::string step = dir_ + "/old/checkpoints/step_00000006";
+  fs::create_directories(step);
+  std::ofstream(step + "/rank00000.shard") << "a shard";
+  std::ofstream(step + "/manifest.json") << "{}";
+  std::ofstream(step + "/COMPLETE")
+      << R"({"step": 6, "world_size": 1, "format": "fsdp_sharded", "config": {}, )"
+      << R"("trainer_state": {}, "files": [{"name": "rank00000.shard", "bytes": 7, )"
+      << R"("fnv1a64": "0000000000000001"}, {"name": "manifest.json", "bytes": 2, )"
+      << R"("fnv1a64": "0000000000000002"}]})";
+  for (const std::string resume : {"--resume", "--resume=auto"}) {
+    JobResult r = Run("old", {"--nproc=1", "--steps=8", resume});
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_EQ(Count(r.output, "checkpoint " + step +
+                                  " is in train_gpt's format \"fsdp_sharded\" from before the "
+                                  "job used //train_state"),
+              1)
+        << r.output;
+    EXPECT_THAT(r.output, HasSubstr("--overwrite_checkpoints"));
+    EXPECT_THAT(r.output, Not(HasSubstr("[rank")));
+  }
+  EXPECT_TRUE(fs::exists(step + "/COMPLETE"));
+  // Without --resume it is a complete checkpoint a fresh run would delete: refused too.
+  JobResult fresh = Run("old", {"--nproc=1", "--steps=8"});
+  EXPECT_EQ(fresh.exit_code, 2) << fresh.output;
+  EXPECT_THAT(fresh.output, HasSubstr("already holds 1 complete checkpoint"));
 }
 
 // Bad values stop the job before a rank starts, each said once, ending with what to do.

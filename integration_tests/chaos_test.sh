@@ -2,11 +2,13 @@
 # Chaos: a seeded random loop of faults against the main job under fs_launch (tcp, 127.0.0.1).
 # Each trial picks a world size (2 or 4), a rank and one fault:
 #   kill   the rank SIGKILLs itself after a random step (--fault_kill=R:S)
-#   save   the rank SIGKILLs itself inside a random checkpoint save, after its shard is written
+#   save   the rank SIGKILLs itself inside a random checkpoint save, after its files are written
 #          and before COMPLETE (--fault_kill=R:S:save)
 #   sigkill  this script SIGKILLs the rank at a random moment (startup included)
 #   sigstop  this script SIGSTOPs the rank at a random moment and leaves it stopped
-# and asserts:
+# with checkpoints saved synchronously or, in half the trials, in the background
+# (--async_checkpoint: then a save fault kills the rank in the save's background thread while
+# training goes on), and asserts:
 #   - no hang: the faulted job ends within BOUND_S seconds (from its start; it runs under
 #     `timeout` so a hang fails the trial instead of the whole test's deadline);
 #   - its exit status is the fault's (137 SIGKILL, 147 a rank stopped > --stopped_timeout_s);
@@ -14,7 +16,7 @@
 #   - the newest COMPLETE checkpoint (if any) is intact: every file it lists has its size and
 #     FNV-1a 64 checksum;
 #   - `--resume=auto` then resumes at exactly that step (its resume record's full-parameter hash
-#     equals the one COMPLETE recorded), runs to the end, and ends with the final parameters
+#     equals the one COMPLETE's metadata recorded), runs to the end, and ends with the final parameters
 #     (param_fnv1a64 of every rank) of an uninterrupted run of the same world size, bitwise.
 #
 # Environment: FS_CHAOS_TRIALS (default 20), FS_CHAOS_SEED (default: random, printed; rerun a
@@ -79,20 +81,28 @@ newest_complete() {
   d=${d%/COMPLETE}
   echo $(( 10#${d##*step_} ))
 }
-# intact DIR: every file COMPLETE lists has its recorded size and FNV-1a 64.
+# intact DIR: every file of every item COMPLETE lists (<item>/<file>) has its recorded size and
+# FNV-1a 64, computed here independently of the library.
 intact() {
   python3 - "$1" <<'EOF'
 import json, os, sys
 d = sys.argv[1]
 c = json.load(open(os.path.join(d, "COMPLETE")))
-for f in c["files"]:
-    data = open(os.path.join(d, f["name"]), "rb").read()
-    h = 0xcbf29ce484222325
-    for b in data:
-        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
-    if len(data) != f["bytes"] or "%016x" % h != f["fnv1a64"]:
-        sys.exit("%s/%s: %d bytes fnv1a64 %016x, COMPLETE says %d %s"
-                 % (d, f["name"], len(data), h, f["bytes"], f["fnv1a64"]))
+assert c["format"] == "fairscale.train_state.v1", c["format"]
+n = 0
+for item, entry in c["items"].items():
+    for f in entry["files"]:
+        path = os.path.join(d, item, f["name"])
+        data = open(path, "rb").read()
+        h = 0xcbf29ce484222325
+        for b in data:
+            h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+        if len(data) != f["bytes"] or "%016x" % h != f["fnv1a64"]:
+            sys.exit("%s: %d bytes fnv1a64 %016x, COMPLETE says %d %s"
+                     % (path, len(data), h, f["bytes"], f["fnv1a64"]))
+        n += 1
+if n == 0:
+    sys.exit("%s/COMPLETE lists no files" % d)
 EOF
 }
 
@@ -115,7 +125,8 @@ for (( trial = 1; trial <= TRIALS; trial++ )); do
   rank=$(( RANDOM % n ))
   fault=${FAULTS[RANDOM % ${#FAULTS[@]}]}
   name="t$trial"
-  flags=() what="" fault_ms=""
+  flags=() what="" fault_ms="" mode="sync" save_flags=()
+  if (( RANDOM % 2 )); then save_flags=(--async_checkpoint) mode="async"; fi
   case $fault in
     kill) step=$(( 1 + RANDOM % (STEPS - 1) )); flags=(--fault_kill=$rank:$step)
           what="rank $rank SIGKILLs itself after step $step" ;;
@@ -133,7 +144,7 @@ for (( trial = 1; trial <= TRIALS; trial++ )); do
        what=${what/SIGkill/SIGKILL} what=${what/SIGstop/SIGSTOP} ;;
   esac
   t0=$(now_ms)
-  start "$name" "$n" ${flags[@]+"${flags[@]}"}
+  start "$name" "$n" ${save_flags[@]+"${save_flags[@]}"} ${flags[@]+"${flags[@]}"}
   expect=137
   if [[ $fault == sig* ]]; then
     pid=$(rank_pid "$rank") || { kill -KILL "$PID" 2>/dev/null || true; fail "trial $trial: rank $rank never started"; }
@@ -189,10 +200,10 @@ for (( trial = 1; trial <= TRIALS; trial++ )); do
   if (( ckpt > 0 )); then
     dir=$(printf '%s/%s/checkpoints/step_%08d' "$WORK" "$name" "$ckpt")
     intact "$dir" || fail "trial $trial ($n ranks, $what; seed $SEED): checkpoint of step $ckpt damaged"
-    saved=$(jq -r .trainer_state.full_param_fnv1a64 "$dir/COMPLETE")
+    saved=$(jq -r .metadata.full_param_fnv1a64 "$dir/COMPLETE")
   fi
   cp "$log" "$log.fault"
-  start "$name" "$n"; finish
+  start "$name" "$n" ${save_flags[@]+"${save_flags[@]}"}; finish
   [[ $STATUS -eq 0 ]] ||
     { cat "$log.fault" "$log"; fail "trial $trial ($n ranks, $what; seed $SEED): resumed run exited with $STATUS"; }
   if (( ckpt > 0 && ckpt < STEPS )); then
@@ -205,14 +216,15 @@ for (( trial = 1; trial <= TRIALS; trial++ )); do
   got=$(final_field "$name" param_fnv1a64)
   [[ $got == "${WANT[$n]}" ]] ||
     { cat "$log.fault" "$log"; fail "trial $trial ($n ranks, $what; seed $SEED): final parameters $got, uninterrupted ${WANT[$n]}"; }
-  COUNT[$fault]=$(( ${COUNT[$fault]:-0} + 1 ))
-  echo "trial $trial/$TRIALS: $n ranks, $what: status $fstatus after ${end_ms} ms$after," \
+  COUNT[$fault]=$(( ${COUNT[$fault]:-0} + 1 )) COUNT[$mode]=$(( ${COUNT[$mode]:-0} + 1 ))
+  echo "trial $trial/$TRIALS: $n ranks, $mode saves, $what: status $fstatus after ${end_ms} ms$after," \
        "newest complete checkpoint step $ckpt, resumed run equal"
   [[ -n ${FS_CHAOS_KEEP:-} ]] || rm -rf "$WORK/$name" "$log" "$log.fault"
 done
 total_s=$(( ($(now_ms) - test_t0) / 1000 ))
 echo "chaos summary: seed $SEED, trials $TRIALS (kill ${COUNT[kill]:-0}, save ${COUNT[save]:-0}," \
-     "sigkill ${COUNT[sigkill]:-0}, sigstop ${COUNT[sigstop]:-0}; missed $missed), hangs $hangs," \
+     "sigkill ${COUNT[sigkill]:-0}, sigstop ${COUNT[sigstop]:-0}; async saves ${COUNT[async]:-0};" \
+     "missed $missed), hangs $hangs," \
      "max end time ${max_end_ms} ms from start (bound ${BOUND_S}s), max ${max_after_ms} ms" \
      "from an outside signal to the end, ${total_s}s in the loop"
 pass "chaos: $TRIALS trials, hangs=0"

@@ -4,7 +4,7 @@
 #    status (137) and a line naming rank 1, and rank 0 ends with an error naming its peer;
 # 2. the same with --max_restarts=1: the job restarts from the last complete checkpoint
 #    (step 10) and ends with exactly the parameters and losses of an uninterrupted run;
-# 3. rank 1 is SIGKILLed in the middle of the checkpoint save of step 15 (its file written,
+# 3. rank 1 is SIGKILLed in the middle of the checkpoint save of step 15 (its files written,
 #    COMPLETE not yet): the step-10 checkpoint stays intact, and a resumed run loads it and
 #    again ends with the uninterrupted run's parameters.
 source "$(dirname "$0")/lib.sh" "$@"
