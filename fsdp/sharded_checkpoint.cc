@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/atomic_file.h"
 #include "base/fnv1a.h"
 #include "comm/torch/tensor_buffer.h"
 #include "base/torch_error.h"
@@ -342,8 +343,8 @@ absl::Status write_sharded_manifest(const ShardedCheckpointSnapshot& rank0,
     for (const ShardFileSummary& f : summaries) {
       manifest.files.push_back({f.name, f.bytes, f.fnv1a, f.header_fnv1a});
     }
-    return internal::WriteFileAtomically(Join(dir, internal::kManifestName),
-                                         internal::ManifestToJson(manifest));
+    return base::WriteFileAtomic(Join(dir, internal::kManifestName),
+                                 internal::ManifestToJson(manifest));
   } catch (const std::exception& e) {
     return absl::InternalError(
         absl::StrCat("writing '", Join(dir, internal::kManifestName), "': ", e.what()));

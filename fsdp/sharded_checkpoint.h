@@ -89,10 +89,11 @@ class ShardedCheckpointSnapshot {
 
   // Phase 2. Any thread, no communication, never throws: writes this rank's file
   // (RankFileName: "rank%05d.shard") into `dir`, which must exist, atomically (tmp, fsync,
-  // rename, fsync of the directory), and returns what rank 0's manifest needs about it. On
-  // failure (a missing or read-only directory, a full disk: the errno's text, e.g. "No space
-  // left on device") kDataLoss naming the file, and nothing is left under the file's final name
-  // nor its ".tmp"; kFailedPrecondition for an empty snapshot. The snapshot must not be a
+  // rename, fsync of the directory; //base:atomic_file), and returns what rank 0's manifest
+  // needs about it. On failure an error naming the file and the errno's text: kDataLoss (a
+  // missing or read-only directory, an I/O error), kResourceExhausted for a full disk or quota
+  // ("No space left on device"); nothing is left under the file's final name nor its tmp name
+  // ("<file>.tmp.<pid>"). kFailedPrecondition for an empty snapshot. The snapshot must not be a
   // `reuse` of a snapshot being taken meanwhile; concurrent write()s of one snapshot are fine.
   absl::StatusOr<ShardFileSummary> write(const std::string& dir) const;
 
@@ -126,7 +127,8 @@ ShardedCheckpointSnapshot snapshot_sharded_checkpoint(FullyShardedDataParallel& 
 // checkpoint, after its manifest was removed before any rank wrote): writes manifest.json into
 // `dir` atomically from rank 0's snapshot and every rank's summary (summaries[r]: rank r's).
 // Never throws: kFailedPrecondition for another rank's snapshot, kInvalidArgument for summaries
-// that are not one per rank with the rank files' names, kDataLoss naming the file on I/O errors.
+// that are not one per rank with the rank files' names, kDataLoss naming the file on I/O errors
+// (kResourceExhausted for a full disk or quota).
 absl::Status write_sharded_manifest(const ShardedCheckpointSnapshot& rank0,
                                     const std::vector<ShardFileSummary>& summaries,
                                     const std::string& dir);

@@ -260,7 +260,7 @@ TEST(FsdpShardedCheckpointPhases, FailedWriteIsDataLossNamingTheFileAndLeavesNot
                                        absl::StrCat("write to '", dir,
                                                     "': ", s.status().ToString())));
               return Check(!std::filesystem::exists(file) &&
-                               !std::filesystem::exists(file + ".tmp"),
+                               !std::filesystem::exists(absl::StrCat(file, ".tmp.", getpid())),
                            "a file was left in '" + dir + "'");
             };
             FS_RETURN_IF_ERROR(

@@ -11,10 +11,11 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "base/atomic_file.h"
 #include "comm/torch/tensor_buffer.h"
 #include "base/torch_error.h"
 #include "fsdp/internal/optim_state.h"
-#include "fsdp/internal/shard_file.h"
 #include "fsdp/internal/state_layout.h"
 
 namespace fairscale::fsdp {
@@ -356,16 +357,22 @@ struct ArchiveNode {
   }
 };
 
+// The archive is streamed into a base::AtomicFileWriter (tmp, fsync, rename, fsync of the
+// directory), so a failed write is reported with the file's name and the OS error.
 void SaveArchive(torch::serialize::OutputArchive& archive, const std::string& path,
                  const std::string& what) {
-  const std::string tmp = path + ".tmp";
+  base::AtomicFileWriter file = base::ValueOrThrow(base::AtomicFileWriter::Open(path), what);
   try {
-    archive.save_to(tmp);
+    // A short count makes LibTorch raise "failed writing"; the writer keeps the reason.
+    archive.save_to([&file](const void* data, size_t n) -> size_t {
+      return file.Append(absl::string_view(static_cast<const char*>(data), n)).ok() ? n : 0;
+    });
   } catch (const c10::Error& e) {
-    std::remove(tmp.c_str());
-    TORCH_CHECK(false, what, ": cannot write '", tmp, "': ", e.what_without_backtrace());
+    base::ThrowIfError(file.status(), what);
+    TORCH_CHECK(false, what, ": cannot write '", file.tmp_path(), "': ",
+                e.what_without_backtrace());
   }
-  base::ThrowIfError(internal::CommitFile(tmp, path), what);
+  base::ThrowIfError(file.Commit(), what);
 }
 
 }  // namespace

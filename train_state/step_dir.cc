@@ -32,21 +32,6 @@ absl::Status IoError(int e, absl::string_view what) {
   return absl::DataLossError(msg);
 }
 
-absl::Status SyncDir(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return IoError(errno, absl::StrCat("cannot open directory ", dir));
-  const int rc = ::fsync(fd);
-  const int e = errno;
-  ::close(fd);
-  if (rc != 0) return IoError(e, absl::StrCat("cannot fsync directory ", dir));
-  return absl::OkStatus();
-}
-
-std::string DirOf(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-}
-
 }  // namespace
 
 std::string StepDirName(int64_t step) { return absl::StrFormat("step_%08d", step); }
@@ -78,64 +63,6 @@ absl::Status CheckRelativePath(absl::string_view path, absl::string_view what) {
         "\" is not a relative path of 1 to 4 plain names ([A-Za-z0-9_.-], not \".\" or \"..\")"));
   }
   return absl::OkStatus();
-}
-
-absl::Status WriteFileAtomic(const std::string& path, absl::string_view content) {
-  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return IoError(errno, absl::StrCat("cannot create ", tmp));
-  size_t done = 0;
-  while (done < content.size()) {
-    const ssize_t w = ::write(fd, content.data() + done, content.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      const int e = w < 0 ? errno : EIO;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return IoError(e, absl::StrCat("cannot write ", tmp));
-    }
-    done += static_cast<size_t>(w);
-  }
-  if (::fsync(fd) != 0) {
-    const int e = errno;
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    return IoError(e, absl::StrCat("cannot fsync ", tmp));
-  }
-  if (::close(fd) != 0) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    return IoError(e, absl::StrCat("cannot close ", tmp));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    return IoError(e, absl::StrCat("cannot rename ", tmp, " to ", path));
-  }
-  return SyncDir(DirOf(path));
-}
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no file ", path));
-    return IoError(errno, absl::StrCat("cannot open ", path));
-  }
-  std::string out;
-  char buf[1 << 16];
-  while (true) {
-    const ssize_t r = ::read(fd, buf, sizeof(buf));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) {
-      const int e = errno;
-      ::close(fd);
-      return IoError(e, absl::StrCat("cannot read ", path));
-    }
-    if (r == 0) break;
-    out.append(buf, static_cast<size_t>(r));
-  }
-  ::close(fd);
-  return out;
 }
 
 absl::StatusOr<FileDigest> DigestFile(const std::string& dir, const std::string& name) {

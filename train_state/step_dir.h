@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "base/atomic_file.h"
 
 namespace fairscale::train_state {
 
@@ -93,9 +94,10 @@ std::vector<StepEntry> StepsToDelete(const std::vector<StepEntry>& steps, int ke
 // rm -r of a step directory; kDataLoss naming what could not be removed.
 absl::Status RemoveStepDir(const std::string& dir);
 
-// Writes `content` to `path` atomically: "<path>.tmp.<pid>", fsync, rename, fsync of the
-// directory. kDataLoss / kResourceExhausted (disk full) naming the file.
-absl::Status WriteFileAtomic(const std::string& path, absl::string_view content);
-absl::StatusOr<std::string> ReadFile(const std::string& path);
+// The step directories' files are written and read through //base:atomic_file
+// ("<path>.tmp.<pid>", fsync, rename, fsync of the directory; kDataLoss / kResourceExhausted for
+// a full disk, naming the file; ReadFile: kNotFound when missing).
+using ::fairscale::base::ReadFile;
+using ::fairscale::base::WriteFileAtomic;
 
 }  // namespace fairscale::train_state

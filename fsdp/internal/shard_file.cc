@@ -1,6 +1,5 @@
 #include "fsdp/internal/shard_file.h"
 
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/escaping.h"
+#include "base/atomic_file.h"
 #include "base/fnv1a.h"
 #include "base/json_fields.h"
 #include "base/status_macros.h"
@@ -36,105 +36,39 @@ std::string JoinPath(const std::string& dir, const std::string& name) {
   return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
 }
 
-absl::Status SyncDirOf(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) return absl::DataLossError(absl::StrCat("cannot open directory '", dir, "': ", Errno()));
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) return absl::DataLossError(absl::StrCat("fsync of '", dir, "' failed: ", Errno()));
-  return absl::OkStatus();
+// A file the manifest lists, read whole: a missing one is a broken checkpoint (kDataLoss, as
+// every error of OpenCheckpointFiles), not a kNotFound.
+absl::StatusOr<std::string> ReadCheckpointFile(const std::string& path) {
+  absl::StatusOr<std::string> bytes = base::ReadFile(path);
+  if (absl::IsNotFound(bytes.status())) return absl::DataLossError(bytes.status().message());
+  return bytes;
 }
 
 }  // namespace
-
-absl::Status CommitFile(const std::string& tmp, const std::string& path) {
-  const int fd = ::open(tmp.c_str(), O_RDONLY);
-  if (fd < 0) return absl::DataLossError(absl::StrCat("cannot open '", tmp, "': ", Errno()));
-  const int rc = ::fsync(fd);
-  const std::string fsync_err = Errno();
-  ::close(fd);
-  if (rc != 0) {
-    std::remove(tmp.c_str());
-    return absl::DataLossError(absl::StrCat("fsync of '", tmp, "' failed: ", fsync_err));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string err = Errno();
-    std::remove(tmp.c_str());
-    return absl::DataLossError(
-        absl::StrCat("renaming '", tmp, "' to '", path, "' failed: ", err));
-  }
-  absl::Status s = SyncDirOf(path);
-  // Not known to be durable: the caller reports a failed save, so no file vouches for it.
-  if (!s.ok()) std::remove(path.c_str());
-  return s;
-}
-
-absl::Status WriteFileAtomically(const std::string& path, absl::string_view data) {
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) return absl::DataLossError(absl::StrCat("cannot create '", tmp, "': ", Errno()));
-  const bool ok = std::fwrite(data.data(), 1, data.size(), f) == data.size();
-  const std::string write_err = Errno();
-  const bool closed = std::fclose(f) == 0;
-  const std::string err = ok ? Errno() : write_err;
-  if (!ok || !closed) {
-    std::remove(tmp.c_str());
-    return absl::DataLossError(absl::StrCat("cannot write '", tmp, "': ", err));
-  }
-  return CommitFile(tmp, path);
-}
-
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) {
-    return absl::DataLossError(absl::StrCat("cannot open '", path, "': ", Errno()));
-  }
-  std::string out;
-  char buf[1 << 16];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
-  const bool error = std::ferror(f) != 0;
-  std::fclose(f);
-  if (error) return absl::DataLossError(absl::StrCat("cannot read '", path, "'"));
-  return out;
-}
 
 std::string RankFileName(int rank) { return absl::StrFormat("rank%05d.shard", rank); }
 
 // ---- writer --------------------------------------------------------------------------------
 
-ShardFileWriter::ShardFileWriter(std::string path, std::FILE* file, int rank, int world_size)
-    : path_(std::move(path)), file_(file), fnv_(base::kFnv1a64Basis) {
+ShardFileWriter::ShardFileWriter(base::AtomicFileWriter file, int rank, int world_size)
+    : file_(std::move(file)), fnv_(base::kFnv1a64Basis) {
   info_.rank = rank;
   info_.world_size = world_size;
 }
 
-ShardFileWriter::~ShardFileWriter() {
-  if (file_ != nullptr) {
-    std::fclose(file_);
-    std::remove((path_ + ".tmp").c_str());
-  }
-}
+ShardFileWriter::~ShardFileWriter() = default;
 
 absl::StatusOr<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Open(const std::string& path,
                                                                        int rank, int world_size) {
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) return absl::DataLossError(absl::StrCat("cannot create '", tmp, "': ", Errno()));
-  std::unique_ptr<ShardFileWriter> w(new ShardFileWriter(path, f, rank, world_size));
-  absl::Status s = w->Write(kMagic, sizeof(kMagic));
-  if (!s.ok()) return s;
+  FS_ASSIGN_OR_RETURN(base::AtomicFileWriter file, base::AtomicFileWriter::Open(path));
+  std::unique_ptr<ShardFileWriter> w(new ShardFileWriter(std::move(file), rank, world_size));
+  FS_RETURN_IF_ERROR(w->Write(kMagic, sizeof(kMagic)));
   return w;
 }
 
 absl::Status ShardFileWriter::Write(const void* data, size_t n) {
-  if (n > 0 && std::fwrite(data, 1, n, file_) != n) {
-    return absl::DataLossError(absl::StrCat("cannot write '", path_, ".tmp': ", Errno()));
-  }
+  FS_RETURN_IF_ERROR(file_.Append(absl::string_view(static_cast<const char*>(data), n)));
   fnv_ = base::Fnv1a64(data, n, fnv_);
-  written_ += static_cast<int64_t>(n);
   return absl::OkStatus();
 }
 
@@ -147,7 +81,7 @@ absl::Status ShardFileWriter::Add(const std::string& key, const std::string& dty
   r.shape = shape;
   r.begin = begin;
   r.end = end;
-  r.offset = written_;
+  r.offset = file_.bytes_written();
   r.nbytes = nbytes;
   r.fnv1a = base::Fnv1a64(data, static_cast<size_t>(nbytes));
   info_.records.push_back(r);
@@ -177,16 +111,8 @@ absl::StatusOr<ShardFileWriter::Summary> ShardFileWriter::Finish() {
   if (s.ok()) s = Write(&summary.header_fnv1a, sizeof(summary.header_fnv1a));
   if (s.ok()) s = Write(kMagic, sizeof(kMagic));
   if (!s.ok()) return s;
-  const bool closed = std::fclose(file_) == 0;
-  const std::string err = Errno();  // before remove() may change errno (ENOSPC shows up here)
-  file_ = nullptr;
-  if (!closed) {
-    std::remove((path_ + ".tmp").c_str());
-    return absl::DataLossError(absl::StrCat("cannot write '", path_, ".tmp': ", err));
-  }
-  s = CommitFile(path_ + ".tmp", path_);
-  if (!s.ok()) return s;
-  summary.bytes = written_;
+  FS_RETURN_IF_ERROR(file_.Commit());
+  summary.bytes = file_.bytes_written();
   summary.fnv1a = fnv_;
   return summary;
 }
@@ -484,7 +410,7 @@ absl::StatusOr<CheckpointFiles> OpenCheckpointFiles(
         "no manifest '", c.manifest_path,
         "': not a sharded checkpoint, or its save did not complete"));
   }
-  FS_ASSIGN_OR_RETURN(const std::string json, ReadWholeFile(c.manifest_path));
+  FS_ASSIGN_OR_RETURN(const std::string json, ReadCheckpointFile(c.manifest_path));
   FS_ASSIGN_OR_RETURN(c.manifest, ManifestFromJson(json, c.manifest_path));
   const Manifest& m = c.manifest;
   if (check_manifest) FS_RETURN_IF_ERROR(check_manifest(m));
@@ -528,7 +454,7 @@ absl::StatusOr<CheckpointFiles> OpenCheckpointFiles(
     const Manifest::File& f = m.files[rank];
     const std::string path = JoinPath(dir, f.name);
     if (verify_whole_files) {
-      FS_ASSIGN_OR_RETURN(const std::string bytes, ReadWholeFile(path));
+      FS_ASSIGN_OR_RETURN(const std::string bytes, ReadCheckpointFile(path));
       if (static_cast<int64_t>(bytes.size()) != f.bytes ||
           base::Fnv1a64(bytes.data(), bytes.size()) != f.fnv1a) {
         return absl::DataLossError(absl::StrCat("checkpoint file '", path,

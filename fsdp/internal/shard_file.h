@@ -8,8 +8,9 @@
 // [begin, end) elements of the flattened tensor it holds, where its bytes are and their FNV-1a. A reader opens the footer and
 // header and then reads only the records it needs, checking each one's checksum.
 //
-// Every file is written to "<path>.tmp", fsync'ed and renamed over `path` (then the directory is
-// fsync'ed), so a crash never leaves a torn file under its final name.
+// Every file is written through //base:atomic_file: to "<path>.tmp.<pid>", fsync'ed and renamed
+// over `path` (then the directory is fsync'ed), so a crash never leaves a torn file under its
+// final name.
 #pragma once
 
 #include <cstdint>
@@ -24,16 +25,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "base/atomic_file.h"
 
 namespace fairscale::fsdp::internal {
-
-// fsync(tmp), rename(tmp, path), fsync(directory of path). kDataLoss naming the file on error,
-// which leaves neither `tmp` nor `path` behind (a file whose directory entry may not be durable
-// is removed too).
-absl::Status CommitFile(const std::string& tmp, const std::string& path);
-// Writes `data` to `path` atomically (tmp, fsync, rename).
-absl::Status WriteFileAtomically(const std::string& path, absl::string_view data);
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path);
 
 struct RecordMeta {
   std::string key;
@@ -52,7 +46,9 @@ struct ShardFileInfo {
   std::vector<RecordMeta> records;
 };
 
-// Streams records into "<path>.tmp"; Finish() writes the header and commits the file.
+// Streams records into "<path>.tmp.<pid>"; Finish() writes the header and commits the file.
+// Errors are base::AtomicFileWriter's: kDataLoss (kResourceExhausted for a full disk) naming the
+// file and the OS error; a writer destroyed before Finish() leaves no file behind.
 class ShardFileWriter {
  public:
   static absl::StatusOr<std::unique_ptr<ShardFileWriter>> Open(const std::string& path, int rank,
@@ -69,13 +65,11 @@ class ShardFileWriter {
   absl::StatusOr<Summary> Finish();
 
  private:
-  ShardFileWriter(std::string path, std::FILE* file, int rank, int world_size);
+  ShardFileWriter(base::AtomicFileWriter file, int rank, int world_size);
   absl::Status Write(const void* data, size_t n);
-  std::string path_;
-  std::FILE* file_;
+  base::AtomicFileWriter file_;
   ShardFileInfo info_;
-  int64_t written_ = 0;
-  uint64_t fnv_;
+  uint64_t fnv_;  // of the bytes written so far
 };
 
 // An open rank file whose leading magic, footer and header were read and checked against the

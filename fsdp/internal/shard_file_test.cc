@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/atomic_file.h"
 #include "base/fnv1a.h"
 #include "base/status_matchers.h"
 #include "gmock/gmock.h"
@@ -36,9 +37,9 @@ class ShardFileTest : public ::testing::Test {
     ASSERT_OK_AND_ASSIGN(summary_, w->Finish());
   }
   void Patch(int64_t offset, const std::string& bytes) {
-    ASSERT_OK_AND_ASSIGN(std::string file, ReadWholeFile(path_));
+    ASSERT_OK_AND_ASSIGN(std::string file, base::ReadFile(path_));
     file.replace(static_cast<size_t>(offset), bytes.size(), bytes);
-    ASSERT_OK(WriteFileAtomically(path_, file));
+    ASSERT_OK(base::WriteFileAtomic(path_, file));
   }
   std::string path_;
   ShardFileWriter::Summary summary_;
@@ -114,15 +115,15 @@ class CheckpointDirTest : public ::testing::Test {
       m_.files.push_back({RankFileName(static_cast<int>(r)), summary.bytes, summary.fnv1a,
                           summary.header_fnv1a});
     }
-    ASSERT_OK(WriteFileAtomically(dir_ + "/manifest.json", ManifestToJson(m_)));
+    ASSERT_OK(base::WriteFileAtomic(dir_ + "/manifest.json", ManifestToJson(m_)));
   }
   // Rewrites the manifest's text with `edit` applied.
   void EditManifest(const std::string& from, const std::string& to) {
-    ASSERT_OK_AND_ASSIGN(std::string json, ReadWholeFile(dir_ + "/manifest.json"));
+    ASSERT_OK_AND_ASSIGN(std::string json, base::ReadFile(dir_ + "/manifest.json"));
     const size_t at = json.find(from);
     ASSERT_NE(at, std::string::npos) << from << " not in " << json;
     json.replace(at, from.size(), to);
-    ASSERT_OK(WriteFileAtomically(dir_ + "/manifest.json", json));
+    ASSERT_OK(base::WriteFileAtomic(dir_ + "/manifest.json", json));
   }
   std::string dir_;
   Manifest m_;
@@ -209,13 +210,13 @@ TEST_F(ShardFileTest, RecordFieldsOutsideTheFileAreDataLossNamingTheField) {
   const std::vector<float> data = {1.f};
   ASSERT_OK(w->Add("p/w", "Float", {1}, 0, 1, data.data(), 4));
   ASSERT_OK_AND_ASSIGN(summary_, w->Finish());
-  ASSERT_OK_AND_ASSIGN(std::string file, ReadWholeFile(path_));
+  ASSERT_OK_AND_ASSIGN(std::string file, base::ReadFile(path_));
   const std::string from = "\"nbytes\":4";
   const size_t at = file.find(from);
   ASSERT_NE(at, std::string::npos);
   // Same length, so only the header's checksum changes: recompute it into the footer.
   file.replace(at, from.size(), "\"nbytes\":9");
-  ASSERT_OK(WriteFileAtomically(path_, file));
+  ASSERT_OK(base::WriteFileAtomic(path_, file));
   uint64_t len = 0;
   std::memcpy(&len, file.data() + file.size() - 24, 8);
   const uint64_t fnv = base::Fnv1a64(file.data() + file.size() - 24 - len, len);
