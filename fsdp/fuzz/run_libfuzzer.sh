@@ -9,7 +9,7 @@
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/../../base/libfuzzer.sh"
 fs_fuzz_init sharded_checkpoint_fuzz /tmp/fs_fsdp_fuzz "$@"
-fs_fuzz_build "$here/sharded_checkpoint_fuzz.cc" "$FS_FUZZ_ROOT/fsdp/internal/shard_file.cc" \
+fs_fuzz_build "$here/sharded_checkpoint_fuzz.cc" "$FS_FUZZ_ROOT/fsdp/internal/shard_file.cc" "$FS_FUZZ_ROOT/base/atomic_file.cc" \
   "$FS_FUZZ_ROOT/base/fnv1a.cc" "$FS_FUZZ_ROOT/base/json_fields.cc"
 # -max_len: the seeds are up to 2.5 KiB (a manifest and two rank files). -malloc_limit_mb: the
 # readers allocate at most a file's size (16 KiB here) plus JSON nodes; a hostile length field

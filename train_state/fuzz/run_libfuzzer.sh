@@ -10,6 +10,6 @@
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/../../base/libfuzzer.sh"
 fs_fuzz_init marker_fuzz /tmp/fs_marker_fuzz "$@"
-fs_fuzz_build "$here/marker_fuzz.cc" "$FS_FUZZ_ROOT/train_state/step_dir.cc" \
+fs_fuzz_build "$here/marker_fuzz.cc" "$FS_FUZZ_ROOT/train_state/step_dir.cc" "$FS_FUZZ_ROOT/base/atomic_file.cc" \
   "$FS_FUZZ_ROOT/base/fnv1a.cc" "$FS_FUZZ_ROOT/base/json_fields.cc"
 fs_fuzz_run -max_len=4096 -malloc_limit_mb=64 -- "$here/corpus"

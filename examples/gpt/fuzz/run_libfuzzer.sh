@@ -12,6 +12,6 @@ source "$here/../../../base/libfuzzer.sh"
 fs_fuzz_init checkpoint_files_fuzz /tmp/fs_ckpt_files_fuzz "$@"
 r="$FS_FUZZ_ROOT"
 fs_fuzz_build "$here/checkpoint_files_fuzz.cc" "$r/examples/gpt/checkpoints.cc" \
-  "$r/train_state/step_dir.cc" "$r/examples/gpt/metrics_file.cc" "$r/base/fnv1a.cc" \
+  "$r/train_state/step_dir.cc" "$r/base/atomic_file.cc" "$r/examples/gpt/metrics_file.cc" "$r/base/fnv1a.cc" \
   "$r/base/json_fields.cc"
 fs_fuzz_run -tmpfs -max_len=4096 -- "$here/corpus"
