@@ -8,10 +8,12 @@
 #include <ATen/ops/rand.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/string_utils.h>
 #include <sys/stat.h>
 #include <torch/nn/modules/linear.h>
 
 #include <atomic>
+#include <filesystem>
 #include <fstream>
 
 #include "absl/strings/match.h"
@@ -23,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "oss/oss.h"
 #include <torch/optim/adam.h>
+#include <torch/serialize/input-archive.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/full.h>
 #include "testing/tmp.h"
@@ -391,6 +394,43 @@ TEST(CheckpointManagerItems, ReplicatedOptimizerSavedAt2ContinuesAt1And3) {
       return Check(at::equal(m->bias, ref->bias), "bias");
     }), absl::StrCat("world ", world));
   }
+}
+
+// optimizer_item's snapshot serializes into the previous snapshot's buffer: after training on,
+// the second snapshot (reusing the first) writes exactly the optimizer's current archive (no
+// stale bytes of the first), which a plain Adam loads to the same state.
+TEST(CheckpointManagerItems, OptimizerSnapshotReusingABufferWritesTheCurrentState) {
+  auto m = std::make_shared<torch::nn::LinearImpl>(3, 2);
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(0.1));
+  auto step = [&] {
+    opt.zero_grad();
+    m->forward(at::full({2, 3}, 0.5)).pow(2).sum().backward();
+    opt.step();
+  };
+  auto item = optimizer_item(opt);
+  const std::string dir = fairscale::testing::UniqueTmpPath("optimizer_reuse");
+  std::filesystem::create_directories(dir + "/a");
+  std::filesystem::create_directories(dir + "/b");
+  step();
+  std::unique_ptr<Stateful::Snapshot> first = item->snapshot(SaveContext{1, 0, 1}, nullptr);
+  ASSERT_TRUE(first->write(dir + "/a").ok());
+  for (int k = 0; k < 3; ++k) step();
+  std::unique_ptr<Stateful::Snapshot> second = item->snapshot(SaveContext{4, 0, 1}, std::move(first));
+  ASSERT_TRUE(second->write(dir + "/b").ok());
+  torch::optim::Adam loaded(m->parameters(), torch::optim::AdamOptions(0.1));
+  torch::serialize::InputArchive archive;
+  archive.load_from(dir + "/b/optimizer.pt");
+  loaded.load(archive);
+  for (const at::Tensor& p : m->parameters()) {
+    const auto& want = static_cast<const torch::optim::AdamParamState&>(
+        *opt.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+    const auto& got = static_cast<const torch::optim::AdamParamState&>(
+        *loaded.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+    EXPECT_EQ(got.step(), 4);
+    EXPECT_TRUE(at::equal(got.exp_avg(), want.exp_avg()));
+    EXPECT_TRUE(at::equal(got.exp_avg_sq(), want.exp_avg_sq()));
+  }
+  EXPECT_NE(std::filesystem::file_size(dir + "/a/optimizer.pt"), 0u);
 }
 
 }  // namespace

@@ -81,6 +81,50 @@ TEST(FsdpItemTest, SavedAt4RestoresAt1To3AndContinuesLikeTheReference) {
   }
 }
 
+// Either layout: a model whose units keep their parameters unflattened (FsdpOptions::
+// flatten_parameters(false), FSDP2-style per-parameter shards) saved at 2 ranks (async) restores
+// into the flat layout at 3 ranks and into the per-parameter one at 1, to the saved full state
+// dict, and both continue like the reference.
+TEST(FsdpItemTest, PerParameterLayoutRestoresIntoEitherLayout) {
+  const auto ref = ft::RunReference(ft::OptimizerKind::kAdam, kSteps);
+  const std::string root = fairscale::testing::UniqueTmpPath("fsdp_item_per_param");
+  auto make = [](std::shared_ptr<comm::Communicator> comm, bool flat) {
+    const auto opts = fsdp::FsdpOptions().flatten_parameters(flat);
+    return fsdp::FullyShardedDataParallel(ft::NestedNet(comm, opts), comm, opts);
+  };
+  fsdp::StateDict saved;
+  ExpectAllOk(RunInprocRanks(2, [&](int rank, int w, std::shared_ptr<comm::Communicator> comm)
+                                    -> absl::Status {
+    auto model = make(comm, /*flat=*/false);
+    auto opt = ft::MakeOptimizer(ft::OptimizerKind::kAdam, model->parameters());
+    TrainState state;
+    state.add("model", fsdp_item(model, opt.get()));
+    CheckpointManager m(comm, CheckpointManagerOptions(root).async(true));
+    ft::TrainSteps(model, *opt, 0, kSaveAt, rank, w);
+    fsdp::StateDict sd = fsdp::full_state_dict(model, true);
+    if (rank == 0) saved = sd;
+    m.save(kSaveAt, state);
+    m.wait();
+    return absl::OkStatus();
+  }), "save per-parameter at 2");
+  for (const auto& [world, flat] : std::vector<std::pair<int, bool>>{{3, true}, {1, false}}) {
+    ExpectAllOk(RunInprocRanks(world, [&, flat = flat](int rank, int w,
+                                                      std::shared_ptr<comm::Communicator> comm)
+                                          -> absl::Status {
+      auto model = make(comm, flat);
+      auto opt = ft::MakeOptimizer(ft::OptimizerKind::kAdam, model->parameters());
+      TrainState state;
+      state.add("model", fsdp_item(model, opt.get()));
+      CheckpointManager m(comm, CheckpointManagerOptions(root));
+      FS_RETURN_IF_ERROR(Check(m.restore(state) == kSaveAt, "restored step"));
+      const fsdp::StateDict loaded = fsdp::full_state_dict(model, true);
+      if (rank == 0) FS_RETURN_IF_ERROR(ft::SameDict(loaded, saved, "restored vs saved"));
+      const auto losses = ft::TrainSteps(model, *opt, kSaveAt, kSteps, rank, w);
+      return ft::ExpectReferenceLosses(ref, losses, kSaveAt, rank, w);
+    }), absl::StrCat("restore at ", world, flat ? " flat" : " per-parameter"));
+  }
+}
+
 // A stage's model: fixed weights per stage (the global generator is shared by thread ranks).
 struct StageNetImpl : torch::nn::Module {
   torch::nn::Linear fc = register_module("fc", torch::nn::Linear(4, 3));

@@ -347,6 +347,8 @@ class BytesSnapshot final : public Stateful::Snapshot {
     r.files.push_back(name_);
     return r;
   }
+  // The buffer, for the next snapshot to refill (its capacity is kept).
+  std::string release_bytes() { return std::move(bytes_); }
 
  private:
   std::string name_, bytes_;
@@ -363,15 +365,23 @@ class OptimizerArchiveItem final : public Stateful {
                        std::function<void()> before_save)
       : kind_(std::move(kind)), optimizer_(optimizer), before_save_(std::move(before_save)) {}
   std::string kind() const override { return kind_; }
-  std::unique_ptr<Snapshot> snapshot(const SaveContext& ctx, std::unique_ptr<Snapshot>) override {
+  // The archive is serialized straight into the previous snapshot's buffer (its capacity reused:
+  // no allocation once the state stops growing).
+  std::unique_ptr<Snapshot> snapshot(const SaveContext& ctx,
+                                     std::unique_ptr<Snapshot> reuse) override {
     if (before_save_) before_save_();
     std::string bytes;
+    if (auto* prev = dynamic_cast<BytesSnapshot*>(reuse.get())) bytes = prev->release_bytes();
+    bytes.clear();
     if (ctx.rank == 0) {
       torch::serialize::OutputArchive archive;
       optimizer_.save(archive);
-      std::ostringstream out;
-      archive.save_to(out);
-      bytes = out.str();
+      archive.save_to([&bytes](const void* data, size_t n) {
+        bytes.append(static_cast<const char*>(data), n);
+        return n;
+      });
+    } else {
+      bytes.shrink_to_fit();
     }
     return std::make_unique<BytesSnapshot>("optimizer.pt", std::move(bytes), ctx.rank == 0);
   }
