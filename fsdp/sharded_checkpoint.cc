@@ -39,9 +39,14 @@ namespace {
 
 std::string DtypeName(at::ScalarType t) { return c10::toString(t); }
 
+// The dtype names a checkpoint may hold are internal::DtypeSize's (the one list, LibTorch-free);
+// here each is mapped to the ScalarType of that name.
 absl::StatusOr<at::ScalarType> DtypeFromName(const std::string& name) {
-  for (at::ScalarType t : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
-    if (name == c10::toString(t)) return t;
+  if (internal::DtypeSize(name) > 0) {
+    for (int i = 0; i < static_cast<int>(at::ScalarType::NumOptions); ++i) {
+      const auto t = static_cast<at::ScalarType>(i);
+      if (name == c10::toString(t)) return t;
+    }
   }
   return absl::DataLossError(absl::StrCat("unknown dtype '", name, "'"));
 }

@@ -31,6 +31,7 @@
 #include "base/status_matchers.h"
 #include "base/subprocess.h"
 #include "comm/store/tcp_store.h"
+#include "comm/store/tcp_store_test_util.h"
 #include "comm/store/wire.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -44,66 +45,25 @@ using ::fairscale::base::testing::IsOk;
 using ::fairscale::base::testing::StatusIs;
 using ::testing::HasSubstr;
 
-constexpr absl::Duration kTimeout = absl::Seconds(10);
+using testing::ClosedByPeer;
+using testing::RawConnect;
+using testing::SendAll;
+
+constexpr absl::Duration kTimeout = testing::kStoreTestTimeout;
 constexpr char kToken[] = "0123456789abcdef0123456789abcdef";
 
 absl::StatusOr<std::unique_ptr<TCPStore>> StartServer(const TCPStoreServerLimits& limits,
                                                       const std::string& token = kToken) {
   TCPStoreOptions o;
-  o.is_server = true;
-  o.timeout = kTimeout;
   o.token = token;
   o.server_limits = limits;
-  return TCPStore::Create(o);
+  return testing::StartTestServer(o);
 }
 
 absl::StatusOr<std::unique_ptr<TCPStore>> Connect(int port, const std::string& token = kToken) {
   TCPStoreOptions o;
-  o.port = port;
-  o.timeout = kTimeout;
   o.token = token;
-  return TCPStore::Create(o);
-}
-
-// A raw loopback socket to `port` (the hostile client), or -1.
-int RawConnect(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-// Reads what the server sends on `fd` until it closes the connection or `timeout` passes.
-// Returns whether it closed; the replies decoded on the way go to *replies.
-bool ClosedByPeer(int fd, absl::Duration timeout, std::vector<wire::Message>* replies = nullptr) {
-  wire::Decoder decoder(wire::Decoder::Direction::kReplies);
-  std::vector<wire::Message> ignored;
-  const absl::Time deadline = absl::Now() + timeout;
-  char buf[4096];
-  while (absl::Now() < deadline) {
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 20) <= 0) continue;
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
-    if (n > 0) (void)decoder.Feed(absl::string_view(buf, n), replies ? replies : &ignored);
-  }
-  return false;
-}
-
-// Sends as much of `bytes` as the peer takes (it may hang up: that can be the point).
-void SendAll(int fd, absl::string_view bytes) {
-  while (!bytes.empty()) {
-    const ssize_t n = send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-    if (n <= 0) return;
-    bytes.remove_prefix(static_cast<size_t>(n));
-  }
+  return testing::ConnectTestClient(port, o);
 }
 
 std::string Hello(const std::string& token = kToken) {

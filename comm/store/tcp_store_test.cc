@@ -23,6 +23,7 @@
 #include "absl/time/clock.h"
 #include "base/status_matchers.h"
 #include "base/subprocess.h"
+#include "comm/store/tcp_store_test_util.h"
 #include "comm/store/wire.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -36,56 +37,18 @@ using ::fairscale::base::testing::IsOk;
 using ::fairscale::base::testing::StatusIs;
 using ::testing::HasSubstr;
 
-constexpr absl::Duration kTimeout = absl::Seconds(10);
+using testing::ClosedByPeer;
+using testing::RawConnect;
+using testing::SendAll;
 
-absl::StatusOr<std::unique_ptr<TCPStore>> StartServer() {
-  TCPStoreOptions o;
-  o.is_server = true;
-  o.timeout = kTimeout;
-  return TCPStore::Create(o);
-}
+constexpr absl::Duration kTimeout = testing::kStoreTestTimeout;
 
-absl::StatusOr<std::unique_ptr<TCPStore>> Connect(int port,
-                                                  absl::Duration timeout = kTimeout) {
+absl::StatusOr<std::unique_ptr<TCPStore>> StartServer() { return testing::StartTestServer(); }
+
+absl::StatusOr<std::unique_ptr<TCPStore>> Connect(int port, absl::Duration timeout = kTimeout) {
   TCPStoreOptions o;
-  o.port = port;
   o.timeout = timeout;
-  return TCPStore::Create(o);
-}
-
-// A raw loopback socket to `port` (the hostile client), or -1.
-int RawConnect(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-// Whether the server closed `fd` within `timeout` (reads and discards anything it sends).
-bool ClosedByPeer(int fd, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  char buf[4096];
-  while (absl::Now() < deadline) {
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 50) <= 0) continue;
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
-  }
-  return false;
-}
-
-void SendAll(int fd, absl::string_view bytes) {
-  while (!bytes.empty()) {
-    const ssize_t n = send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-    if (n <= 0) return;  // The server may already have hung up: that is the point.
-    bytes.remove_prefix(static_cast<size_t>(n));
-  }
+  return testing::ConnectTestClient(port, o);
 }
 
 // ---- child roles ------------------------------------------------------------------------------
