@@ -332,8 +332,16 @@ absl::StatusOr<EnvConfig> ParseEnv() {
     std::string msg = absl::StrCat("MASTER_ADDR is not set (required when WORLD_SIZE > 1; ",
                                    source->size, "='", env.world_size, "')");
     if (source == &kMpiSources[0] || source == &kMpiSources[1]) {
+      // Say why the one-node FileStore does not apply when mpirun told us the ranks are spread.
+      std::optional<std::string> local_size = Env("OMPI_COMM_WORLD_LOCAL_SIZE");
+      if (source == &kMpiSources[0] && local_size.has_value() &&
+          *local_size != absl::StrCat(env.world_size)) {
+        absl::StrAppend(&msg, "; the ranks are on several hosts (OMPI_COMM_WORLD_LOCAL_SIZE='",
+                        *local_size, "' here), so they cannot meet in mpirun's session directory");
+      }
       absl::StrAppend(&msg, "; under mpirun across nodes pass rank 0's host and a free port: "
-                            "mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500 ...");
+                            "mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500 ... "
+                            "(ranks on other hosts get only the variables named with -x)");
     } else if (source == &kSlurmSource) {
       absl::StrAppend(&msg, "; under srun it defaults to the first host of SLURM_JOB_NODELIST, "
                             "which is not set either");

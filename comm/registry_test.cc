@@ -318,8 +318,11 @@ TEST_F(EnvTest, SingleNodeMpirunUsesTheSessionDirectory) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("MASTER_ADDR is not set"),
                              HasSubstr("OMPI_COMM_WORLD_SIZE='2'"),
+                             HasSubstr("the ranks are on several hosts "
+                                       "(OMPI_COMM_WORLD_LOCAL_SIZE='1' here)"),
                              HasSubstr("mpirun -x MASTER_ADDR=<rank 0's host> "
-                                       "-x MASTER_PORT=29500"))));
+                                       "-x MASTER_PORT=29500"),
+                             HasSubstr("only the variables named with -x"))));
   Set("MASTER_ADDR", "node0");
   EXPECT_THAT(ParseEnv().status(),
               StatusIs(absl::StatusCode::kInvalidArgument,

@@ -1,0 +1,76 @@
+#!/bin/bash
+# The main job under OpenMPI's mpirun (openmpi-bin) across 2 emulated hosts (hosts.sh), 2 ranks
+# each: mpirun runs in host0 and starts its daemon in host1 through netns_rsh.sh, the ssh
+# stand-in (--mca plm_rsh_agent); OpenMPI's own TCP stays on the hosts' eth0. The ranks meet in
+# rank 0's TCPStore at `-x MASTER_ADDR=10.77.0.1 -x MASTER_PORT=P` (no shared session directory
+# across hosts).
+#   - tiny model, fp32, full_shard, 8 steps: ranks 0, 1 ran in host0 and 2, 3 in host1 (each rank
+#     prints its hostname), and the per-step losses equal, within 1e-5, those of the same job at
+#     4 ranks on host0 alone (fs_launch)
+#   - without MASTER_ADDR: every rank fails within seconds saying to pass
+#     `-x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=...` (not a rendezvous timeout)
+#   - MASTER_ADDR/MASTER_PORT exported where mpirun runs but not passed with -x: host1's ranks
+#     do not get them (as over ssh) and fail the same way, within seconds
+# Args: fs_launch, train_gpt (lib.sh's).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/../lib.sh" "$@"
+source "$here/hosts.sh"
+source "$here/job_lib.sh"
+command -v mpirun >/dev/null || fail "mpirun not found (Debian's openmpi-bin; ./bazelw installs it)"
+
+mh_require_netadmin
+mh_create 2
+export MH_PREFIX  # netns_rsh.sh finds the hosts' namespaces by it
+
+# As root, mpirun refuses to run without these (the same as --allow-run-as-root).
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+unset MASTER_ADDR MASTER_PORT
+printf 'host0 slots=2\nhost1 slots=2\n' >"$WORK/hostfile"
+MPI=(mpirun --hostfile "$WORK/hostfile" -np 4 --bind-to none
+     --mca plm_rsh_agent "$here/netns_rsh.sh"
+     --mca oob_tcp_if_include eth0 --mca btl_tcp_if_include eth0
+     -x OMP_NUM_THREADS=1 -x FS_COMM_TIMEOUT_S=60)
+
+# mrun NAME [mpirun flags...]: the job under mpirun started in host0, output in $WORK/NAME.log,
+# metrics in $WORK/NAME/; sets STATUS and SECONDS_TAKEN.
+mrun() {
+  local name=$1; shift
+  local t0=$SECONDS
+  STATUS=0
+  mh_run 0 timeout -k 5 240 "${MPI[@]}" "$@" "$REPORT" "$TRAIN_GPT" "${TINY[@]}" "${JOB[@]}" \
+      --out_dir="$WORK/$name" >"$WORK/$name.log" 2>&1 || STATUS=$?
+  SECONDS_TAKEN=$(( SECONDS - t0 ))
+  [[ $STATUS -ne 124 ]] || { show_logs "$WORK/$name.log"; fail "$name: still running after 240 s"; }
+}
+
+reference one_host
+
+mrun mpirun -x MASTER_ADDR="$(mh_addr 0)" -x MASTER_PORT=29610
+[[ $STATUS -eq 0 ]] || { show_logs "$WORK/mpirun.log"; fail "mpirun across 2 hosts exited with $STATUS"; }
+grep -q "train_gpt: 4 ranks" "$WORK/mpirun.log" ||
+  { show_logs "$WORK/mpirun.log"; fail "mpirun: not one job of 4 ranks"; }
+expect_placement mpirun "$WORK/mpirun.log"
+diff=$(close_losses mpirun one_host) || { show_logs "$WORK/mpirun.log"; fail "mpirun: losses (above)"; }
+pass "mpirun across 2 hosts x 2 ranks (ranks 0,1 in host0, 2,3 in host1): losses within $diff of 4 ranks on host0 ($(losses mpirun | tail -1))"
+
+# expect_clear_error NAME: the job failed, soon, with the message that says what to pass.
+expect_clear_error() {
+  local name=$1
+  [[ $STATUS -ne 0 ]] || { show_logs "$WORK/$name.log"; fail "$name: exited 0 without a rendezvous"; }
+  (( SECONDS_TAKEN <= 30 )) ||
+    { show_logs "$WORK/$name.log"; fail "$name: took ${SECONDS_TAKEN}s to fail (want seconds)"; }
+  grep -q "MASTER_ADDR is not set" "$WORK/$name.log" &&
+    grep -q "mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=" "$WORK/$name.log" ||
+    { show_logs "$WORK/$name.log"; fail "$name: no error saying to pass -x MASTER_ADDR -x MASTER_PORT"; }
+}
+
+mrun no_master_addr
+expect_clear_error no_master_addr
+pass "mpirun across hosts without MASTER_ADDR: failed in ${SECONDS_TAKEN}s: $(grep -m1 -o 'MASTER_ADDR is not set.*' "$WORK/no_master_addr.log")"
+
+# Exported in mpirun's environment only: host0's ranks inherit the variables, host1's do not.
+MPI=(env MASTER_ADDR="$(mh_addr 0)" MASTER_PORT=29611 "${MPI[@]}")
+mrun not_forwarded
+expect_clear_error not_forwarded
+pass "MASTER_ADDR exported but not passed with -x: host1's ranks failed in ${SECONDS_TAKEN}s saying to pass -x"
