@@ -48,7 +48,7 @@ model_flags() {
 mh_require_netadmin
 mh_create 2
 [[ $DELAY_MS -eq 0 ]] || mh_delay 1 "$DELAY_MS"
-echo "bench: load average before: $(cut -d' ' -f1-3 /proc/loadavg) ($(nproc) cores)"
+echo "bench: load average before: $(cut -d' ' -f1-3 /proc/loadavg) ($(getconf _NPROCESSORS_ONLN) cores)"
 
 # run NAME MODEL STRATEGY: 2 hosts x 2 ranks; prints "<step_s median> <bytes per step>".
 run() {
