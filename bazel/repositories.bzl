@@ -18,6 +18,7 @@ system libraries (./bazelw installs them), under the upstream repository names a
   @nlohmann_json             nlohmann-json3-dev: :json
   @libtorch                  LibTorch, found by libtorch.bzl (libtorch = "/path" or $LIBTORCH_HOME)
   @fairscale_cpp_gloo, @fairscale_cpp_ucx   libgloo-dev, libucx-dev (the benchmark, //comm/ucx)
+  @fairscale_cpp_netfilter_queue   libnetfilter-queue-dev (the multi-host tests' packet delayer)
   @fairscale_cpp_cuda        /usr/local/cuda (CUDA + NCCL); a stub of incompatible targets without it
   @rules_cc, @rules_java, @remote_coverage_tools   offline stand-ins for what Bazel 4.2.3's own
                              WORKSPACE suffix would download (native rules re-exported)
@@ -92,6 +93,8 @@ _SYSTEM_LIBRARIES = [
     ("nlohmann_json", "/usr/include/nlohmann", "nlohmann-json3-dev", "nlohmann_json.BUILD"),
     ("fairscale_cpp_gloo", "/usr/include/gloo", "libgloo-dev", "gloo.BUILD"),
     ("fairscale_cpp_ucx", "/usr/include/ucp", "libucx-dev", "ucx.BUILD"),
+    ("fairscale_cpp_netfilter_queue", "/usr/include/libnetfilter_queue", "libnetfilter-queue-dev",
+     "netfilter_queue.BUILD"),
 ]
 
 def _maybe(rule, name, **kwargs):

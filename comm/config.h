@@ -18,8 +18,12 @@ struct CommConfig {
   std::shared_ptr<Store> store;
   // Default timeout of every operation and of the rendezvous itself.
   absl::Duration timeout = absl::Minutes(10);
-  // Address that listening backends bind to and publish. Loopback unless told otherwise.
+  // Address that listening backends bind to and publish. Loopback unless told otherwise
+  // (CreateCommunicatorFromEnv chooses one from FS_SOCKET_IFNAME or the route to MASTER_ADDR).
   std::string bind_address = "127.0.0.1";
+  // The network interface bind_address was chosen by (FS_SOCKET_IFNAME); "" = none. Backends
+  // that pick their own devices keep to it (ucx: UCX_NET_DEVICES, unless that is set).
+  std::string network_interface;
   // Store namespace of this communicator ("" = "default"). Ranks must agree.
   std::string name;
   // Backend-specific knobs, e.g. {"algo.chunk_bytes", "1048576"}; unknown keys are

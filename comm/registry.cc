@@ -11,7 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "base/logging.h"
 #include "base/status_macros.h"
+#include "comm/bind_address.h"
 #include "comm/slurm_hostlist.h"
 #include "comm/store/file_store.h"
 #include "comm/store/hash_store.h"
@@ -307,6 +309,21 @@ absl::StatusOr<EnvConfig> ParseEnv() {
                         IntVar(source->local_rank, 0, kMaxInt, /*required=*/false, ""));
   }
   env.local_rank = local_rank.value_or(0);
+  // Ranks on this host: the launcher's count, the same way round as LOCAL_RANK.
+  FS_ASSIGN_OR_RETURN(std::optional<int> local_size,
+                      IntVar("LOCAL_WORLD_SIZE", 1, kMaxInt, /*required=*/false, ""));
+  if (!local_size.has_value() && source == &kMpiSources[0]) {
+    FS_ASSIGN_OR_RETURN(local_size, IntVar("OMPI_COMM_WORLD_LOCAL_SIZE", 1, kMaxInt,
+                                           /*required=*/false, ""));
+  } else if (!local_size.has_value() && source == &kMpiSources[1]) {
+    FS_ASSIGN_OR_RETURN(local_size,
+                        IntVar("MPI_LOCALNRANKS", 1, kMaxInt, /*required=*/false, ""));
+  } else if (!local_size.has_value() && source == &kSlurmSource &&
+             Env("SLURM_STEP_NUM_NODES") == "1") {
+    local_size = env.world_size;
+  }
+  env.local_world_size = local_size.value_or(0);
+  env.socket_ifname = Env("FS_SOCKET_IFNAME").value_or("");
 
   // Several ranks need a rendezvous; a single rank may still be told where one is.
   const bool need_master = env.world_size > 1;
@@ -475,6 +492,19 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(const Co
       // At least 4 beats per stall timeout.
       config.options["algo.heartbeat_ms"] = absl::StrCat(std::min<int64_t>(1000, ms / 4));
     }
+  }
+  if (env.world_size > 1 && base.bind_address == CommConfig().bind_address) {
+    BindAddressInputs in;
+    in.socket_ifname = env.socket_ifname;
+    in.master_addr = env.master_addr;
+    in.single_node = env.local_world_size == env.world_size || !env.store_dir.empty();
+    FS_ASSIGN_OR_RETURN(BindAddressChoice choice, ChooseBindAddress(in));
+    if (choice.address != config.bind_address) {
+      FS_LOG(INFO) << "rank " << env.rank << "/" << env.world_size << ": listening for peers on "
+                   << choice.address << " (" << choice.reason << ")";
+    }
+    config.bind_address = choice.address;
+    config.network_interface = choice.interface;
   }
   if (config.store == nullptr) {
     if (env.world_size == 1) {

@@ -103,6 +103,24 @@ absl::StatusOr<std::unique_ptr<Store>> CreateStoreClient(absl::string_view proto
 // operation timeout in seconds; also bounds the rendezvous), FS_STORE_TOKEN (the job token our
 // TCPStore server demands; fs_launch generates it), FS_STORE_PREFIX (a namespace for every store
 // key; fs_launch sets one per restart attempt).
+//
+// Where a rank listens for its peers and which address it advertises to them
+// (CommConfig::bind_address; comm/bind_address.h), first that applies:
+//   FS_SOCKET_IFNAME=<interface>        that interface's IPv4 address (like GLOO_SOCKET_IFNAME;
+//                                       an unknown interface, or one without an IPv4 address,
+//                                       is kInvalidArgument listing the interfaces). The ucx
+//                                       backend also gets it as UCX_NET_DEVICES unless that is
+//                                       set.
+//   every rank on this host             127.0.0.1: LOCAL_WORLD_SIZE (torchrun / fs_launch),
+//                                       OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS or
+//                                       SLURM_STEP_NUM_NODES=1 says so, or there is no
+//                                       MASTER_ADDR (mpirun's FileStore), or MASTER_ADDR is
+//                                       loopback
+//   otherwise                           the local address of the route to MASTER_ADDR (what
+//                                       this host would use to reach rank 0's host)
+// A caller's own `base.bind_address` (anything but the default 127.0.0.1) wins over both.
+// A rank whose connection to a peer's advertised address is refused for seconds fails then
+// (not after the rendezvous timeout), naming the address and FS_SOCKET_IFNAME.
 struct EnvConfig {
   int rank = 0;
   int world_size = 1;
@@ -126,6 +144,11 @@ struct EnvConfig {
   // Which variables gave rank and size: "RANK/WORLD_SIZE", "OMPI_COMM_WORLD_*", "PMI_*" or
   // "SLURM_*".
   std::string rank_source;
+  // Ranks on this host (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS; the world
+  // size under srun with SLURM_STEP_NUM_NODES=1); 0 when unknown.
+  int local_world_size = 0;
+  // FS_SOCKET_IFNAME; "" = unset.
+  std::string socket_ifname;
 };
 
 // Whether a launcher started this process: any rank source above is set (RANK or WORLD_SIZE,
@@ -138,8 +161,9 @@ bool StartedByLauncher();
 absl::StatusOr<EnvConfig> ParseEnv();
 
 // ParseEnv(), then the rendezvous store described above, then CreateCommunicator.
-// `base` supplies the fields the environment does not (bind_address, options; timeout unless
-// FS_COMM_TIMEOUT_S is set; a store, which then replaces the rendezvous). With FS_STORE_PREFIX
+// `base` supplies the fields the environment does not (options; bind_address when not the
+// default, see above; timeout unless FS_COMM_TIMEOUT_S is set; a store, which then replaces the
+// rendezvous). With FS_STORE_PREFIX
 // the store is wrapped in a PrefixStore. WORLD_SIZE=1 uses an in-memory HashStore.
 absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(
     const CommConfig& base = {});

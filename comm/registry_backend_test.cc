@@ -19,6 +19,7 @@ namespace {
 
 using ::fairscale::base::testing::IsOk;
 using ::fairscale::base::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
@@ -114,7 +115,8 @@ class FromEnvTest : public ::testing::Test {
     for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                           "FS_COMM_BACKEND", "FS_COMM_TIMEOUT_S", "FS_COMM_STALL_TIMEOUT_S",
                           "TORCHELASTIC_USE_AGENT_STORE", "FS_STORE_TOKEN", "FS_STORE_PREFIX",
-                          "FS_STORE_PROTOCOL", "TORCHELASTIC_RESTART_COUNT"}) {
+                          "FS_STORE_PROTOCOL", "TORCHELASTIC_RESTART_COUNT", "LOCAL_WORLD_SIZE",
+                          "FS_SOCKET_IFNAME"}) {
       unsetenv(v);
     }
   }
@@ -195,6 +197,40 @@ TEST_F(FromEnvTest, RankZeroHostsTheStoreOnMasterPort) {
   ASSERT_OK_AND_ASSIGN(auto rank1, TCPStore::Create(o));
   ASSERT_OK_AND_ASSIGN(std::string v, rank1->Get("rank0", absl::Seconds(5)));
   EXPECT_EQ(v, "hello");
+}
+
+// Rank 0 of 2 hosting the store on 127.0.0.1; FS_SOCKET_IFNAME / the caller's bind_address decide
+// where the backend listens.
+TEST_F(FromEnvTest, SocketIfnameChoosesTheBindAddress) {
+  Set("RANK", "0");
+  Set("WORLD_SIZE", "2");
+  Set("MASTER_ADDR", "127.0.0.1");
+  Set("FS_COMM_BACKEND", "fake_low");
+  {
+    Set("MASTER_PORT", absl::StrCat(FreePort()));
+    ASSERT_OK_AND_ASSIGN(auto c, CreateCommunicatorFromEnv());
+    EXPECT_EQ(AsFake(c).config.bind_address, "127.0.0.1");  // loopback MASTER_ADDR
+    EXPECT_EQ(AsFake(c).config.network_interface, "");
+  }
+  Set("FS_SOCKET_IFNAME", "lo");
+  {
+    Set("MASTER_PORT", absl::StrCat(FreePort()));
+    ASSERT_OK_AND_ASSIGN(auto c, CreateCommunicatorFromEnv());
+    EXPECT_EQ(AsFake(c).config.bind_address, "127.0.0.1");
+    EXPECT_EQ(AsFake(c).config.network_interface, "lo");
+  }
+  {
+    Set("MASTER_PORT", absl::StrCat(FreePort()));
+    CommConfig base;
+    base.bind_address = "0.0.0.0";  // the caller's own choice wins
+    ASSERT_OK_AND_ASSIGN(auto c, CreateCommunicatorFromEnv(base));
+    EXPECT_EQ(AsFake(c).config.bind_address, "0.0.0.0");
+  }
+  Set("FS_SOCKET_IFNAME", "fs_nosuch0");
+  EXPECT_THAT(CreateCommunicatorFromEnv().status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("FS_SOCKET_IFNAME='fs_nosuch0'"),
+                             HasSubstr("no interface named 'fs_nosuch0'"), HasSubstr("lo"))));
 }
 
 TEST_F(FromEnvTest, AgentStoreMakesEveryRankAClient) {

@@ -28,7 +28,8 @@ constexpr const char* kVars[] = {
     "SLURM_PROCID",   "SLURM_NTASKS",       "SLURM_LOCALID",        "SLURM_STEP_ID",
     "SLURM_STEPID",   "SLURM_JOB_ID",       "SLURM_JOB_NODELIST",   "SLURM_NODELIST",
     "SLURM_STEP_NODELIST", "FS_STORE_PROTOCOL", "TORCHELASTIC_RESTART_COUNT",
-    "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_orte_jobfam_session_dir", "OMPI_MCA_ess_base_jobid"};
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_orte_jobfam_session_dir", "OMPI_MCA_ess_base_jobid",
+    "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_NODES", "FS_SOCKET_IFNAME"};
 
 // Clears the contract's variables for each test and restores them afterwards.
 // Environment variables that ParseEnv rejects.
@@ -122,6 +123,41 @@ TEST_F(EnvTest, EveryVariable) {
   Set("TORCHELASTIC_USE_AGENT_STORE", "False");
   ASSERT_OK_AND_ASSIGN(env, ParseEnv());
   EXPECT_FALSE(env.use_agent_store);
+}
+
+// The ranks on this host (for the choice of bind address): each launcher's spelling.
+TEST_F(EnvTest, LocalWorldSizeAndSocketIfname) {
+  Set("RANK", "0");
+  Set("WORLD_SIZE", "1");
+  ASSERT_OK_AND_ASSIGN(EnvConfig env, ParseEnv());
+  EXPECT_EQ(env.local_world_size, 0);  // unknown
+  EXPECT_EQ(env.socket_ifname, "");
+  Set("LOCAL_WORLD_SIZE", "1");
+  Set("FS_SOCKET_IFNAME", "eth0");
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_EQ(env.local_world_size, 1);
+  EXPECT_EQ(env.socket_ifname, "eth0");
+  for (const char* v : kVars) unsetenv(v);
+  Set("OMPI_COMM_WORLD_RANK", "0");
+  Set("OMPI_COMM_WORLD_SIZE", "1");
+  Set("OMPI_COMM_WORLD_LOCAL_SIZE", "1");
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_EQ(env.local_world_size, 1);
+  for (const char* v : kVars) unsetenv(v);
+  Set("PMI_RANK", "0");
+  Set("PMI_SIZE", "1");
+  Set("MPI_LOCALNRANKS", "1");
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_EQ(env.local_world_size, 1);
+  for (const char* v : kVars) unsetenv(v);
+  Set("SLURM_PROCID", "0");
+  Set("SLURM_NTASKS", "1");
+  Set("SLURM_STEP_NUM_NODES", "1");
+  ASSERT_OK_AND_ASSIGN(env, ParseEnv());
+  EXPECT_EQ(env.local_world_size, 1);
+  Set("LOCAL_WORLD_SIZE", "many");
+  EXPECT_THAT(ParseEnv().status(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                            HasSubstr("LOCAL_WORLD_SIZE='many'")));
 }
 
 TEST_F(EnvTest, ErrorsNameTheVariableAndItsValue) {

@@ -58,6 +58,9 @@ constexpr char kUsage[] =
     "--nnodes > 1). Set for every rank: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,\n"
     "GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE, FS_STORE_TOKEN,\n"
     "FS_STORE_PREFIX, FS_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS.\n"
+    "Passed on to the ranks: FS_SOCKET_IFNAME=<interface> (where ranks listen for each other and\n"
+    "the address they advertise; default with --nnodes > 1: the local address of the route to\n"
+    "--master_addr, with one node: 127.0.0.1), FS_COMM_BACKEND, UCX_*.\n"
     "Exit status: the failed rank's code, 128 + signal, or 1 when the job could not be run.";
 
 // Whether --name takes a value (so "--name value" consumes the next argument): every known

@@ -103,6 +103,17 @@ absl::Status UcxTransport::Init(Store* store, const CommConfig& config) {
   if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
     (void)ucp_config_modify(ucp_config, "KEEPALIVE_INTERVAL", "1s");
   }
+  // FS_SOCKET_IFNAME (CommConfig::network_interface) names the interface the job's ranks reach
+  // each other on; UCX's own UCX_NET_DEVICES, when set, wins.
+  if (!config.network_interface.empty() && std::getenv("UCX_NET_DEVICES") == nullptr) {
+    st = ucp_config_modify(ucp_config, "NET_DEVICES", config.network_interface.c_str());
+    if (st != UCS_OK) {
+      ucp_config_release(ucp_config);
+      return absl::InvalidArgumentError(
+          absl::StrCat("[ucx] FS_SOCKET_IFNAME='", config.network_interface,
+                       "' rejected by UCX as UCX_NET_DEVICES: ", UcsError(st)));
+    }
+  }
   const char* tls = std::getenv("UCX_TLS");
   transports_ = tls != nullptr ? tls : "all";
   if (auto it = config.options.find("ucx.tls"); it != config.options.end()) {

@@ -17,8 +17,22 @@
 #   mh_shape 1 rate=100mbit                # host1's link: 100 Mbit/s each way (tbf)
 #   mh_link 1 down; mh_link 1 up           # unplug / replug host1's cable
 #   mh_addr 0                              # 10.77.0.1
+#   mh_loss 1 10; mh_loss 1 0              # host1 loses 10% of its packets each way / none
+#   mh_drop 1 on; mh_drop 1 off            # host1's packets vanish (link stays up) / flow again
+#   mh_delay 1 20; mh_delay 1 0            # host1's packets delayed 20 ms each way / not
 #
-# Requires root (CAP_NET_ADMIN, CAP_SYS_ADMIN): ip (iproute2), unshare, tc.
+# Impairments (loss, drop, delay) act on host I's cable at the switch, on the IPv4 packets it
+# sends and those it receives, so between host I and any other host each applies once per
+# direction; set on both ends they compound (10% loss on each: a datagram survives with
+# 0.9 x 0.9 = 81%; 20 ms delay on each: 40 ms one way). The host's own stack sees nothing (no
+# send errors). They are iptables rules in the switch's namespace (the bridge calls iptables:
+# br_netfilter), and for delay netdelay (an NFQUEUE reader: this kernel has no netem qdisc), run
+# in the switch's namespace: $MH_NETDELAY, by default `netdelay` beside this file. Order on the
+# way out of host I: its tbf (mh_shape), then drop, loss, delay; on the way in: drop, loss, delay,
+# then the tbf of its port. ARP and IPv6 are not impaired.
+#
+# Requires root (CAP_NET_ADMIN, CAP_SYS_ADMIN): ip (iproute2), unshare, tc; for impairments
+# iptables (with the physdev and statistic matches and the NFQUEUE target).
 
 # Bazel's test PATH (/bin:/usr/bin:/usr/local/bin) lacks the sbin directories of ip and tc.
 export PATH="$PATH:/usr/sbin:/sbin"
@@ -27,6 +41,9 @@ MH_HOSTS=0
 MH_SUBNET=10.77.0
 MH_SWITCH="${MH_PREFIX}sw"
 MH_CREATED=()
+MH_NETDELAY=${MH_NETDELAY:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/netdelay}
+declare -A MH_DELAYER=()  # host -> pid of its netdelay
+MH_DELAY_RUNS=0
 
 mh_log() { echo "multihost: $*" >&2; }
 
@@ -156,6 +173,100 @@ mh_shape() {
   done
 }
 
+# mh_swtables ARGS...: iptables in the switch's namespace (-w: wait for the xtables lock).
+mh_swtables() { ip netns exec "$MH_SWITCH" iptables -w "$@"; }
+
+# mh__impair_chains: makes sure the switch has the impairment chains. The bridge passes IPv4
+# through iptables' FORWARD hook (br_netfilter); what a host sends (in on its port) meets the
+# mangle table's chains, what it receives (out on its port) the filter table's, each in the order
+# mh_drop, mh_loss, mh_delay. Two tables because a queued packet's ACCEPT ends its table: a packet
+# between two delayed hosts is held by the sender's delay (mangle), then by the receiver's (filter).
+mh__impair_chains() {
+  mh_swtables -t mangle -L mh_drop -n >/dev/null 2>&1 && return 0
+  ip netns exec "$MH_SWITCH" sh -c "echo 1 >/proc/sys/net/bridge/bridge-nf-call-iptables"
+  local t c
+  for t in mangle filter; do
+    for c in mh_drop mh_loss mh_delay; do
+      mh_swtables -t "$t" -N "$c"
+      mh_swtables -t "$t" -A FORWARD -j "$c"
+    done
+  done
+}
+
+# mh__impair I CHAIN [TARGET...]: replaces host I's rules in CHAIN by one per direction that
+# sends its packets to TARGET (none: removes them).
+mh__impair() {
+  local i=$1 chain=$2; shift 2
+  local port rule t
+  port=$(mh_port "$i")
+  mh__impair_chains
+  for t in mangle filter; do
+    while read -r -a rule; do
+      [[ ${#rule[@]} -gt 0 ]] && mh_swtables -t "$t" -D "${rule[@]:1}"
+    done < <(mh_swtables -t "$t" -S "$chain" | grep -E -- "--physdev-(in|out) $port( |\$)" || true)
+  done
+  (( $# )) || return 0
+  mh_swtables -t mangle -A "$chain" -m physdev --physdev-in "$port" "$@"
+  mh_swtables -t filter -A "$chain" -m physdev --physdev-out "$port" "$@"
+}
+
+# mh_loss I PCT: drops PCT percent (0..100) of host I's packets at random, independently in each
+# direction (what it sends and what it receives). mh_loss I 0: none.
+mh_loss() {
+  local i=$1 pct=$2
+  awk -v p="$pct" 'BEGIN { exit !(p ~ /^[0-9]+(\.[0-9]+)?$/ && p >= 0 && p <= 100) }' ||
+    { echo "mh_loss: a percentage 0..100, got '$pct'" >&2; return 1; }
+  if awk -v p="$pct" 'BEGIN { exit !(p > 0) }'; then
+    mh__impair "$i" mh_loss -m statistic --mode random \
+      --probability "$(awk -v p="$pct" 'BEGIN { printf "%.6f", p / 100 }')" -j DROP
+  else
+    mh__impair "$i" mh_loss
+  fi
+}
+
+# mh_drop I on|off: every packet host I sends or receives vanishes (on), or none does (off).
+# Unlike mh_link down, host I's link stays up and its sends succeed: peers see only silence.
+mh_drop() {
+  case $2 in
+    on) mh__impair "$1" mh_drop -j DROP ;;
+    off) mh__impair "$1" mh_drop ;;
+    *) echo "mh_drop: on or off, got '$2'" >&2; return 1 ;;
+  esac
+}
+
+# mh_delay I MS: holds every packet host I sends or receives for MS milliseconds (an integer),
+# in order: netdelay, in the switch's namespace, reading NFQUEUE I. At most MH_DELAY_QUEUE
+# packets (default 1000) wait at once, the rest are dropped, as by a full link buffer.
+# mh_delay I 0: no delay (packets waiting are released at once). Each run's log (counts, on
+# exit): ${MH_LOGDIR:-$TEST_TMPDIR}/netdelay.<run>.host<I>.log.
+mh_delay() {
+  local i=$1 ms=$2
+  [[ $ms =~ ^[0-9]+$ ]] || { echo "mh_delay: milliseconds (an integer), got '$ms'" >&2; return 1; }
+  mh__impair "$i" mh_delay
+  if [[ -n ${MH_DELAYER[$i]:-} ]]; then
+    kill -TERM "${MH_DELAYER[$i]}" 2>/dev/null || true
+    wait "${MH_DELAYER[$i]}" 2>/dev/null || true
+    unset "MH_DELAYER[$i]"
+  fi
+  (( ms > 0 )) || return 0
+  [[ -x $MH_NETDELAY ]] || { echo "mh_delay: no netdelay at '$MH_NETDELAY' (set MH_NETDELAY)" >&2; return 1; }
+  MH_DELAY_RUNS=$(( MH_DELAY_RUNS + 1 ))
+  local log="${MH_LOGDIR:-${TEST_TMPDIR:-/tmp}}/netdelay.$MH_DELAY_RUNS.host$i.log" ready="" t
+  # It prints "ready" once bound to the queue; only then the rules go in (a queue nobody reads
+  # drops). The switch's namespace: there host I's packets are no longer charged to the sending
+  # socket, so holding them does not stall TCP's small-queue limit (as the host's OUTPUT would).
+  ip netns exec "$MH_SWITCH" "$MH_NETDELAY" --queue="$i" --delay_ms="$ms" \
+    --max_queue="${MH_DELAY_QUEUE:-1000}" >"$log" 2>&1 &
+  MH_DELAYER[$i]=$!
+  for (( t = 0; t < 100; t++ )); do
+    grep -q '^ready$' "$log" 2>/dev/null && { ready=1; break; }
+    kill -0 "${MH_DELAYER[$i]}" 2>/dev/null || break
+    sleep 0.05
+  done
+  [[ -n $ready ]] || { mh_log "netdelay for host$i did not start: $(cat "$log")"; return 1; }
+  mh__impair "$i" mh_delay -j NFQUEUE --queue-num "$i"
+}
+
 # mh_tx_bytes I: bytes host I has sent on its link so far (eth0's counter).
 mh_tx_bytes() {
   ip netns exec "$(mh_ns "$1")" cat /sys/class/net/eth0/statistics/tx_bytes
@@ -164,7 +275,8 @@ mh_tx_bytes() {
 # mh_pids I: the processes running in host I's network namespace.
 mh_pids() { ip netns pids "$(mh_ns "$1")" 2>/dev/null || true; }
 
-# mh_cleanup: kills every process in the hosts, deletes the namespaces and their /etc/netns files.
+# mh_cleanup: kills every process in the hosts and the switch (the delayers), deletes the
+# namespaces and their /etc/netns files.
 # Idempotent; runs from the trap on every exit path.
 mh_cleanup() {
   local ns p
@@ -176,5 +288,6 @@ mh_cleanup() {
     rm -rf "/etc/netns/$ns"
   done
   MH_CREATED=()
+  MH_DELAYER=()
   MH_HOSTS=0
 }

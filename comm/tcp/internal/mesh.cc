@@ -9,6 +9,7 @@
 #include <memory>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/logging.h"
@@ -48,6 +49,9 @@ struct Conn {
   absl::Duration backoff = kFirstBackoff;
   int attempts = 0;
   std::string last_error;
+  // Consecutive attempts refused or without a route, and since when (a wrong address).
+  int refused = 0;
+  absl::Time refused_since = absl::InfinitePast();
   // Incoming: a real peer that disagrees with us; answered first so that it reports it too.
   absl::Status fail_after_reply;
 };
@@ -80,7 +84,11 @@ class MeshBuilder {
   }
 
   void StartConnect(Conn& c);
-  void Retry(Conn& c, std::string error);
+  // `err`: the errno of a failed connect, 0 for other failures.
+  void Retry(Conn& c, std::string error, int err = 0);
+  // kUnavailable once connects to c's published address have been refused for
+  // options_.refused_timeout.
+  absl::Status CheckRefused(const Conn& c, absl::Time now) const;
   absl::Status Step(Conn& c, short revents);
   absl::Status OnHello(Conn& c);
   absl::Status OnReply(Conn& c);
@@ -153,6 +161,7 @@ absl::StatusOr<std::vector<MeshPeer>> MeshBuilder::Run() {
     absl::Time wake = std::min(deadline_, next_report_);
     for (auto& c : conns_) {
       if (c->state == State::kRetryWait) {
+        if (absl::Status s = CheckRefused(*c, now); !s.ok()) return s;
         if (c->retry_at <= now) {
           StartConnect(*c);
         }
@@ -267,13 +276,19 @@ void MeshBuilder::StartConnect(Conn& c) {
   } else if (errno == EINPROGRESS || errno == EINTR) {
     c.state = State::kConnecting;
   } else {
-    Retry(c, absl::StrCat("connect: ", ErrnoString(errno)));
+    const int err = errno;
+    Retry(c, absl::StrCat("connect: ", ErrnoString(err)), err);
   }
 }
 
-void MeshBuilder::Retry(Conn& c, std::string error) {
+void MeshBuilder::Retry(Conn& c, std::string error, int err) {
   c.fd.Reset();
   c.last_error = std::move(error);
+  if (err == ECONNREFUSED || err == EHOSTUNREACH || err == ENETUNREACH) {
+    if (c.refused++ == 0) c.refused_since = absl::Now();
+  } else {
+    c.refused = 0;
+  }
   c.state = State::kRetryWait;
   c.retry_at = absl::Now() + c.backoff;
   c.backoff = std::min(c.backoff * 2, kMaxBackoff);
@@ -292,9 +307,10 @@ absl::Status MeshBuilder::Step(Conn& c, short revents) {
     if (::getsockopt(c.fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
     if (err == EINPROGRESS || err == EALREADY) return absl::OkStatus();
     if (err != 0) {
-      Retry(c, absl::StrCat("connect: ", ErrnoString(err)));
+      Retry(c, absl::StrCat("connect: ", ErrnoString(err)), err);
       return absl::OkStatus();
     }
+    c.refused = 0;
     c.state = State::kSending;
   }
   if (c.state == State::kSending) {
@@ -399,6 +415,36 @@ absl::Status MeshBuilder::AcceptAll() {
     c->state = State::kReceiving;
     conns_.push_back(std::move(c));
   }
+}
+
+absl::Status MeshBuilder::CheckRefused(const Conn& c, absl::Time now) const {
+  if (c.refused < 3 || now - c.refused_since < options_.refused_timeout) return absl::OkStatus();
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) name[0] = '?';
+  std::string host = c.address.substr(0, c.address.rfind(':'));
+  if (!host.empty() && host.front() == '[') host = host.substr(1, host.size() - 2);
+  const bool loopback = absl::StartsWith(host, "127.") || host == "::1" || host == "localhost";
+  std::string why;
+  if (loopback) {
+    why = absl::StrCat(
+        "rank ", c.peer, " advertised a loopback address, which only its own host reaches, so it "
+        "runs on another host than this rank (", name, "); make every rank advertise an address "
+        "the other hosts reach: set FS_SOCKET_IFNAME=<interface> (e.g. eth0) for every rank, or "
+        "a MASTER_ADDR that is not loopback");
+  } else {
+    why = absl::StrCat(
+        "rank ", c.peer, " listened there when it published the address, so either this host (",
+        name, ") does not reach that address or rank ", c.peer, " has exited; if it runs on "
+        "another host, make every rank advertise an address the others reach: set "
+        "FS_SOCKET_IFNAME=<interface> for every rank");
+  }
+  return Error(
+      absl::StatusCode::kUnavailable,
+      absl::StrCat("cannot connect to rank ", c.peer, " at ", c.address, " (", c.last_error, ", ",
+                   c.refused, " attempts over ",
+                   absl::FormatDuration(absl::Trunc(now - c.refused_since,
+                                                    absl::Milliseconds(100))),
+                   "): ", why));
 }
 
 absl::Status MeshBuilder::DeadlineError() const {

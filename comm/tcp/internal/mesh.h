@@ -5,9 +5,11 @@
 // "addr/<rank>" = "host:port" in the (communicator-private) store. Rank r connects to
 // every rank below it and accepts every rank above it; both sides of each connection exchange
 // and validate a Hello (magic, protocol version, ranks, world size). All connects, retries and
-// handshakes run concurrently in one poll loop, bounded by `timeout`. A connection that does not
-// open with the magic (a port scanner, a stale client) is closed and ignored; a real peer whose
-// rank, size or version disagree is kInvalidArgument naming it. The listener is closed on return.
+// handshakes run concurrently in one poll loop, bounded by `timeout` (ranks slow to join), or by
+// `refused_timeout` for a published address that refuses every connect. A connection that does
+// not open with the magic (a port scanner, a stale client) is closed and ignored; a real peer
+// whose rank, size or version disagree is kInvalidArgument naming it. The listener is closed on
+// return.
 #pragma once
 
 #include <string>
@@ -24,6 +26,11 @@ namespace fairscale::comm::tcp_internal {
 struct MeshOptions {
   std::string bind_address = "127.0.0.1";
   absl::Duration timeout = absl::Minutes(1);
+  // A peer published its address only once it listened there, so connects to it that keep
+  // being refused (or find no route) mean that address is wrong from where this rank runs,
+  // typically a loopback address advertised to a rank on another host: after this long (and at
+  // least 3 attempts) ConnectMesh fails with kUnavailable instead of waiting out `timeout`.
+  absl::Duration refused_timeout = absl::Seconds(5);
   // SO_SNDBUF / SO_RCVBUF of every connection; 0 keeps the kernel's autotuning.
   int send_buffer_bytes = 0;
   int recv_buffer_bytes = 0;

@@ -149,6 +149,32 @@ TEST(Mesh, StaleAddressRetriesUntilTheDeadlineAndNamesIt) {
                              HasSubstr("attempts"))));
 }
 
+// A published address that keeps refusing connections is wrong from here (the peer listened
+// there before publishing it): fail after refused_timeout, not the rendezvous timeout, naming
+// the peer, the address and the fix.
+TEST(Mesh, PublishedAddressThatRefusesFailsFastNamingTheFix) {
+  EXPECT_EQ(MeshOptions().refused_timeout, absl::Seconds(5));
+  auto store = std::make_shared<HashStore>();
+  std::string stale;
+  {
+    auto listener = Listen("127.0.0.1", 1);
+    ASSERT_OK(listener.status());
+    stale = listener->address;
+  }
+  ASSERT_OK(store->Set("addr/0", stale));
+  MeshOptions options = Options(absl::Seconds(60));
+  options.refused_timeout = absl::Milliseconds(500);
+  const absl::Time start = absl::Now();
+  auto rank1 = ConnectMesh(*store, 1, 2, options);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_THAT(rank1.status(),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("tcp rendezvous rank 1/2: cannot connect to rank 0 at " +
+                                       stale + " (connect: Connection refused"),
+                             HasSubstr("advertised a loopback address"),
+                             HasSubstr("FS_SOCKET_IFNAME=<interface>"))));
+}
+
 TEST(Mesh, MissingRankTimesOutNamingTheStoreKey) {
   auto store = std::make_shared<HashStore>();
   auto rank1 = ConnectMesh(*store, 1, 2, Options(absl::Milliseconds(200)));
