@@ -6,6 +6,8 @@
 #   $REPORT PROGRAM ARGS...        runs PROGRAM after printing "placed: rank <r> on <hostname>"
 #   expect_placement NAME LOG...   ranks 0, 1 ran on host0 and 2, 3 on host1 (from the lines above)
 #   close_losses GOT WANT          STEPS losses each, equal within 1e-5; prints the max difference
+#   expect_crossed NAME BEFORE     host1 sent at least 100 kB on its link since mh_tx_bytes 1 was
+#                                  BEFORE (the collectives crossed hosts); sets CROSSED (bytes)
 #   show_logs LOG...               the logs' tails, for a failure
 
 STEPS=8
@@ -43,6 +45,11 @@ expect_placement() {
   want=$(printf '0 host0\n1 host0\n2 host1\n3 host1')
   [[ $got == "$want" ]] ||
     { show_logs "$@"; fail "$name: ranks ran on (rank host): $(echo $got), want: $(echo $want)"; }
+}
+
+expect_crossed() {
+  CROSSED=$(( $(mh_tx_bytes 1) - $2 ))
+  (( CROSSED >= 100000 )) || fail "$1: host1 sent only $CROSSED bytes on its link during the job"
 }
 
 close_losses() {

@@ -5,7 +5,7 @@
 # rank 0's TCPStore at `-x MASTER_ADDR=10.77.0.1 -x MASTER_PORT=P` (no shared session directory
 # across hosts).
 #   - tiny model, fp32, full_shard, 8 steps: ranks 0, 1 ran in host0 and 2, 3 in host1 (each rank
-#     prints its hostname), and the per-step losses equal, within 1e-5, those of the same job at
+#     prints its hostname; host1's link carried the job's traffic), and the per-step losses equal, within 1e-5, those of the same job at
 #     4 ranks on host0 alone (fs_launch)
 #   - without MASTER_ADDR: every rank fails within seconds saying to pass
 #     `-x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=...` (not a rendezvous timeout)
@@ -46,13 +46,15 @@ mrun() {
 
 reference one_host
 
+tx=$(mh_tx_bytes 1)
 mrun mpirun -x MASTER_ADDR="$(mh_addr 0)" -x MASTER_PORT=29610
 [[ $STATUS -eq 0 ]] || { show_logs "$WORK/mpirun.log"; fail "mpirun across 2 hosts exited with $STATUS"; }
 grep -q "train_gpt: 4 ranks" "$WORK/mpirun.log" ||
   { show_logs "$WORK/mpirun.log"; fail "mpirun: not one job of 4 ranks"; }
 expect_placement mpirun "$WORK/mpirun.log"
+expect_crossed mpirun "$tx"
 diff=$(close_losses mpirun one_host) || { show_logs "$WORK/mpirun.log"; fail "mpirun: losses (above)"; }
-pass "mpirun across 2 hosts x 2 ranks (ranks 0,1 in host0, 2,3 in host1): losses within $diff of 4 ranks on host0 ($(losses mpirun | tail -1))"
+pass "mpirun across 2 hosts x 2 ranks (ranks 0,1 in host0, 2,3 in host1): losses within $diff of 4 ranks on host0 ($(losses mpirun | tail -1)); host1 sent $CROSSED bytes"
 
 # expect_clear_error NAME: the job failed, soon, with the message that says what to pass.
 expect_clear_error() {
