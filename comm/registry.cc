@@ -365,6 +365,21 @@ absl::StatusOr<EnvConfig> ParseEnv() {
     }
     return absl::InvalidArgumentError(msg);
   }
+  const bool mpi = source == &kMpiSources[0] || source == &kMpiSources[1];
+  if (mpi && need_master && env.local_world_size > 0 && env.local_world_size < env.world_size &&
+      IsLoopbackHost(env.master_addr)) {
+    // mpirun placed ranks on other hosts (its local size counts the ranks on this one), which
+    // cannot reach this host's loopback: rank 0's TCPStore would listen there and the others
+    // would dial their own, so the rendezvous could only time out. (Two torchrun agents on one
+    // machine are "nodes" with a loopback MASTER_ADDR that works; only mpirun's count is sure.)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MASTER_ADDR='", env.master_addr, "' is a loopback address on this host, but mpirun placed "
+        "the ranks on several hosts (", env.local_world_size, " of the ", env.world_size,
+        " on this one): rank 0's store would listen where the other hosts cannot reach it. Pass "
+        "an address of rank 0's host that the other hosts reach: mpirun -x MASTER_ADDR=<its IP "
+        "on their network> -x MASTER_PORT=29500 ..., or map its name to that address in "
+        "/etc/hosts (Debian maps a host's own name to 127.0.1.1)"));
+  }
   std::optional<int> port;
   if (Env("MASTER_PORT").has_value() || env.store_dir.empty()) {
     const bool slurm_default = source == &kSlurmSource && Env("SLURM_JOB_ID").has_value() &&

@@ -11,6 +11,9 @@
 #     `-x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=...` (not a rendezvous timeout)
 #   - MASTER_ADDR/MASTER_PORT exported where mpirun runs but not passed with -x: host1's ranks
 #     do not get them (as over ssh) and fail the same way, within seconds
+#   - -x MASTER_ADDR=host0 where host0's /etc/hosts names itself 127.0.1.1 (Debian's default):
+#     host0's ranks fail within seconds saying the address is loopback there (rank 0's store
+#     would listen out of host1's reach)
 # Args: fs_launch, train_gpt (lib.sh's).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -72,7 +75,25 @@ expect_clear_error no_master_addr
 pass "mpirun across hosts without MASTER_ADDR: failed in ${SECONDS_TAKEN}s: $(grep -m1 -o 'MASTER_ADDR is not set.*' "$WORK/no_master_addr.log")"
 
 # Exported in mpirun's environment only: host0's ranks inherit the variables, host1's do not.
-MPI=(env MASTER_ADDR="$(mh_addr 0)" MASTER_PORT=29611 "${MPI[@]}")
+mpi=("${MPI[@]}")
+MPI=(env MASTER_ADDR="$(mh_addr 0)" MASTER_PORT=29611 "${mpi[@]}")
 mrun not_forwarded
+MPI=("${mpi[@]}")
 expect_clear_error not_forwarded
 pass "MASTER_ADDR exported but not passed with -x: host1's ranks failed in ${SECONDS_TAKEN}s saying to pass -x"
+
+# Debian's /etc/hosts maps a host's own name to 127.0.1.1: with that on host0, MASTER_ADDR=host0
+# is loopback for host0's ranks (rank 0's TCPStore would listen there) and 10.77.0.1 for host1's.
+hosts0="/etc/netns/$(mh_ns 0)/hosts"
+cp "$hosts0" "$WORK/hosts0.orig"
+sed -i "s/^$(mh_addr 0) host0\$/127.0.1.1 host0/" "$hosts0"
+grep -q "^127.0.1.1 host0$" "$hosts0" || fail "could not map host0 to 127.0.1.1 in $hosts0"
+mrun loopback_name -x MASTER_ADDR=host0 -x MASTER_PORT=29612
+cp "$WORK/hosts0.orig" "$hosts0"
+[[ $STATUS -ne 0 ]] || { show_logs "$WORK/loopback_name.log"; fail "loopback_name: exited 0"; }
+(( SECONDS_TAKEN <= 30 )) ||
+  { show_logs "$WORK/loopback_name.log"; fail "loopback_name: took ${SECONDS_TAKEN}s to fail (want seconds)"; }
+grep -q "MASTER_ADDR='host0' is a loopback address on this host, but mpirun placed the ranks on several hosts" \
+    "$WORK/loopback_name.log" ||
+  { show_logs "$WORK/loopback_name.log"; fail "loopback_name: no error saying MASTER_ADDR is loopback on host0"; }
+pass "-x MASTER_ADDR=host0 with host0 named 127.0.1.1 on host0: failed in ${SECONDS_TAKEN}s: $(grep -m1 -o "MASTER_ADDR='host0' is a loopback.*" "$WORK/loopback_name.log" | cut -c1-160)..."
