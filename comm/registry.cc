@@ -349,13 +349,36 @@ absl::StatusOr<EnvConfig> ParseEnv() {
     std::string msg = absl::StrCat("MASTER_ADDR is not set (required when WORLD_SIZE > 1; ",
                                    source->size, "='", env.world_size, "')");
     if (source == &kMpiSources[0] || source == &kMpiSources[1]) {
+      // Say why the one-node FileStore does not apply when mpirun told us the ranks are spread.
+      std::optional<std::string> local_size = Env("OMPI_COMM_WORLD_LOCAL_SIZE");
+      if (source == &kMpiSources[0] && local_size.has_value() &&
+          *local_size != absl::StrCat(env.world_size)) {
+        absl::StrAppend(&msg, "; the ranks are on several hosts (OMPI_COMM_WORLD_LOCAL_SIZE='",
+                        *local_size, "' here), so they cannot meet in mpirun's session directory");
+      }
       absl::StrAppend(&msg, "; under mpirun across nodes pass rank 0's host and a free port: "
-                            "mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500 ...");
+                            "mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500 ... "
+                            "(ranks on other hosts get only the variables named with -x)");
     } else if (source == &kSlurmSource) {
       absl::StrAppend(&msg, "; under srun it defaults to the first host of SLURM_JOB_NODELIST, "
                             "which is not set either");
     }
     return absl::InvalidArgumentError(msg);
+  }
+  const bool mpi = source == &kMpiSources[0] || source == &kMpiSources[1];
+  if (mpi && need_master && env.local_world_size > 0 && env.local_world_size < env.world_size &&
+      IsLoopbackHost(env.master_addr)) {
+    // mpirun placed ranks on other hosts (its local size counts the ranks on this one), which
+    // cannot reach this host's loopback: rank 0's TCPStore would listen there and the others
+    // would dial their own, so the rendezvous could only time out. (Two torchrun agents on one
+    // machine are "nodes" with a loopback MASTER_ADDR that works; only mpirun's count is sure.)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MASTER_ADDR='", env.master_addr, "' is a loopback address on this host, but mpirun placed "
+        "the ranks on several hosts (", env.local_world_size, " of the ", env.world_size,
+        " on this one): rank 0's store would listen where the other hosts cannot reach it. Pass "
+        "an address of rank 0's host that the other hosts reach: mpirun -x MASTER_ADDR=<its IP "
+        "on their network> -x MASTER_PORT=29500 ..., or map its name to that address in "
+        "/etc/hosts (Debian maps a host's own name to 127.0.1.1)"));
   }
   std::optional<int> port;
   if (Env("MASTER_PORT").has_value() || env.store_dir.empty()) {

@@ -81,7 +81,10 @@ absl::StatusOr<std::unique_ptr<Store>> CreateStoreClient(absl::string_view proto
 // The rendezvous (needed when the world size is > 1), first that applies:
 //   MASTER_ADDR, MASTER_PORT            torchrun / fs_launch set them; under mpirun pass them
 //                                       with `mpirun -x MASTER_ADDR=<rank 0's host>
-//                                       -x MASTER_PORT=<free port>`
+//                                       -x MASTER_PORT=<free port>`. mpirun across hosts
+//                                       (its local size < its size) without them, or with a
+//                                       MASTER_ADDR that is loopback here, is kInvalidArgument
+//                                       saying what to pass (no rendezvous timeout)
 //   single-node mpirun without MASTER_ADDR (OMPI_COMM_WORLD_LOCAL_SIZE = _SIZE): a FileStore
 //                                       in mpirun's per-job session directory
 //                                       ($OMPI_MCA_orte_jobfam_session_dir/fairscale_store_<job

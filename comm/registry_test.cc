@@ -354,12 +354,52 @@ TEST_F(EnvTest, SingleNodeMpirunUsesTheSessionDirectory) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("MASTER_ADDR is not set"),
                              HasSubstr("OMPI_COMM_WORLD_SIZE='2'"),
+                             HasSubstr("the ranks are on several hosts "
+                                       "(OMPI_COMM_WORLD_LOCAL_SIZE='1' here)"),
                              HasSubstr("mpirun -x MASTER_ADDR=<rank 0's host> "
-                                       "-x MASTER_PORT=29500"))));
+                                       "-x MASTER_PORT=29500"),
+                             HasSubstr("only the variables named with -x"))));
   Set("MASTER_ADDR", "node0");
   EXPECT_THAT(ParseEnv().status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("MASTER_PORT is not set"), HasSubstr("mpirun -x"))));
+}
+
+// mpirun across hosts with a MASTER_ADDR that is loopback here: no other host could reach rank
+// 0's store, so it fails at once instead of timing out. Loopback stays fine on one host, and for
+// torchrun's "nodes" (agents side by side on one machine).
+TEST_F(EnvTest, MpirunAcrossHostsRejectsALoopbackMasterAddr) {
+  Set("OMPI_COMM_WORLD_RANK", "2");
+  Set("OMPI_COMM_WORLD_SIZE", "4");
+  Set("OMPI_COMM_WORLD_LOCAL_SIZE", "2");
+  Set("MASTER_PORT", "29500");
+  for (const char* addr : {"127.0.0.1", "localhost"}) {
+    Set("MASTER_ADDR", addr);
+    EXPECT_THAT(ParseEnv().status(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr(std::string("MASTER_ADDR='") + addr +
+                                         "' is a loopback address on this host"),
+                               HasSubstr("2 of the 4 on this one"),
+                               HasSubstr("mpirun -x MASTER_ADDR=<its IP"))))
+        << addr;
+  }
+  Set("OMPI_COMM_WORLD_LOCAL_SIZE", "4");  // one host
+  EXPECT_OK(ParseEnv().status());
+  unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");  // unknown: no claim
+  EXPECT_OK(ParseEnv().status());
+  Set("OMPI_COMM_WORLD_LOCAL_SIZE", "2");
+  Set("MASTER_ADDR", "192.0.2.1");  // not loopback
+  EXPECT_OK(ParseEnv().status());
+
+  for (const char* var :
+       {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"}) {
+    unsetenv(var);
+  }
+  Set("RANK", "2");
+  Set("WORLD_SIZE", "4");
+  Set("LOCAL_WORLD_SIZE", "2");
+  Set("MASTER_ADDR", "127.0.0.1");
+  EXPECT_OK(ParseEnv().status());
 }
 
 TEST_F(EnvTest, StoreProtocol) {
