@@ -2,7 +2,10 @@
 # Bad rendezvous input under torchrun's contract, each failing within the timeout with an error
 # that names the address (FS_COMM_TIMEOUT_S=3 bounds the rendezvous):
 #   * MASTER_ADDR unreachable: a documentation address (198.51.100.7) inside a network namespace
-#     with only loopback (unshare -rn, else the test sandbox's own), so nothing leaves;
+#     with only loopback (unshare -rn, else the test sandbox's own), so nothing leaves: with the
+#     address the rank advertises given (FS_SOCKET_IFNAME=lo) the rendezvous fails naming
+#     MASTER_ADDR:MASTER_PORT; left to the automatic choice (the route to MASTER_ADDR) the rank
+#     fails before it, saying there is no route and to set FS_SOCKET_IFNAME;
 #   * a c10d store that accepts and never answers (a fake server here);
 #   * an sbatch batch step (SLURM_PROCID=0, SLURM_NTASKS=4, no srun step) refused at once.
 # (c10d store not linked: //comm:registry_test's C10dStoreNotLinked.)
@@ -24,15 +27,24 @@ expect_log() {
 }
 
 NETNS=()
-if unshare -rn true 2>/dev/null; then NETNS=(unshare -rn); fi
+# (loopback up in it, so that FS_SOCKET_IFNAME=lo has an address)
+if unshare -rn true 2>/dev/null; then
+  NETNS=(unshare -rn sh -c '/usr/sbin/ip link set lo up 2>/dev/null || true; exec "$@"' sh)
+fi
 for proto in c10d fairscale; do
   name="unreachable_$proto"
   run_rank "$name" "${NETNS[@]}" env RANK=1 WORLD_SIZE=2 MASTER_ADDR=198.51.100.7 \
-      MASTER_PORT=29500 TORCHELASTIC_USE_AGENT_STORE=True FS_STORE_PROTOCOL="$proto"
+      MASTER_PORT=29500 TORCHELASTIC_USE_AGENT_STORE=True FS_STORE_PROTOCOL="$proto" \
+      FS_SOCKET_IFNAME=lo
   expect_log "$name" "198.51.100.7:29500"
   expect_log "$name" "cannot create the communicator"
   pass "$name: failed in ${TOOK} ms: $(grep -m1 -o '\(UNAVAILABLE\|DEADLINE_EXCEEDED\).*' "$WORK/$name.log" | cut -c1-160)"
 done
+name="unreachable_no_route"
+run_rank "$name" "${NETNS[@]}" env RANK=1 WORLD_SIZE=2 MASTER_ADDR=198.51.100.7 MASTER_PORT=29500
+expect_log "$name" "cannot choose the address this rank advertises to the others: the route to MASTER_ADDR '198.51.100.7'"
+expect_log "$name" "set FS_SOCKET_IFNAME"
+pass "$name: failed in ${TOOK} ms: $(grep -m1 -o 'cannot choose.*' "$WORK/$name.log" | cut -c1-160)"
 
 # A server that accepts every connection and never writes a byte.
 python3 - "$WORK/silent.port" <<'PY' &
