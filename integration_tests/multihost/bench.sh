@@ -52,7 +52,7 @@ echo "bench: load average before: $(cut -d' ' -f1-3 /proc/loadavg) ($(getconf _N
 
 # run NAME MODEL STRATEGY: 2 hosts x 2 ranks; prints "<step_s median> <bytes per step>".
 run() {
-  local name=$1 model=$2 strategy=$3 port k
+  local name=$1 model=$2 strategy=$3 port k pids=()
   port=$(( 29700 + RANDOM % 200 ))
   local before=$(( $(mh_tx_bytes 0) + $(mh_tx_bytes 1) ))
   for k in 0 1; do
@@ -62,10 +62,10 @@ run() {
       --strategy="$strategy" --precision=fp32 --steps="$STEPS" --eval_every=100000 \
       --eval_batches=1 --sample_tokens=0 --threads=1 --checkpoint_dir=none \
       --out_dir="$OUT/$name/n$k" >"$OUT/$name/n$k.log" 2>&1 &
+    pids+=($!)
   done
-  local st=0
-  wait %1 || st=$?
-  wait %2 || st=$?
+  local st=0 p
+  for p in "${pids[@]}"; do wait "$p" || st=$?; done
   [[ $st -eq 0 ]] || { tail -n 20 "$OUT/$name"/n*.log >&2; echo "bench: $name failed ($st)" >&2; exit 1; }
   local after=$(( $(mh_tx_bytes 0) + $(mh_tx_bytes 1) ))
   local step_s
