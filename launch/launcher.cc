@@ -35,6 +35,15 @@ constexpr absl::Duration kStoreCheckPeriod = absl::Milliseconds(250);
 // After the last rank exits, how long to wait for the end of its output (a grandchild that
 // inherited the pipe may keep it open).
 constexpr absl::Duration kOutputDrain = absl::Seconds(1);
+// Each store request of a multi-node launcher (other than the rendezvous' waits): the store is
+// another host's, and a launcher blocked on an unreachable one supervises nothing. A request
+// that times out is retried later (those that must arrive are idempotent) and an unreachable
+// store fails the job only after rendezvous_timeout; meanwhile the ranks' own operation
+// timeouts notice unreachable peers.
+constexpr absl::Duration kStoreRequestTimeout = absl::Seconds(2);
+// After the job ended, how long node 0 keeps the store up for the other launchers to read the
+// outcome, beyond stopping their ranks (stop_timeout) and draining their output.
+constexpr absl::Duration kFinishGrace = absl::Seconds(2);
 
 // ---------------------------------------------------------------------------------------------
 // SIGINT / SIGTERM / SIGHUP / SIGQUIT arrive through a self-pipe, so the monitor loop's poll() sees
@@ -245,23 +254,39 @@ class Job {
 };
 
 absl::StatusOr<int> Job::Rendezvous(int attempt) {
-  FS_ASSIGN_OR_RETURN(int64_t joined, store_.Add(Key(attempt, "joined"), 1));
-  if (joined == o_.nnodes) FS_RETURN_IF_ERROR(store_.Set(Key(attempt, "ready"), "1"));
-  const std::vector<std::string> ready = {Key(attempt, "ready")};
+  // One key per node (Set is idempotent: a request that timed out on an unreachable store and
+  // arrives later, or its retry, changes nothing), all awaited by every node.
+  std::vector<std::string> joined;
+  for (int n = 0; n < o_.nnodes; ++n) joined.push_back(Key(attempt, absl::StrCat("joined/", n)));
   const absl::Time deadline = absl::Now() + o_.rendezvous_timeout;
+  bool set = false;
+  absl::Status last;
   while (true) {
-    const absl::Status s = store_.Wait(ready, absl::Milliseconds(200));
-    if (s.ok()) return 0;
-    if (!absl::IsDeadlineExceeded(s)) return s;
+    if (!set) {
+      last = store_.Set(joined[o_.node_rank], "1");
+      if (!last.ok() && !absl::IsDeadlineExceeded(last)) return last;
+      set = last.ok();
+    }
+    if (set) {
+      last = store_.Wait(joined, absl::Milliseconds(200));
+      if (last.ok()) return 0;
+      if (!absl::IsDeadlineExceeded(last)) return last;
+    }
     if (const int sig = signals_.Take(); sig != 0) return sig;
     if (absl::Now() >= deadline) {
-      absl::StatusOr<int64_t> now = store_.Add(Key(attempt, "joined"), 0);
+      int now = 0;
+      for (const std::string& k : joined) {
+        absl::StatusOr<bool> in = store_.Check(k);
+        now += in.ok() && *in ? 1 : 0;
+      }
       return absl::DeadlineExceededError(
-          absl::StrCat("fs_launch: node ", o_.node_rank, ": only ", now.ok() ? *now : joined,
+          absl::StrCat("fs_launch: node ", o_.node_rank, ": only ", now,
                        " of ", o_.nnodes, " launchers joined attempt ", attempt, " within ",
                        absl::FormatDuration(o_.rendezvous_timeout),
                        " (start one fs_launch per node with the same --nnodes, --master_addr, "
-                       "--master_port and FS_STORE_TOKEN)"));
+                       "--master_port and FS_STORE_TOKEN)",
+                       set ? "" : absl::StrCat("; this node could not reach the store: ",
+                                               last.message())));
     }
   }
 }
@@ -410,6 +435,8 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
   absl::Time all_exited_at = absl::InfiniteFuture();
   absl::Time next_store_check = absl::Now() + kStoreCheckPeriod;
   absl::Status store_error;
+  // Since when the store has not answered (InfiniteFuture: it answers).
+  absl::Time store_lost_at = absl::InfiniteFuture();
   auto stop = [&](int sig) {
     SignalRanks(sig);
     if (!stopping) {
@@ -503,10 +530,15 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
       if (e.status == 0 || failure.has_value() || launcher_signal != 0) continue;
       failure = Failure{r.rank, e.status, absl::StrCat("rank ", r.rank, " ", e.what)};
       if (o_.nnodes > 1) {
-        // The first failure published wins, so every node reports the same one.
+        // The first failure published wins, so every node reports the same one. An unreachable
+        // store does not stop this node from stopping its own ranks.
         absl::StatusOr<std::string> winner =
             store_.CompareSet(failed_key, "", EncodeFailure(*failure));
         if (winner.ok() && *winner != EncodeFailure(*failure)) failure = DecodeFailure(*winner);
+        if (!winner.ok()) {
+          Say(absl::StrCat("could not tell the other nodes that rank ", r.rank, " failed (",
+                           winner.status().message(), ")"));
+        }
       }
       Say(absl::StrCat("rank ", r.rank, " (local rank ", r.local_rank, " on node ", o_.node_rank,
                        ", pid ", r.pid, ") ", e.what, "; stopping the other ",
@@ -518,11 +550,28 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
     if (o_.nnodes > 1 && !stopping && absl::Now() >= next_store_check) {
       next_store_check = absl::Now() + kStoreCheckPeriod;
       absl::StatusOr<bool> failed = store_.Check(failed_key);
-      if (!failed.ok()) {
+      if (!failed.ok() && absl::IsDeadlineExceeded(failed.status()) &&
+          (store_lost_at == absl::InfiniteFuture() ||
+           absl::Now() - store_lost_at < o_.rendezvous_timeout)) {
+        // Unreachable (a partition, a link down): keep supervising this node's ranks; their
+        // operations time out by themselves if their peers are unreachable too.
+        if (store_lost_at == absl::InfiniteFuture()) {
+          store_lost_at = absl::Now();
+          Say(absl::StrCat("the job store does not answer (", failed.status().message(),
+                           "); still supervising the ranks of node ", o_.node_rank,
+                           ", failing the job if it does not answer within ",
+                           absl::FormatDuration(o_.rendezvous_timeout)));
+        }
+      } else if (!failed.ok()) {
         store_error = failed.status();
         Say(absl::StrCat("lost the job store (", store_error.message(),
                          "); stopping the ranks of this node"));
         stop(SIGTERM);
+      } else if (store_lost_at != absl::InfiniteFuture() && !*failed) {
+        Say(absl::StrCat("the job store answers again after ",
+                         absl::FormatDuration(absl::Trunc(absl::Now() - store_lost_at,
+                                                          absl::Milliseconds(100)))));
+        store_lost_at = absl::InfiniteFuture();
       } else if (*failed) {
         absl::StatusOr<std::string> v = store_.Get(failed_key, absl::Seconds(10));
         failure = v.ok() ? DecodeFailure(*v) : Failure{-1, 1, "another node failed"};
@@ -563,45 +612,76 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
 
 absl::StatusOr<Outcome> Job::AwaitOtherNodes(int attempt) {
   Outcome outcome;
-  FS_ASSIGN_OR_RETURN(int64_t finished, store_.Add(Key(attempt, "finished"), 1));
+  // One key per node (idempotent, so requests that timed out can be retried).
+  std::vector<std::string> finished;
+  for (int n = 0; n < o_.nnodes; ++n) {
+    finished.push_back(Key(attempt, absl::StrCat("finished/", n)));
+  }
   const std::string failed_key = Key(attempt, "failed");
+  const absl::Time deadline = absl::Now() + o_.rendezvous_timeout;
   bool said = false;
-  while (finished < o_.nnodes) {
+  bool set = false;
+  while (true) {
     if (const int sig = signals_.Take(); sig != 0) {
       Say(absl::StrCat("received ", SignalName(sig), " while waiting for the other nodes"));
       outcome.launcher_signal = sig;
       outcome.status = 128 + sig;
       return outcome;
     }
-    FS_ASSIGN_OR_RETURN(bool failed, store_.Check(failed_key));
-    if (failed) {
-      FS_ASSIGN_OR_RETURN(std::string v, store_.Get(failed_key, absl::Seconds(10)));
-      outcome.failure = DecodeFailure(v);
-      outcome.status = outcome.failure->status;
-      Say(absl::StrCat(outcome.failure->what, " (another node)"));
-      return outcome;
+    absl::Status s;
+    if (!set) {
+      s = store_.Set(finished[o_.node_rank], "1");
+      set = s.ok();
+    }
+    if (s.ok()) {
+      absl::StatusOr<bool> failed = store_.Check(failed_key);
+      if (failed.ok() && *failed) {
+        FS_ASSIGN_OR_RETURN(std::string v, store_.Get(failed_key, absl::Seconds(10)));
+        outcome.failure = DecodeFailure(v);
+        outcome.status = outcome.failure->status;
+        Say(absl::StrCat(outcome.failure->what, " (another node)"));
+        return outcome;
+      }
+      s = failed.ok() ? store_.Wait(finished, absl::Milliseconds(100)) : failed.status();
+      if (s.ok()) return outcome;
+    }
+    if (!absl::IsDeadlineExceeded(s)) return s;
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "fs_launch: node ", o_.node_rank, ": the ranks of this node finished, but the other "
+          "nodes did not within ", absl::FormatDuration(o_.rendezvous_timeout), " (",
+          s.message(), ")"));
     }
     if (!said) {
       Say(absl::StrCat("the ranks of node ", o_.node_rank,
                        " exited with code 0; waiting for the other nodes"));
       said = true;
     }
-    absl::SleepFor(absl::Milliseconds(100));
-    FS_ASSIGN_OR_RETURN(finished, store_.Add(Key(attempt, "finished"), 0));
   }
-  return outcome;
 }
 
 absl::Status Job::FinishJob(int attempt) {
   if (o_.nnodes == 1) return absl::OkStatus();
-  FS_ASSIGN_OR_RETURN(int64_t acked, store_.Add(Key(attempt, "acked"), 1));
-  if (o_.node_rank != 0) return absl::OkStatus();
+  const std::string mine = Key(attempt, absl::StrCat("acked/", o_.node_rank));
+  if (o_.node_rank != 0) {
+    // Best effort: node 0 stops waiting for it soon anyway, and the job's outcome is known.
+    if (absl::Status s = store_.Set(mine, "1"); !s.ok()) {
+      Say(absl::StrCat("could not tell node 0 that this node read the outcome (", s.message(),
+                       ")"));
+    }
+    return absl::OkStatus();
+  }
   // Node 0 hosts the store: it leaves last, so the others read the outcome rather than a
-  // closed connection. Bounded: a node that died will never ack.
-  const absl::Time deadline = absl::Now() + o_.rendezvous_timeout;
-  while (acked < o_.nnodes && absl::Now() < deadline && signals_.Take() == 0) {
-    absl::SleepFor(absl::Milliseconds(50));
-    FS_ASSIGN_OR_RETURN(acked, store_.Add(Key(attempt, "acked"), 0));
+  // closed connection. Bounded by how long they take to stop their ranks once they read it: a
+  // node that died or is cut off will never ack.
+  std::vector<std::string> acked;
+  for (int n = 1; n < o_.nnodes; ++n) acked.push_back(Key(attempt, absl::StrCat("acked/", n)));
+  const absl::Time deadline =
+      absl::Now() + o_.stop_timeout + kOutputDrain + kStoreCheckPeriod + kFinishGrace;
+  while (absl::Now() < deadline && signals_.Take() == 0) {
+    const absl::Status s = store_.Wait(acked, absl::Milliseconds(50));
+    if (s.ok()) return absl::OkStatus();
+    if (!absl::IsDeadlineExceeded(s)) return s;
   }
   return absl::OkStatus();
 }
@@ -688,6 +768,7 @@ absl::StatusOr<int> Launch(const LaunchOptions& o) {
   comm::TCPStoreOptions so;
   so.token = token;
   so.timeout = o.rendezvous_timeout;
+  if (o.nnodes > 1) so.request_timeout = kStoreRequestTimeout;
   if (o.node_rank == 0) {
     so.is_server = true;
     so.host = !o.store_bind_addr.empty() ? o.store_bind_addr

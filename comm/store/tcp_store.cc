@@ -115,6 +115,11 @@ absl::StatusOr<std::unique_ptr<TCPStore>> TCPStore::Create(TCPStoreOptions optio
   return store;
 }
 
+absl::Time TCPStore::RequestDeadline() const {
+  return DeadlineAfter(options_.request_timeout > absl::ZeroDuration() ? options_.request_timeout
+                                                                       : options_.timeout);
+}
+
 absl::Status TCPStore::Set(absl::string_view key, absl::string_view value) {
   FS_RETURN_IF_ERROR(store_internal::CheckKey(key));
   FS_RETURN_IF_ERROR(store_internal::CheckValue(value));
@@ -123,7 +128,7 @@ absl::Status TCPStore::Set(absl::string_view key, absl::string_view value) {
       Message reply,
       client_->Call(
           [&](uint32_t id, std::string* out) { return wire::EncodeSet(id, key, value, out); },
-          DeadlineAfter(options_.timeout), what));
+          RequestDeadline(), what));
   return CheckReply(reply, WireCommand::kOk, client_->address(), what);
 }
 
@@ -152,7 +157,7 @@ absl::StatusOr<int64_t> TCPStore::Add(absl::string_view key, int64_t delta) {
       Message reply,
       client_->Call(
           [&](uint32_t id, std::string* out) { return wire::EncodeAdd(id, key, delta, out); },
-          DeadlineAfter(options_.timeout), what));
+          RequestDeadline(), what));
   FS_RETURN_IF_ERROR(CheckReply(reply, WireCommand::kInt, client_->address(), what));
   return reply.number;
 }
@@ -167,7 +172,7 @@ absl::StatusOr<std::string> TCPStore::CompareSet(absl::string_view key, absl::st
                           [&](uint32_t id, std::string* out) {
                             return wire::EncodeCompareSet(id, key, expected, desired, out);
                           },
-                          DeadlineAfter(options_.timeout), what));
+                          RequestDeadline(), what));
   FS_RETURN_IF_ERROR(CheckReply(reply, WireCommand::kValue, client_->address(), what));
   return std::move(reply.value);
 }
@@ -178,7 +183,7 @@ absl::StatusOr<bool> TCPStore::Delete(absl::string_view key) {
   FS_ASSIGN_OR_RETURN(
       Message reply,
       client_->Call([&](uint32_t id, std::string* out) { return wire::EncodeDelete(id, key, out); },
-                    DeadlineAfter(options_.timeout), what));
+                    RequestDeadline(), what));
   FS_RETURN_IF_ERROR(CheckReply(reply, WireCommand::kBool, client_->address(), what));
   return reply.number == 1;
 }
@@ -213,7 +218,7 @@ absl::StatusOr<bool> TCPStore::Check(absl::string_view key) {
   FS_ASSIGN_OR_RETURN(
       Message reply,
       client_->Call([&](uint32_t id, std::string* out) { return wire::EncodeCheck(id, key, out); },
-                    DeadlineAfter(options_.timeout), what));
+                    RequestDeadline(), what));
   FS_RETURN_IF_ERROR(CheckReply(reply, WireCommand::kBool, client_->address(), what));
   return reply.number == 1;
 }

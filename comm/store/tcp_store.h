@@ -68,8 +68,14 @@ struct TCPStoreOptions {
   // 0 lets the OS pick (server only); port() reports the real one.
   int port = 0;
   bool is_server = false;
-  // Bounds the initial connect and every request other than Get/Wait.
+  // Bounds the initial connect, and every request other than Get/Wait unless request_timeout
+  // is set.
   absl::Duration timeout = absl::Minutes(5);
+  // When positive, bounds every request other than Get/Wait instead of `timeout`: a process that
+  // must not stall long on an unreachable server (fs_launch supervising its ranks) waits long
+  // for the first connect and briefly for each request. A request that timed out may still
+  // reach the server later (its reply is then dropped): prefer idempotent ones (Set, Check).
+  absl::Duration request_timeout = absl::ZeroDuration();
   // When num_workers > 0, every TCPStore (the server's included) counts itself in on creation,
   // and with wait_for_workers the server's Create returns only once num_workers have (or fails
   // with kDeadlineExceeded after `timeout`).
@@ -116,6 +122,7 @@ class TCPStore : public Store {
 
  private:
   explicit TCPStore(TCPStoreOptions options);
+  absl::Time RequestDeadline() const;
 
   TCPStoreOptions options_;
   // Declared before client_ so the client (connected to it) is destroyed first.

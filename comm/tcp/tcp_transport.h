@@ -16,9 +16,10 @@
 //   before returning; Wait first makes progress without sleeping and only then poll()s the
 //   sockets and an eventfd that Cancel() signals.
 // * Failure: the first error breaks the transport. Shutdown(reason) sends the reason to every
-//   peer (bounded to ~100 ms) before closing, so their errors read "peer 3 failed: <reason>".
-//   A peer that vanishes without one is "peer 3 closed the connection after 4096/8192 bytes of
-//   all_reduce #12". Ranks fail and finish at different times, so whatever a departed peer sent
+//   peer (bounded to ~100 ms) before closing, so their errors read "peer 3 (10.0.0.2:41234)
+//   failed: <reason>". A peer that vanishes without one is "peer 3 (10.0.0.2:41234) closed the
+//   connection after 4096/8192 bytes of all_reduce #12". Every error about a peer names its
+//   rank and the address it published (the host, on a multi-host job). Ranks fail and finish at different times, so whatever a departed peer sent
 //   before it left is still delivered: once its close is noticed, the rest of its stream is read
 //   out of the kernel into a stash (bounded by the socket buffers). A peer that failed or
 //   vanished breaks this transport as soon as its stash is consumed (after one more sweep of the
@@ -209,6 +210,9 @@ class TcpTransport final : public Transport {
   bool FailForDepartedPeer(bool idle);
   absl::Status MismatchError(int p, uint64_t tag, uint64_t bytes) const;
   std::string Progress(int p) const;
+  // "peer 3 (10.0.0.2:41234)": the rank and where it is (the address it published), so that an
+  // error on a multi-host job names the host whose link, process or machine failed.
+  std::string PeerName(int p) const;
   absl::Status DeadlineError() const;
   void SendErrorFrames(const absl::Status& reason);
 

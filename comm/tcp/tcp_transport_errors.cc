@@ -116,16 +116,22 @@ absl::Status TcpTransport::DepartureError(int p) const {
   const Peer& peer = peers_[p];
   switch (peer.departed) {
     case Departure::kFailed:
-      return absl::UnavailableError(absl::StrCat("peer ", p, " failed: ", peer.departure_detail));
+      return absl::UnavailableError(
+          absl::StrCat(PeerName(p), " failed: ", peer.departure_detail));
     case Departure::kShutDown:
       return absl::UnavailableError(
-          absl::StrCat("peer ", p, " shut down and closed the connection", Progress(p)));
+          absl::StrCat(PeerName(p), " shut down and closed the connection", Progress(p)));
     case Departure::kVanished:
     case Departure::kNone:
       break;
   }
-  return absl::UnavailableError(absl::StrCat("peer ", p, " closed the connection", Progress(p),
+  return absl::UnavailableError(absl::StrCat(PeerName(p), " closed the connection", Progress(p),
                                              peer.departure_detail));
+}
+
+std::string TcpTransport::PeerName(int p) const {
+  const std::string& address = peers_[p].address;
+  return address.empty() ? absl::StrCat("peer ", p) : absl::StrCat("peer ", p, " (", address, ")");
 }
 
 std::string TcpTransport::Progress(int p) const {
@@ -183,7 +189,7 @@ absl::Status TcpTransport::DeadlineError() const {
       if (more > 0) absl::StrAppend(&what.back(), " (+", more, " more sends)");
     }
     if (!what.empty()) {
-      waiting.push_back(absl::StrCat("peer ", p, ": ", absl::StrJoin(what, ", ")));
+      waiting.push_back(absl::StrCat(PeerName(p), ": ", absl::StrJoin(what, ", ")));
     }
   }
   return absl::DeadlineExceededError(
