@@ -25,17 +25,23 @@ struct HeartbeatMonitor::State {
   bool stopping ABSL_GUARDED_BY(mu) = false;
   StallCallback on_stall ABSL_GUARDED_BY(mu);
   absl::Time op_since ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
+  // Written by the store thread: the peers' counters as last read (-1: not read) and when a
+  // store call last completed. The monitor thread judges from them, so a store call that hangs
+  // (its host unreachable, packets silently dropped) cannot silence the monitor.
+  bool want_counters ABSL_GUARDED_BY(mu) = false;
+  std::vector<int64_t> counters ABSL_GUARDED_BY(mu);
+  absl::Time store_answered ABSL_GUARDED_BY(mu) = absl::Now();
 
   static std::string Key(int r) { return absl::StrCat("hb/", r); }
 
-  void Run();
+  void RunStore();
+  void RunMonitor();
 };
 
-void HeartbeatMonitor::State::Run() {
-  pthread_setname_np(pthread_self(), "fs-heartbeat");
-  const absl::Duration window = options.stall_timeout / 2;
-  std::vector<int64_t> seen(size, -1);
-  std::vector<absl::Time> moved(size, absl::InfinitePast());
+// The store thread: this rank's beat every interval and, while an operation is overdue, the
+// other ranks' counters.
+void HeartbeatMonitor::State::RunStore() {
+  pthread_setname_np(pthread_self(), "fs-heartbeat-io");
   absl::Time last_store_warning = absl::InfinitePast();
   auto warn = [&](const absl::Status& s) {
     const absl::Time now = absl::Now();
@@ -45,48 +51,100 @@ void HeartbeatMonitor::State::Run() {
                     << " through the store failed (retrying every "
                     << absl::FormatDuration(options.interval) << "): " << s;
   };
+  std::vector<int64_t> read(size, -1);
   while (true) {
-    absl::Time op_since;
+    bool want = false;
+    {
+      absl::MutexLock lock(&mu);
+      auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return stopping; };
+      mu.AwaitWithTimeout(absl::Condition(&stop), options.interval);
+      if (stopping) return;
+      want = want_counters;
+    }
+    bool ok = true;
+    if (absl::StatusOr<int64_t> beat = store->Add(Key(rank), 1); !beat.ok()) {
+      warn(beat.status());
+      ok = false;
+    }
+    for (int p = 0; ok && want && p < size; ++p) {
+      if (p == rank) continue;
+      absl::StatusOr<int64_t> v = store->Add(Key(p), 0);
+      if (!v.ok()) {
+        warn(v.status());
+        ok = false;
+        break;
+      }
+      read[p] = *v;
+    }
+    absl::MutexLock lock(&mu);
+    if (!ok) continue;
+    store_answered = absl::Now();
+    if (want) counters = read;
+  }
+}
+
+void HeartbeatMonitor::State::RunMonitor() {
+  pthread_setname_np(pthread_self(), "fs-heartbeat");
+  const absl::Duration window = options.stall_timeout / 2;
+  std::vector<int64_t> seen(size, -1);
+  std::vector<absl::Time> moved(size, absl::InfinitePast());
+  while (true) {
+    absl::Time op_since, answered;
+    std::vector<int64_t> now_counters;
     {
       absl::MutexLock lock(&mu);
       auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return stopping; };
       mu.AwaitWithTimeout(absl::Condition(&stop), options.interval);
       if (stopping) return;
       op_since = this->op_since;
+      answered = store_answered;
+      const absl::Time now = absl::Now();
+      want_counters = op_since != absl::InfiniteFuture() && now - op_since >= window;
+      if (!want_counters) counters.assign(size, -1);
+      now_counters = counters;
     }
-    if (absl::StatusOr<int64_t> beat = store->Add(Key(rank), 1); !beat.ok()) warn(beat.status());
     const absl::Time now = absl::Now();
     if (op_since == absl::InfiniteFuture() || now - op_since < window) {
       seen.assign(size, -1);  // a fresh baseline for the next overdue operation
       continue;
     }
-    std::vector<int> silent;
-    for (int p = 0; p < size; ++p) {
-      if (p == rank) continue;
-      absl::StatusOr<int64_t> v = store->Add(Key(p), 0);
-      if (!v.ok()) {
-        warn(v.status());
-        continue;
+    absl::Status stalled;
+    if (now - answered >= window && now - op_since >= options.stall_timeout) {
+      // No store answer for half the stall timeout while the operation is overdue: this rank
+      // cannot tell whether its peers live, and the network to the store's host is what failed.
+      stalled = absl::UnavailableError(absl::StrCat(
+          "the store has not answered this rank's heartbeat for ",
+          absl::FormatDuration(absl::Trunc(now - answered, absl::Milliseconds(100))),
+          " while this operation waited ",
+          absl::FormatDuration(absl::Trunc(now - op_since, absl::Milliseconds(100))),
+          " (the network to the store's host, rank 0's or the launcher's, is down or dropping "
+          "packets; ranks beat every ",
+          absl::FormatDuration(options.interval), ", algo.stall_timeout_ms=",
+          absl::ToInt64Milliseconds(options.stall_timeout), ")"));
+    } else {
+      std::vector<int> silent;
+      for (int p = 0; p < size; ++p) {
+        if (p == rank || now_counters.empty() || now_counters[p] < 0) continue;
+        if (now_counters[p] != seen[p]) {
+          seen[p] = now_counters[p];
+          moved[p] = now;
+        } else if (now - moved[p] >= window) {
+          silent.push_back(p);
+        }
       }
-      if (*v != seen[p]) {
-        seen[p] = *v;
-        moved[p] = now;
-      } else if (now - moved[p] >= window) {
-        silent.push_back(p);
-      }
+      if (silent.empty()) continue;
+      stalled = absl::UnavailableError(absl::StrCat(
+          silent.size() == 1 ? "rank " : "ranks ", absl::StrJoin(silent, ", "),
+          silent.size() == 1 ? " shows" : " show", " no sign of life: no heartbeat for ",
+          absl::FormatDuration(absl::Trunc(now - moved[silent.front()], absl::Milliseconds(100))),
+          " while this operation waited ",
+          absl::FormatDuration(absl::Trunc(now - op_since, absl::Milliseconds(100))),
+          " (the process is stopped, frozen or gone; ranks beat every ",
+          absl::FormatDuration(options.interval), ", algo.stall_timeout_ms=",
+          absl::ToInt64Milliseconds(options.stall_timeout), ")"));
     }
-    if (silent.empty()) continue;
-    const absl::Status stalled = absl::UnavailableError(absl::StrCat(
-        silent.size() == 1 ? "rank " : "ranks ", absl::StrJoin(silent, ", "),
-        silent.size() == 1 ? " shows" : " show", " no sign of life: no heartbeat for ",
-        absl::FormatDuration(absl::Trunc(now - moved[silent.front()], absl::Milliseconds(100))),
-        " while this operation waited ",
-        absl::FormatDuration(absl::Trunc(now - op_since, absl::Milliseconds(100))),
-        " (the process is stopped, frozen or gone; ranks beat every ",
-        absl::FormatDuration(options.interval), ", algo.stall_timeout_ms=",
-        absl::ToInt64Milliseconds(options.stall_timeout), ")"));
     absl::MutexLock lock(&mu);
-    // The operation may have ended while the counters were read: then nobody waits.
+    // The operation may have ended while the counters were judged: then nobody waits.
     if (this->op_since != op_since) continue;
     if (on_stall) {
       StallCallback report = std::move(on_stall);
@@ -107,9 +165,10 @@ HeartbeatMonitor::HeartbeatMonitor(std::shared_ptr<Store> store, int rank, int s
     absl::MutexLock lock(&state_->mu);
     state_->on_stall = std::move(on_stall);
   }
-  // Detached: it owns what it touches (the shared State and the store), so the destructor need
+  // Detached: they own what they touch (the shared State and the store), so the destructor need
   // not wait for a store call that a frozen store host would hold.
-  std::thread([state = state_] { state->Run(); }).detach();
+  std::thread([state = state_] { state->RunStore(); }).detach();
+  std::thread([state = state_] { state->RunMonitor(); }).detach();
 }
 
 HeartbeatMonitor::~HeartbeatMonitor() {

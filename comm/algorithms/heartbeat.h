@@ -11,9 +11,14 @@
 // collective is never mistaken for a dead peer; a rank stuck in its own code while its process
 // lives is left to the operation's timeout.
 //
+// The store calls run on a thread of their own: when the store stops answering (its host
+// unreachable, packets silently dropped: a call then hangs rather than fails) while an operation
+// of this rank is overdue by stall_timeout, the monitor cannot vouch for any peer and reports
+// that, naming the store, instead of leaving the operation to its own (possibly long) timeout.
+//
 // Cost: one store Add per rank per interval, plus size - 1 reads per interval while an operation
-// is overdue. Store errors are logged (rate-limited) and never fatal: the data path does not
-// depend on the store after setup.
+// is overdue. Store errors are logged (rate-limited); they are fatal only as above, while an
+// operation waits: the data path does not depend on the store after setup.
 #pragma once
 
 #include <functional>
@@ -33,9 +38,9 @@ class HeartbeatMonitor {
   };
   using StallCallback = std::function<void(const absl::Status&)>;
 
-  // Starts the monitor's thread. `on_stall` runs on it, at most once, with kUnavailable naming
-  // the silent rank(s); it must be quick and thread-safe (TransportCommunicator cancels its
-  // transport).
+  // Starts the monitor's threads. `on_stall` runs on one, at most once, with kUnavailable naming
+  // the silent rank(s) or the silent store; it must be quick and thread-safe
+  // (TransportCommunicator cancels its transport).
   HeartbeatMonitor(std::shared_ptr<Store> store, int rank, int size, Options options,
                    StallCallback on_stall);
   // Disarms the callback and stops the thread without waiting for a store call in flight (a

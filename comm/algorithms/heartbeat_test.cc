@@ -103,5 +103,58 @@ TEST(HeartbeatMonitor, ADestroyedMonitorCallsNothing) {
   EXPECT_EQ(calls.load(), 0);
 }
 
+// A store whose calls hang while `blocked` (its host unreachable, packets dropped) around a
+// HashStore.
+class HangingStore final : public Store {
+ public:
+  std::atomic<bool> blocked{false};
+  absl::Status Set(absl::string_view k, absl::string_view v) override { Hang(); return inner_.Set(k, v); }
+  absl::StatusOr<std::string> Get(absl::string_view k, absl::Duration t) override {
+    Hang();
+    return inner_.Get(k, t);
+  }
+  absl::StatusOr<int64_t> Add(absl::string_view k, int64_t d) override { Hang(); return inner_.Add(k, d); }
+  absl::StatusOr<std::string> CompareSet(absl::string_view k, absl::string_view e,
+                                         absl::string_view d) override {
+    Hang();
+    return inner_.CompareSet(k, e, d);
+  }
+  absl::StatusOr<bool> Delete(absl::string_view k) override { Hang(); return inner_.Delete(k); }
+  absl::Status Wait(absl::Span<const std::string> keys, absl::Duration t) override {
+    Hang();
+    return inner_.Wait(keys, t);
+  }
+  absl::StatusOr<bool> Check(absl::string_view k) override { Hang(); return inner_.Check(k); }
+
+ private:
+  void Hang() {
+    while (blocked.load()) absl::SleepFor(absl::Milliseconds(5));
+  }
+  HashStore inner_;
+};
+
+// The store stops answering (its calls hang, as over a link that drops packets) while an
+// operation waits: reported about the stall timeout later, naming the store, not left to the
+// operation's own timeout; with the store answering again nothing more is reported.
+TEST(HeartbeatMonitor, AStoreThatStopsAnsweringDuringAnOperationIsReported) {
+  auto store = std::make_shared<HangingStore>();
+  Reports reports;
+  HeartbeatMonitor peer(store, 1, 2, Fast(), [](const absl::Status&) {});
+  HeartbeatMonitor me(store, 0, 2, Fast(), [&](const absl::Status& s) { reports.Add(s); });
+  absl::SleepFor(absl::Milliseconds(100));
+  store->blocked = true;
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(reports.Count(), 0);  // no operation: nobody waits
+  const absl::Time start = absl::Now();
+  me.OperationStarted();
+  absl::SleepFor(absl::Milliseconds(1200));
+  ASSERT_EQ(reports.Count(), 1);
+  EXPECT_THAT(reports.last, StatusIs(absl::StatusCode::kUnavailable,
+                                     HasSubstr("the store has not answered this rank's heartbeat")));
+  EXPECT_GE(reports.at - start, absl::Milliseconds(400));  // the stall timeout
+  EXPECT_LT(reports.at - start, absl::Milliseconds(1000));
+  store->blocked = false;
+}
+
 }  // namespace
 }  // namespace fairscale::comm
