@@ -133,8 +133,15 @@ void HeartbeatMonitor::State::RunMonitor() {
         }
       }
       if (silent.empty()) continue;
+      std::vector<std::string> named;
+      for (int p : silent) {
+        const bool known = static_cast<int>(options.peer_addresses.size()) == size &&
+                           !options.peer_addresses[p].empty();
+        named.push_back(known ? absl::StrCat(p, " (", options.peer_addresses[p], ")")
+                              : absl::StrCat(p));
+      }
       stalled = absl::UnavailableError(absl::StrCat(
-          silent.size() == 1 ? "rank " : "ranks ", absl::StrJoin(silent, ", "),
+          silent.size() == 1 ? "rank " : "ranks ", absl::StrJoin(named, ", "),
           silent.size() == 1 ? " shows" : " show", " no sign of life: no heartbeat for ",
           absl::FormatDuration(absl::Trunc(now - moved[silent.front()], absl::Milliseconds(100))),
           " while this operation waited ",

@@ -23,6 +23,8 @@
 
 #include <functional>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -35,6 +37,9 @@ class HeartbeatMonitor {
   struct Options {
     absl::Duration interval = absl::Seconds(1);
     absl::Duration stall_timeout = absl::Seconds(10);
+    // Where each rank is (the transport's PeerAddress), named beside a silent rank when given
+    // (size entries; empty ones are left out).
+    std::vector<std::string> peer_addresses;
   };
   using StallCallback = std::function<void(const absl::Status&)>;
 

@@ -77,18 +77,21 @@ TEST(HeartbeatMonitor, LiveRanksAreNeverReportedHoweverLongTheOperation) {
   EXPECT_EQ(reports.Count(), 0);
 }
 
-TEST(HeartbeatMonitor, ARankThatStopsBeatingMidOperationIsReported) {
+TEST(HeartbeatMonitor, ARankThatStopsBeatingMidOperationIsReportedWithItsAddress) {
   auto store = std::make_shared<HashStore>();
   Reports reports;
   auto peer = std::make_unique<HeartbeatMonitor>(store, 1, 2, Fast(), [](const absl::Status&) {});
-  HeartbeatMonitor me(store, 0, 2, Fast(), [&](const absl::Status& s) { reports.Add(s); });
+  HeartbeatMonitor::Options named = Fast();
+  named.peer_addresses = {"10.0.0.1:4000", "10.0.0.2:4001"};
+  HeartbeatMonitor me(store, 0, 2, named, [&](const absl::Status& s) { reports.Add(s); });
   me.OperationStarted();
   absl::SleepFor(absl::Milliseconds(600));
   EXPECT_EQ(reports.Count(), 0);
   peer.reset();  // its process "stops"
   absl::SleepFor(absl::Milliseconds(800));
   EXPECT_EQ(reports.Count(), 1);
-  EXPECT_THAT(reports.last, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("rank 1 shows")));
+  EXPECT_THAT(reports.last, StatusIs(absl::StatusCode::kUnavailable,
+                                     HasSubstr("rank 1 (10.0.0.2:4001) shows no sign of life")));
 }
 
 TEST(HeartbeatMonitor, ADestroyedMonitorCallsNothing) {

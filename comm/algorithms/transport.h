@@ -74,6 +74,13 @@ class Transport {
   // Thread-safe. Makes a Wait() in progress (or the next one) return `reason` within ~100 ms.
   virtual void Cancel(const absl::Status& reason) = 0;
 
+  // Thread-safe. Where peer `peer` is, for error messages: the address it published
+  // ("10.0.0.2:41234"), or empty when the transport has none.
+  virtual std::string PeerAddress(int peer) const {
+    (void)peer;
+    return std::string();
+  }
+
   // Tells every peer that this rank failed with `reason` (so they fail fast, with this reason in
   // their message, instead of timing out), then closes all connections. Pending requests fail.
   // Called once, from the worker thread, when the communicator breaks or is destroyed (with OK).

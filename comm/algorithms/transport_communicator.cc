@@ -190,6 +190,7 @@ class TransportCommunicator final : public Communicator {
       HeartbeatMonitor::Options hb;
       hb.interval = absl::Milliseconds(options.heartbeat_ms);
       hb.stall_timeout = absl::Milliseconds(options.stall_timeout_ms);
+      for (int p = 0; p < config.size; ++p) hb.peer_addresses.push_back(transport_->PeerAddress(p));
       Transport* t = transport_.get();
       heartbeat_ = std::make_unique<HeartbeatMonitor>(
           store_, config.rank, config.size, hb, [t](const absl::Status& s) { t->Cancel(s); });

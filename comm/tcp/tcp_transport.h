@@ -106,6 +106,7 @@ class TcpTransport final : public Transport {
   absl::Status Wait(absl::Span<const Request> requests, absl::Time deadline) override;
   absl::Status Poll() override;
   void Cancel(const absl::Status& reason) override;
+  std::string PeerAddress(int peer) const override { return peers_[peer].address; }
   void Shutdown(const absl::Status& reason) override;
 
   // Peers whose large messages this rank reads from their memory (same-host copies).
