@@ -61,7 +61,8 @@ TEST(Stall, AStoppedRankIsNamedWithinSecondsNotAtTheOperationTimeout) {
   for (int r = 0; r < 2; ++r) {
     EXPECT_THAT(statuses[r], StatusIs(absl::StatusCode::kUnavailable,
                                       AllOf(HasSubstr("all_reduce #2"),
-                                            HasSubstr("rank 2 shows no sign of life"))))
+                                            HasSubstr("rank 2 (127.0.0.1:"),
+                                            HasSubstr(") shows no sign of life"))))
         << "rank " << r;
   }
   EXPECT_FALSE(statuses[2].ok());  // stopped, then killed by the runner

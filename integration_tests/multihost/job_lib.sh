@@ -2,7 +2,8 @@
 # hosts.sh): the one-host reference run, a wrapper that records where each rank ran, and the
 # comparisons the multi-host launcher tests make.
 #
-#   reference NAME                 the job at 4 ranks on host0 alone (fs_launch), $WORK/NAME/
+#   reference NAME [FLAGS...]      the job (JOB, then FLAGS) at 4 ranks on host0 alone (fs_launch),
+#                                  output in $WORK/NAME.log, metrics in $WORK/NAME/
 #   $REPORT PROGRAM ARGS...        runs PROGRAM after printing "placed: rank <r> on <hostname>"
 #   expect_placement NAME LOG...   ranks 0, 1 ran on host0 and 2, 3 on host1 (from the lines above)
 #   close_losses GOT WANT          STEPS losses each, equal within 1e-5; prints the max difference
@@ -29,9 +30,9 @@ show_logs() {
 }
 
 reference() {
-  local name=$1 status=0
+  local name=$1 status=0; shift
   mh_run 0 timeout -k 5 240 "$FS_LAUNCH" --nnodes=1 --nproc_per_node=4 --master_port=0 \
-      --stop_timeout_s=5 -- "$TRAIN_GPT" "${TINY[@]}" "${JOB[@]}" --out_dir="$WORK/$name" \
+      --stop_timeout_s=5 -- "$TRAIN_GPT" "${TINY[@]}" "${JOB[@]}" --out_dir="$WORK/$name" "$@" \
       >"$WORK/$name.log" 2>&1 || status=$?
   [[ $status -eq 0 ]] || { show_logs "$WORK/$name.log"; fail "$name (4 ranks on host0) exited with $status"; }
 }

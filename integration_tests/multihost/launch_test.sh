@@ -17,14 +17,13 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/../lib.sh" "$@"
 source "$here/hosts.sh"
+source "$here/job_lib.sh"   # STEPS, JOB, reference, close_losses
 
 mh_require_netadmin
 mh_create 2
 
 export FS_STORE_TOKEN=$(printf '%032d' 7)
 export FS_COMM_TIMEOUT_S=120
-STEPS=8
-JOB=(--steps=$STEPS --checkpoint_dir=none --precision=fp32)
 PORT=29600
 
 # multi NAME [VAR=VALUE...] -- [train_gpt flags...]: the job on host0 and host1, 2 ranks each.
@@ -51,54 +50,34 @@ multi() {
   wait "${pids[1]}" || STATUS1=$?
 }
 
-# single NAME [train_gpt flags...]: the job at 4 ranks on host0 alone.
-single() {
-  local name=$1; shift
-  STATUS=0
-  mh_run 0 timeout -k 5 240 "$FS_LAUNCH" --nnodes=1 --nproc_per_node=4 --master_port=0 \
-      --stop_timeout_s=5 -- "$TRAIN_GPT" "${TINY[@]}" "${JOB[@]}" --out_dir="$WORK/$name" "$@" \
-      >"$WORK/$name.log" 2>&1 || STATUS=$?
-  [[ $STATUS -eq 0 ]] || { cat "$WORK/$name.log"; fail "$name exited with $STATUS"; }
-}
-
 expect_ok() {
   local name=$1
   [[ $STATUS0 -eq 0 && $STATUS1 -eq 0 ]] ||
     { tail -40 "$WORK/$name.log" "$WORK/$name.node1.log"; fail "$name: nodes exited $STATUS0, $STATUS1"; }
 }
 
-# close_losses GOT WANT: STEPS losses each, equal within 1e-5; prints the max difference.
-close_losses() {
-  python3 - "$WORK/$1/metrics.jsonl" "$WORK/$2/metrics.jsonl" "$STEPS" "$1" "$2" <<'PY'
-import json, sys
-def losses(path):
-    return {r["step"]: float(r["loss"]) for r in map(json.loads, open(path))
-            if r.get("type") == "train"}
-got, want, steps = losses(sys.argv[1]), losses(sys.argv[2]), int(sys.argv[3])
-if sorted(got) != list(range(1, steps + 1)) or sorted(want) != sorted(got):
-    sys.exit(f"FAIL: steps {sorted(got)} vs {sorted(want)}")
-diff = max(abs(got[s] - want[s]) for s in got)
-print(f"{sys.argv[4]} vs {sys.argv[5]}: max |loss difference| {diff:.3g} over {steps} steps "
-      f"(final loss {got[steps]:.6f})")
-sys.exit(0 if diff <= 1e-5 else 1)
-PY
+# same_losses GOT WANT: close_losses (job_lib.sh), said.
+same_losses() {
+  local diff
+  diff=$(close_losses "$1" "$2") || return 1
+  echo "$1 vs $2: max |loss difference| $diff over $STEPS steps"
 }
 
 # hashes NAME: the ranks' parameter-shard hashes at the end, space-separated.
 hashes() { jq -r 'select(.type == "final") | .param_fnv1a64 | join(" ")' "$WORK/$1/metrics.jsonl"; }
 
 # ---- full_shard over tcp, the address chosen automatically ------------------------------------
-single one_full --strategy=full_shard
+reference one_full --strategy=full_shard
 multi two_full -- --strategy=full_shard
 expect_ok two_full
 grep -q "listening for peers on $(mh_addr 1) (the route to MASTER_ADDR=$(mh_addr 0))" \
     "$WORK/two_full.node1.log" ||
   { cat "$WORK/two_full.node1.log"; fail "two_full: node 1's ranks did not choose $(mh_addr 1)"; }
-close_losses two_full one_full || fail "full_shard across 2 hosts: losses differ from one host's"
+same_losses two_full one_full || fail "full_shard across 2 hosts: losses differ from one host's"
 pass "full_shard, 2 hosts x 2 ranks (automatic address $(mh_addr 1) on host1) = 4 ranks on one host"
 
 # ---- hybrid_shard over tcp, FS_SOCKET_IFNAME=eth0: a shard group per host ---------------------
-single one_hybrid --strategy=hybrid_shard
+reference one_hybrid --strategy=hybrid_shard
 multi two_hybrid FS_SOCKET_IFNAME=eth0 -- --strategy=hybrid_shard
 expect_ok two_hybrid
 grep -q "listening for peers on $(mh_addr 0) (FS_SOCKET_IFNAME=eth0)" "$WORK/two_hybrid.log" ||
@@ -110,13 +89,13 @@ echo "shard hashes: 2 hosts ${h2[*]}; one host ${h1[*]}"
   fail "two_hybrid: shard hashes ${h2[*]}: want shard groups {0,1} on host0 and {2,3} on host1"
 [[ $(printf '%s\n' "${h1[@]}" | sort -u | wc -l) -eq 4 ]] ||
   fail "one_hybrid: shard hashes ${h1[*]}: want one group of 4 on one host"
-close_losses two_hybrid one_hybrid || fail "hybrid_shard across 2 hosts: losses differ from one host's"
+same_losses two_hybrid one_hybrid || fail "hybrid_shard across 2 hosts: losses differ from one host's"
 pass "hybrid_shard, 2 hosts x 2 ranks (FS_SOCKET_IFNAME=eth0; shard groups = hosts) = 4 ranks on one host"
 
 # ---- ucx over tcp across the hosts --------------------------------------------------------------
 multi two_ucx FS_COMM_BACKEND=ucx UCX_TLS=tcp FS_SOCKET_IFNAME=eth0 -- --strategy=full_shard
 expect_ok two_ucx
-close_losses two_ucx two_full || fail "ucx across 2 hosts: losses differ from tcp's"
+same_losses two_ucx two_full || fail "ucx across 2 hosts: losses differ from tcp's"
 pass "ucx (UCX_TLS=tcp, UCX_NET_DEVICES from FS_SOCKET_IFNAME=eth0), 2 hosts x 2 ranks = tcp"
 
 # ---- a loopback address advertised across hosts fails fast ------------------------------------
