@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
@@ -353,10 +354,13 @@ class TransportCommunicator final : public Communicator {
 
 absl::StatusOr<std::shared_ptr<Communicator>> CreateTransportCommunicator(
     std::string backend, const CommConfig& config, TransportFactory factory) {
-  const std::string prefix =
-      absl::StrCat("[", backend, "] rank ", config.rank, "/", config.size, ": ");
-  auto fail = [&prefix](const absl::Status& s) {
-    return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+  const std::string who = absl::StrCat("rank ", config.rank, "/", config.size);
+  const std::string prefix = absl::StrCat("[", backend, "] ", who, ": ");
+  // A message that names this rank already ("tcp rendezvous rank 3/4: ...") gets the backend only.
+  auto fail = [&prefix, &backend, &who](const absl::Status& s) {
+    const bool named = absl::StrContains(s.message(), who);
+    return absl::Status(s.code(), absl::StrCat(named ? absl::StrCat("[", backend, "] ") : prefix,
+                                               s.message()));
   };
   if (config.size < 1 || config.rank < 0 || config.rank >= config.size) {
     return fail(absl::InvalidArgumentError("invalid rank/size"));
