@@ -152,23 +152,34 @@ double TotalOf(const std::vector<double>& values) {
 }
 
 void Accumulator::Add(int64_t index, at::Tensor value) {
-  TORCH_CHECK(stack_.empty() || index == next_, "deterministic: micro-batch ", index,
-              " arrived after ", next_ - 1, "; a rank's micro-batches must come in order");
   TORCH_CHECK(index >= 0, "deterministic: negative micro-batch index ", index);
-  stack_.push_back({Node{index, 1}, std::move(value)});
-  next_ = index + 1;
+  auto pos = std::lower_bound(parts_.begin(), parts_.end(), index,
+                              [](const Partial& p, int64_t i) { return p.node.end() <= i; });
+  TORCH_CHECK(pos == parts_.end() || pos->node.begin > index, "deterministic: micro-batch ",
+              index, " was already added (in ", NodeName(pos->node), ")");
+  size_t at = static_cast<size_t>(pos - parts_.begin());
+  parts_.insert(pos, Partial{Node{index, 1}, std::move(value)});
   ++count_;
-  while (stack_.size() >= 2 && AreSiblings(stack_[stack_.size() - 2].node, stack_.back().node)) {
-    Partial right = std::move(stack_.back());
-    stack_.pop_back();
-    stack_.back().value.add_(right.value);
-    stack_.back().node.size *= 2;
+  // Add siblings around the new node until it has none.
+  while (true) {
+    if (at > 0 && AreSiblings(parts_[at - 1].node, parts_[at].node)) {
+      parts_[at - 1].value.add_(parts_[at].value);
+      parts_[at - 1].node.size *= 2;
+      parts_.erase(parts_.begin() + static_cast<std::ptrdiff_t>(at));
+      --at;
+    } else if (at + 1 < parts_.size() && AreSiblings(parts_[at].node, parts_[at + 1].node)) {
+      parts_[at].value.add_(parts_[at + 1].value);
+      parts_[at].node.size *= 2;
+      parts_.erase(parts_.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+    } else {
+      break;
+    }
   }
 }
 
 std::vector<Partial> Accumulator::Take() {
-  std::vector<Partial> out = std::move(stack_);
-  stack_.clear();
+  std::vector<Partial> out = std::move(parts_);
+  parts_.clear();
   count_ = 0;
   return out;
 }

@@ -85,26 +85,26 @@ at::Tensor Total(std::vector<Partial> parts, int64_t n);
 // The canonical total of n scalars (losses): values[i] is micro-batch i's.
 double TotalOf(const std::vector<double>& values);
 
-// Sums one rank's per-micro-batch values as they arrive, in micro-batch order, keeping the
-// partial sums of the maximal dyadic intervals seen so far (a cascade: at most log2(count) + 1
-// tensors alive).
+// Sums one rank's per-micro-batch values as they arrive, keeping the partial sums of the
+// maximal dyadic intervals complete so far: arriving in micro-batch order (or in reverse, as a
+// GPipe backward does) at most log2(count) + 1 tensors stay alive (a cascade).
 class Accumulator {
  public:
   // `value` is micro-batch `index`'s; the accumulator keeps it (and may add into it in place).
-  // Indices must be consecutive; raises c10::Error otherwise.
+  // Indices may come in any order; one that is already in raises c10::Error.
   void Add(int64_t index, at::Tensor value);
-  // The partial sums so far (Decompose(first index, last index + 1)); the accumulator is empty
-  // afterwards.
+  // The partial sums so far, sorted by begin (for the micro-batches [a, b), all present:
+  // Decompose(a, b)); the accumulator is empty afterwards.
   std::vector<Partial> Take();
-  bool empty() const { return stack_.empty(); }
+  bool empty() const { return parts_.empty(); }
   // The micro-batches added since the last Take.
   int64_t count() const { return count_; }
-  int64_t next_index() const { return next_; }
+  // The partial sums held now.
+  const std::vector<Partial>& partials() const { return parts_; }
 
  private:
-  std::vector<Partial> stack_;
+  std::vector<Partial> parts_;  // sorted by begin, no siblings
   int64_t count_ = 0;
-  int64_t next_ = 0;
 };
 
 }  // namespace fairscale::deterministic
