@@ -9,14 +9,10 @@
 #include "base/torch_error.h"
 
 namespace fairscale::deterministic {
-namespace {
-
-std::string Describe(int64_t on, int64_t micro_batches) {
+std::string DescribeMode(bool on, int64_t micro_batches) {
   return on ? absl::StrCat("deterministic mode with ", micro_batches, " micro-batches per step")
             : std::string("the default (non-deterministic) mode");
 }
-
-}  // namespace
 
 void CheckSameMode(comm::Communicator& comm, bool deterministic, int64_t micro_batches,
                    const std::string& what) {
@@ -33,8 +29,8 @@ void CheckSameMode(comm::Communicator& comm, bool deterministic, int64_t micro_b
   for (int r = 0; r < world; ++r) {
     if (all[2 * r] != mine[0] || all[2 * r + 1] != mine[1]) {
       TORCH_CHECK(false, ctx, ": ranks disagree on deterministic mode: this rank runs ",
-                  Describe(mine[0], mine[1]), ", rank ", r, " runs ",
-                  Describe(all[2 * r], all[2 * r + 1]),
+                  DescribeMode(mine[0] != 0, mine[1]), ", rank ", r, " runs ",
+                  DescribeMode(all[2 * r] != 0, all[2 * r + 1]),
                   "; every rank must be built with the same options");
     }
   }

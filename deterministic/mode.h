@@ -17,6 +17,9 @@ namespace fairscale::deterministic {
 void CheckSameMode(comm::Communicator& comm, bool deterministic, int64_t micro_batches,
                    const std::string& what);
 
+// "deterministic mode with 24 micro-batches per step" / "the default (non-deterministic) mode".
+std::string DescribeMode(bool deterministic, int64_t micro_batches);
+
 // Raises c10::Error unless LibTorch's CPU kernels run on one intra-op thread
 // (at::set_num_threads(1)): their reductions (sums, norms, matmuls) split the work by thread
 // count, so the same micro-batch would give other bits on a machine with other core counts.

@@ -233,6 +233,26 @@ struct FsdpOptions {
   // jobs (see fsdp/bench/README.md for the trade-off measured). Must be >= 0.
   TORCH_ARG(int, reductions_in_flight) = 1;
 
+  // Deterministic mode (//deterministic, see fsdp/README.md): the same global batch gives
+  // bitwise the same gradients, losses and parameters at any world size that divides
+  // `micro_batches`, for every strategy and both layouts. A step's global batch is cut into
+  // `micro_batches` (M) micro-batches of a fixed size; rank r of W runs the contiguous block
+  // [r * M/W, (r+1) * M/W) in that order, one forward and one backward each, with the
+  // micro-batch's own loss (do not divide it by the number of micro-batches: FSDP does). Each
+  // rank sums its micro-batches' gradients over a fixed binary tree of the micro-batch index
+  // (deterministic/tree.h); after this rank's M/W-th backward the partial sums are reduced over
+  // that tree (an all-to-all of partial sums instead of a reduce-scatter, the same bytes when W
+  // and M/W are powers of two) and divided by M into the shards' .grad. no_sync() is optional
+  // (the reduction comes after the M/W-th backward either way) but must not cover it.
+  // clip_grad_norm_ sums squares exactly (order independent). Needs at::set_num_threads(1)
+  // (LibTorch's CPU reductions split by thread count) and the same options on every rank
+  // (both checked at construction, with clear errors, as is W dividing M). The divide factors,
+  // bucket_cap_mb and reductions_in_flight do not apply: each flat parameter is reduced
+  // synchronously at the end of the step's last backward. Default off.
+  TORCH_ARG(bool, deterministic) = false;
+  // Deterministic mode: micro-batches per optimizer step over all ranks (M above); >= 1.
+  TORCH_ARG(int64_t, micro_batches) = 0;
+
  private:
   BackwardPrefetch backward_prefetch_ = BackwardPrefetch::kBackwardPre;
   std::shared_ptr<comm::Communicator> hybrid_shard_comm_;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "fsdp/fully_sharded_data_parallel.h"
+#include "deterministic/collectives.h"
 #include "base/torch_error.h"
 #include "fsdp/internal/coordinator.h"
 #include "fsdp/internal/flat_param.h"
@@ -40,6 +41,31 @@ at::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double
   TORCH_CHECK(norm_type > 0, label(), ": clip_grad_norm_() needs norm_type > 0, got ", norm_type);
   const bool inf = std::isinf(norm_type);
   c10::NoGradGuard no_grad;
+  if (unit_->det_layout() != nullptr && !inf) {
+    // Deterministic mode: the squares summed exactly (deterministic::ExactSquareSum), so the
+    // norm does not depend on how the elements are sharded; counted once each as below.
+    TORCH_CHECK(norm_type == 2.0, label(), ": deterministic mode computes the 2-norm (an exact "
+                "sum of squares) or the inf-norm, not the ", norm_type, "-norm");
+    deterministic::ExactSquareSum squares;
+    std::vector<at::Tensor> grads;
+    for (const internal::Unit* u : c.units()) {
+      for (const FlatParam& fp : u->flats()) {
+        if (!fp.requires_grad) continue;
+        for (const at::Tensor& g : internal::ShardGrads(fp)) {
+          grads.push_back(g);
+          if (u->sharded() ? u->groups().replicate_rank != 0 : rank() != 0) continue;
+          squares.Add(g);
+        }
+      }
+    }
+    squares.AllReduce(*communicator(), label() + ": clip_grad_norm_");
+    const double total = squares.norm();
+    const double coef = max_norm / (total + 1e-6);
+    if (coef < 1) {
+      for (at::Tensor& g : grads) g.mul_(coef);
+    }
+    return at::scalar_tensor(total, at::kFloat);
+  }
   double local = 0;
   std::vector<at::Tensor> grads;
   for (const internal::Unit* u : c.units()) {

@@ -63,6 +63,12 @@ void Coordinator::MakeRoot(Unit& root) {
                 ": flatten_parameters(", unit.options().flatten_parameters() ? "true" : "false",
                 ") but its root has flatten_parameters(", flatten ? "true" : "false",
                 "); every unit of a model must use the same layout");
+    TORCH_CHECK(unit.options().deterministic() == root.options().deterministic() &&
+                    unit.options().micro_batches() == root.options().micro_batches(),
+                unit.label(), ": deterministic(", unit.options().deterministic() ? "true" : "false",
+                ") micro_batches(", unit.options().micro_batches(), ") but its root has deterministic(",
+                root.options().deterministic() ? "true" : "false", ") micro_batches(",
+                root.options().micro_batches(), "); every unit of a model must use the same mode");
     unit.JoinRoot(c, c->gathers_);
     unit.set_prefix(prefix);
     unit.progress.forward_index = unit.progress.backward_index = -1;
@@ -174,7 +180,7 @@ void Coordinator::OnParamGrad(Unit& unit, size_t flat, size_t slot) {
   if (unit.NeedsGradBuffer(flat, slot)) {
     reductions_.Drain(static_cast<size_t>(unit.options().reductions_in_flight()));
   }
-  if (!unit.AccumulateGrad(flat, slot) || no_sync_) return;
+  if (!unit.AccumulateGrad(flat, slot) || no_sync_ || unit.det_layout() != nullptr) return;
   // Every use of this flat parameter in backward is done: free it now rather than at the end.
   if (unit.sharded() && unit.flats()[flat].requires_grad && unit.flats().size() == 1) {
     unit.Reshard();
@@ -195,7 +201,44 @@ void Coordinator::IssueReduce(Unit& unit, size_t flat) {
   reductions_.Submit(unit, flat, unit.TakeGradient(flat), in_place);
 }
 
+void Coordinator::FinalizeDeterministic() {
+  const deterministic::MicroBatchLayout& layout = *root_->det_layout();
+  const int64_t index = layout.first() + det_done_;
+  for (Unit* u : units_) {
+    for (size_t f = 0; f < u->flats().size(); ++f) {
+      if (u->flats()[f].requires_grad) u->PushMicroBatchGrad(f, index);
+    }
+  }
+  ++det_done_;
+  if (det_done_ < layout.per_rank()) return;
+  det_done_ = 0;
+  TORCH_CHECK(!no_sync_, root_->label(), ": deterministic mode reduces the gradients after this "
+              "rank's last micro-batch of the step (", layout.per_rank(), " of ",
+              layout.micro_batches, " micro-batches over ", layout.world,
+              " ranks), but no_sync() covers it; run the last backward outside no_sync()");
+  for (Unit* u : units_) {
+    for (size_t f = 0; f < u->flats().size(); ++f) {
+      if (u->flats()[f].requires_grad) u->ReduceDeterministic(f);
+    }
+  }
+}
+
 void Coordinator::FinalizeBackward() {
+  if (root_->det_layout() != nullptr) {
+    try {
+      FinalizeDeterministic();
+      for (Unit* u : units_) {
+        u->Reshard();
+        u->MarkStale();
+      }
+      if (!backward_order_.empty()) backward_order_done_ = true;
+    } catch (...) {
+      ResetBackward();
+      throw;
+    }
+    ResetBackward();
+    return;
+  }
   try {
     // Units whose gradients did not all arrive (unused parameters) reduce now, in the same
     // order on every rank.

@@ -71,6 +71,11 @@ class Coordinator {
   bool backward_order_done_ = false;
   bool backward_active_ = false;  // FinalizeBackward is queued on the engine
   bool no_sync_ = false;
+  // Deterministic mode: the backward passes (micro-batches) of this step done so far.
+  int64_t det_done_ = 0;
+  // Deterministic mode: after each backward, every unit's full gradients join their trees; after
+  // the step's last micro-batch on this rank, they are reduced.
+  void FinalizeDeterministic();
   std::shared_ptr<GatherQueue> gathers_ = std::make_shared<GatherQueue>();
   ReductionQueue reductions_;
 };

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "comm/work.h"
+#include "deterministic/tree.h"
 
 namespace torch::autograd {
 struct Node;
@@ -96,6 +97,10 @@ struct FlatParam {
   at::Tensor full_grad;  // padded full gradient being assembled from the slots' grads
   int grads_ready = 0;   // slots whose AccumulateGrad fired in this backward
   bool reduced = false;  // the reduction of this backward is issued
+
+  // Deterministic mode: this step's per-micro-batch full gradients, summed over the canonical
+  // tree so far (reduced after the rank's last micro-batch of the step).
+  deterministic::Accumulator det_acc;
 };
 
 // Test hook: makes move_params_to_cpu take the offloaded path (separate compute buffers, copies

@@ -1,5 +1,7 @@
 #include "fsdp/internal/param_sync.h"
 
+#include "deterministic/mode.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
 
@@ -45,16 +47,27 @@ TensorHash HashTensor(const at::Tensor& t) {
 }
 
 void CheckOrBroadcastParams(comm::Communicator& world, const std::vector<const ParamSlot*>& slots,
-                            bool broadcast, const std::string& label) {
+                            bool broadcast, const std::string& label, int64_t micro_batches) {
   const int size = world.size();
   if (size == 1) return;
   const std::string context = label + ": comparing the initial parameters across ranks";
-  // Counts first: the hash all-gather needs the same count on every rank.
+  // Counts first (the hash all-gather needs the same count on every rank), with the mode.
   const int64_t n = static_cast<int64_t>(slots.size());
-  std::vector<int64_t> counts(size);
+  const int64_t header[2] = {n, micro_batches};
+  std::vector<int64_t> gathered(2 * size);
   base::ThrowIfError(
-      world.AllGather(comm::MakeConstBuffer(&n, 1), comm::MakeBuffer(counts.data(), size)).Wait(),
+      world.AllGather(comm::MakeConstBuffer(header, 2), comm::MakeBuffer(gathered.data(), 2 * size))
+          .Wait(),
       context);
+  for (int r = 0; r < size; ++r) {
+    TORCH_CHECK(gathered[2 * r + 1] == micro_batches, label,
+                ": ranks disagree on deterministic mode: this rank runs ",
+                deterministic::DescribeMode(micro_batches > 0, micro_batches), ", rank ", r,
+                " runs ", deterministic::DescribeMode(gathered[2 * r + 1] > 0, gathered[2 * r + 1]),
+                "; every rank must be built with the same options");
+  }
+  std::vector<int64_t> counts(size);
+  for (int r = 0; r < size; ++r) counts[r] = gathered[2 * r];
   for (int r = 0; r < size; ++r) {
     TORCH_CHECK(counts[r] == n, label, ": rank ", r, " has ", counts[r],
                 " parameters in this unit, rank ", world.rank(), " has ", n,

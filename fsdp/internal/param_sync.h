@@ -23,7 +23,9 @@ TensorHash HashTensor(const at::Tensor& t);
 // difference raises c10::Error on every rank; a value difference raises too unless
 // `broadcast`, which then copies rank 0's values into every rank's parameters. Errors name the
 // first differing parameter and two ranks that disagree, prefixed with `label`. Collective.
+// `micro_batches` > 0: this rank runs deterministic mode with that many micro-batches per step
+// (FsdpOptions::micro_batches); the ranks must agree on it (checked with the counts).
 void CheckOrBroadcastParams(comm::Communicator& world, const std::vector<const ParamSlot*>& slots,
-                            bool broadcast, const std::string& label);
+                            bool broadcast, const std::string& label, int64_t micro_batches = 0);
 
 }  // namespace fairscale::fsdp::internal

@@ -17,6 +17,8 @@
 #include "fsdp/internal/hybrid_groups.h"
 #include "fsdp/internal/param_ranges.h"
 #include "fsdp/internal/param_sync.h"
+#include "deterministic/collectives.h"
+#include "deterministic/mode.h"
 
 namespace fairscale::fsdp::internal {
 
@@ -38,6 +40,20 @@ void ValidateOptions(const FsdpOptions& options) {
                 "FullyShardedDataParallel: compute_device ", *device,
                 " is not available (this LibTorch ",
                 at::hasCUDA() ? "has CUDA" : "has no CUDA or sees no GPU", ")");
+  }
+  if (options.deterministic()) {
+    TORCH_CHECK(options.micro_batches() >= 1,
+                "FullyShardedDataParallel: deterministic(true) needs micro_batches(M), the "
+                "micro-batches per optimizer step over all ranks (>= 1), got ",
+                options.micro_batches());
+    TORCH_CHECK(options.gradient_predivide_factor() == 0 &&
+                    options.gradient_postdivide_factor() == 0,
+                "FullyShardedDataParallel: deterministic mode divides the gradient sum by "
+                "micro_batches itself; gradient_predivide_factor / gradient_postdivide_factor "
+                "must be left unset");
+  } else {
+    TORCH_CHECK(options.micro_batches() == 0, "FullyShardedDataParallel: micro_batches(",
+                options.micro_batches(), ") is for deterministic mode; set deterministic(true)");
   }
   const auto bp = options.backward_prefetch();
   TORCH_CHECK(bp == BackwardPrefetch::kNone || bp == BackwardPrefetch::kBackwardPre ||
@@ -92,6 +108,52 @@ Unit::Unit(std::string module_name, std::shared_ptr<comm::Communicator> comm, Fs
     : module_name_(std::move(module_name)), options_(std::move(options)) {
   groups_ = MakeUnitGroups(comm, options_,
                            UnitLabel(prefix_, module_name_, comm->rank(), comm->size()));
+  if (options_.deterministic()) InitDeterministic();
+}
+
+void Unit::InitDeterministic() {
+  const std::string what = label();
+  deterministic::CheckThreads(what);
+  try {
+    det_layout_ = deterministic::MicroBatchLayout::Make(options_.micro_batches(),
+                                                        groups_.world_size, groups_.rank);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, what, ": ", e.what_without_backtrace());
+  }
+  det_world_nodes_ = det_layout_->nodes_by_rank();
+}
+
+void Unit::InitDeterministicGroups() {
+  if (!det_layout_ || !sharded()) return;
+  const std::string what = label();
+  // The world ranks of the shard group's members, by shard rank.
+  const int shard_size = groups_.shard_size;
+  std::vector<int64_t> members(shard_size);
+  const int64_t me = groups_.rank;
+  base::ThrowIfError(groups_.shard
+                         ->AllGather(comm::MakeConstBuffer(&me, 1),
+                                     comm::MakeBuffer(members.data(), members.size()))
+                         .Wait(),
+                     what + ": deterministic mode: the shard group's ranks");
+  for (int64_t r : members) det_shard_nodes_.push_back(det_layout_->nodes_of(static_cast<int>(r)));
+  if (!groups_.replicate || groups_.replicate_size <= 1) return;
+  // Each replicate member's shard group: after the reduce-scatter it holds the merged nodes of
+  // that group's micro-batches.
+  std::vector<int64_t> all(static_cast<size_t>(shard_size) * groups_.replicate_size);
+  base::ThrowIfError(groups_.replicate
+                         ->AllGather(comm::MakeConstBuffer(members.data(), members.size()),
+                                     comm::MakeBuffer(all.data(), all.size()))
+                         .Wait(),
+                     what + ": deterministic mode: the replicate group's shard groups");
+  for (int j = 0; j < groups_.replicate_size; ++j) {
+    std::vector<deterministic::Node> nodes;
+    for (int i = 0; i < shard_size; ++i) {
+      for (const auto& n : det_layout_->nodes_of(static_cast<int>(all[j * shard_size + i]))) {
+        nodes.push_back(n);
+      }
+    }
+    det_replicate_nodes_.push_back(deterministic::MergeNodes(std::move(nodes)));
+  }
 }
 
 Unit::~Unit() {
@@ -200,7 +262,9 @@ void Unit::Shard(const std::vector<std::pair<std::string, at::Tensor>>& params,
   for (const auto* list : {&trainable, &frozen}) {
     for (const ParamSlot& slot : *list) all.push_back(&slot);
   }
-  CheckOrBroadcastParams(*groups_.world, all, options_.sync_module_states(), label());
+  CheckOrBroadcastParams(*groups_.world, all, options_.sync_module_states(), label(),
+                         options_.deterministic() ? options_.micro_batches() : 0);
+  InitDeterministicGroups();  // after the ranks agreed on the mode
   c10::NoGradGuard no_grad;
   for (int kind = 0; kind < 2; ++kind) {
     std::vector<ParamSlot>& slots = kind == 0 ? trainable : frozen;
@@ -273,7 +337,7 @@ void Unit::LayoutFlat(FlatParam& fp, std::vector<ParamSlot>& slots) {
   }
   const int world = groups_.world_size;
   const auto [pre, post] = DivideFactors(options_, world);
-  fp.grad_views = fp.requires_grad && !sharded() && !fp.separate &&
+  fp.grad_views = fp.requires_grad && !sharded() && !fp.separate && !options_.deterministic() &&
                   fp.reduce_dtype == master.scalar_type() &&
                   std::abs(pre * post - world) <= 1e-9 * world;
   for (ParamSlot& slot : slots) {
@@ -514,6 +578,12 @@ at::Tensor Unit::TakeGradient(size_t flat) {
     if (pre != 1.0) g.div_(pre);
     return g;
   }
+  at::Tensor send = TakeFullGrad(fp);
+  if (pre != 1.0) send.div_(pre);
+  return send;
+}
+
+at::Tensor Unit::TakeFullGrad(FlatParam& fp) {
   at::Tensor send = fp.full_grad;
   fp.full_grad = at::Tensor();
   if (!send.defined()) {
@@ -523,8 +593,45 @@ at::Tensor Unit::TakeGradient(size_t flat) {
       if (!slot.grad_written) send.narrow(0, slot.offset, slot.numel).zero_();
     }
   }
-  if (pre != 1.0) send.div_(pre);
   return send;
+}
+
+void Unit::PushMicroBatchGrad(size_t flat, int64_t index) {
+  c10::NoGradGuard no_grad;
+  FlatParam& fp = flats_[flat];
+  fp.det_acc.Add(index, TakeFullGrad(fp));
+}
+
+void Unit::ReduceDeterministic(size_t flat) {
+  c10::NoGradGuard no_grad;
+  FlatParam& fp = flats_[flat];
+  const int64_t m = det_layout_->micro_batches;
+  const std::string what = label() + ": deterministic gradient reduction";
+  std::vector<deterministic::Partial> parts = fp.det_acc.Take();
+  at::Tensor reduced;
+  if (sharded()) {
+    std::vector<deterministic::Partial> blocks =
+        deterministic::ReduceScatter(*groups_.shard, std::move(parts), det_shard_nodes_, what);
+    if (!det_replicate_nodes_.empty()) {
+      blocks = deterministic::AllGather(*groups_.replicate, std::move(blocks),
+                                        det_replicate_nodes_, what);
+    }
+    reduced = deterministic::Total(std::move(blocks), m);
+  } else {
+    reduced = deterministic::AllReduce(*groups_.world, std::move(parts), det_world_nodes_, m, what);
+  }
+  reduced.div_(static_cast<double>(m));
+  if (fp.per_param) {
+    AccumulateDim0Grads(fp, reduced);
+    return;
+  }
+  at::Tensor& grad = fp.shard.mutable_grad();
+  if (grad.defined()) {
+    grad.add_(reduced.device() == grad.device() ? reduced : reduced.to(grad.device()));
+  } else {
+    grad = reduced.to(fp.shard.device(), fp.shard.scalar_type(), /*non_blocking=*/false,
+                      /*copy=*/true);
+  }
 }
 
 void Unit::AddReduced(size_t flat, const at::Tensor& reduced, bool in_place) {

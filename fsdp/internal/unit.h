@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "fsdp/flat_param_info.h"
 #include "fsdp/fsdp_options.h"
 #include "fsdp/internal/flat_param.h"
+#include "deterministic/tree.h"
 
 namespace fairscale::fsdp::internal {
 
@@ -148,6 +150,18 @@ class Unit : public std::enable_shared_from_this<Unit> {
   // The optimizer steps next: unsharded low-precision copies must be refreshed.
   void MarkStale();
 
+  // Deterministic mode (FsdpOptions::deterministic). The layout of the step's micro-batches over
+  // the world (null otherwise). PushMicroBatchGrad adds this backward's full gradient of flat
+  // parameter `flat` (zeros where no gradient came) to its tree as micro-batch `index`;
+  // ReduceDeterministic reduces the step's partial sums over the tree (the shard group, then
+  // the replicate group; or the world when unsharded), divides by the micro-batch count and
+  // adds the result into the optimizer's gradients.
+  const deterministic::MicroBatchLayout* det_layout() const {
+    return det_layout_ ? &*det_layout_ : nullptr;
+  }
+  void PushMicroBatchGrad(size_t flat, int64_t index);
+  void ReduceDeterministic(size_t flat);
+
   // Full parameters outside the training path (summon_full_params): each rank's slice of the
   // full parameters back into its shard (`writeback`), or the changes dropped.
   std::vector<at::Tensor> SnapshotShards(bool writeback) const;
@@ -174,6 +188,13 @@ class Unit : public std::enable_shared_from_this<Unit> {
  private:
   void LayoutFlat(FlatParam& fp, std::vector<ParamSlot>& slots);
   void InitBuffers(const std::vector<at::Tensor>& buffers);
+  // The padded full gradient of this backward (zeros where a slot got none); empties full_grad.
+  at::Tensor TakeFullGrad(FlatParam& fp);
+  // Deterministic mode: the layout (checked: local) at construction; every group member's tree
+  // nodes once the ranks agreed on the mode in Shard (collective: two small all-gathers when
+  // HYBRID_SHARD has a replicate group, one when sharded).
+  void InitDeterministic();
+  void InitDeterministicGroups();
   // Per-parameter layout: the shard layout's world size and this rank's index in it.
   int dim0_world() const { return sharded() ? groups_.shard_size : 1; }
   int dim0_rank() const { return sharded() ? groups_.shard_rank : 0; }
@@ -187,6 +208,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::vector<std::pair<const c10::TensorImpl*, std::string>> owned_params_;
   std::shared_ptr<Coordinator> coordinator_;
   std::shared_ptr<GatherQueue> gathers_;
+  std::optional<deterministic::MicroBatchLayout> det_layout_;
+  std::vector<std::vector<deterministic::Node>> det_world_nodes_;      // by world rank
+  std::vector<std::vector<deterministic::Node>> det_shard_nodes_;      // by shard rank
+  std::vector<std::vector<deterministic::Node>> det_replicate_nodes_;  // by replicate rank
 };
 
 }  // namespace fairscale::fsdp::internal
