@@ -40,8 +40,8 @@ using ::fairscale::testing::Mse;
 using ::fairscale::testing::Net;
 using ::testing::HasSubstr;
 
-constexpr int64_t kM = 24;     // micro-batches per step
-constexpr int64_t kRows = 2;   // rows per micro-batch
+constexpr int64_t kM = 24;    // micro-batches per step
+constexpr int64_t kRows = 2;  // rows per micro-batch
 constexpr int kSteps = 10;
 constexpr double kMaxNorm = 0.05;  // below the gradients' norm: every step clips
 
