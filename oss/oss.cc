@@ -21,6 +21,8 @@
 
 #include "base/torch_error.h"
 #include "comm/torch/tensor_buffer.h"
+#include "deterministic/collectives.h"
+#include "deterministic/mode.h"
 
 namespace fairscale::oss {
 namespace {
@@ -125,6 +127,17 @@ OSS::OSS(std::vector<OptimizerParamGroup> param_groups, OptimizerFactory factory
     TORCH_CHECK(t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble,
                 "oss::OSS: broadcast_dtype must be f16, bf16, f32 or f64, got ", t);
   }
+  if (options_.deterministic()) {
+    TORCH_CHECK(!options_.broadcast_dtype().has_value(), label("construct"),
+                ": deterministic mode needs broadcast_dtype unset (replicas would hold rounded "
+                "copies of the owners' values, which a single rank never rounds)");
+    TORCH_CHECK(options_.partition() == PartitionMode::kGreedy, label("construct"),
+                ": deterministic mode needs PartitionMode::kGreedy (kFlat steps views cut at "
+                "world-dependent offsets, whose elementwise kernels may round differently)");
+  }
+  // Collective, in both modes: a job mixing modes fails here on every rank (at clip_grad_norm
+  // the ranks would run different collectives). OSS has no micro-batch count of its own (0).
+  deterministic::CheckSameMode(*comm_, options_.deterministic(), 0, label("construct"));
   load_.assign(comm_->size(), 0);
   for (size_t g = 0; g < param_groups_.size(); ++g) partition_group(g);
   local_ = factory_(local_groups(comm_->rank(), true, nullptr));
@@ -234,6 +247,7 @@ void OSS::attach_view_grads() {
 }
 
 at::Tensor OSS::step(LossClosure closure) {
+  if (step_check_) step_check_("step");
   at::Tensor loss;
   if (closure) {
     at::AutoGradMode enable(true);
@@ -394,6 +408,36 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
   const bool inf = std::isinf(norm_type);
   TORCH_CHECK(inf || norm_type > 0, label("clip_grad_norm"), ": norm_type must be > 0, got ",
               norm_type);
+  if (step_check_) step_check_("clip_grad_norm");
+  double total = 0;
+  if (options_.deterministic() && !inf) {
+    // A float sum of |g|^p depends on the order of the elements, hence on the partition; the
+    // exact sum of squares does not (the inf-norm, a max, is exact in the default code below).
+    TORCH_CHECK(norm_type == 2.0, label("clip_grad_norm"),
+                ": deterministic mode supports norm_type 2 and inf, got ", norm_type);
+    deterministic::ExactSquareSum sum;
+    for (const ParamShard& s : shards_) {
+      if (s.rank != comm_->rank() || !s.param.grad().defined()) continue;
+      sum.Add(s.param.grad().detach().reshape({-1}).narrow(0, s.offset, s.numel));
+    }
+    sum.AllReduce(*comm_, label("clip_grad_norm"));
+    total = sum.norm();
+  } else {
+    total = norm_of_partition(norm_type);
+  }
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1) {
+    for (const OptimizerParamGroup& group : param_groups_) {
+      for (const at::Tensor& p : group.params()) {
+        if (p.grad().defined()) p.grad().mul_(coef);
+      }
+    }
+  }
+  return total;
+}
+
+double OSS::norm_of_partition(double norm_type) {
+  const bool inf = std::isinf(norm_type);
   double local = 0;
   for (const ParamShard& s : shards_) {
     if (s.rank != comm_->rank() || !s.param.grad().defined()) continue;
@@ -411,16 +455,7 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
   base::ThrowIfError(
       comm_->AllReduce(b, b, inf ? comm::ReduceOp::kMax : comm::ReduceOp::kSum).Wait(),
       label("clip_grad_norm"));
-  const double total = inf ? t.item<double>() : std::pow(t.item<double>(), 1.0 / norm_type);
-  const double coef = max_norm / (total + 1e-6);
-  if (coef < 1) {
-    for (const OptimizerParamGroup& group : param_groups_) {
-      for (const at::Tensor& p : group.params()) {
-        if (p.grad().defined()) p.grad().mul_(coef);
-      }
-    }
-  }
-  return total;
+  return inf ? t.item<double>() : std::pow(t.item<double>(), 1.0 / norm_type);
 }
 
 void OSS::add_param_group(const OptimizerParamGroup& group) {

@@ -51,6 +51,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -65,6 +66,17 @@ struct OssOptions {
   TORCH_ARG(int64_t, bucket_numel) = int64_t{1} << 22;
   // f16 or bf16 to compress the parameter exchange; nullopt sends the parameters' own dtype.
   TORCH_ARG(std::optional<c10::ScalarType>, broadcast_dtype) = std::nullopt;
+  // Deterministic mode (//deterministic, issue 22): clip_grad_norm computes the 2-norm with an
+  // exact, order-independent sum of squares (deterministic::ExactSquareSum), so that it has the
+  // same bits at every world size; norm_type inf (a max, already exact) is allowed too, any
+  // other norm_type raises. step is unchanged (elementwise on each owner, then the owner's exact
+  // values are copied to every rank). Requires broadcast_dtype unset (a rounded copy on the
+  // replicas would differ from the single-rank values) and kGreedy (kFlat cuts tensors at
+  // world-dependent offsets, which moves elements between LibTorch's vectorized loop body and
+  // its scalar tail, whose arithmetic may round differently). Every rank must use the same
+  // value: the constructor checks it (one 16-byte all-gather, in both modes) and raises on
+  // every rank otherwise. Use it with ShardedDataParallelOptions::deterministic.
+  TORCH_ARG(bool, deterministic) = false;
 };
 
 // Builds the wrapped optimizer over the given groups (each carries its options).
@@ -113,8 +125,17 @@ class OSS : public torch::optim::Optimizer {
   // Scales all gradients so that their global `norm_type`-norm (inf allowed) is at most
   // max_norm; returns the norm before clipping. Each rank takes the norm of the gradients of its
   // partition only (with ShardedDataParallel the others are not reduced), one all-reduce
-  // combines them: exact, and the same value on every rank.
+  // combines them: exact, and the same value on every rank. In deterministic mode norm_type
+  // must be 2 (exact sum of squares, the same bits at every world size) or inf.
   double clip_grad_norm(double max_norm, double norm_type = 2.0);
+
+  // A check run at the start of step() and clip_grad_norm() with the operation's name ("step",
+  // "clip_grad_norm"); it raises to refuse the operation. ShardedDataParallel installs one in
+  // deterministic mode (this rank must have run exactly its backward passes of the step).
+  // nullptr removes it.
+  void set_step_check(std::function<void(const std::string& op)> check) {
+    step_check_ = std::move(check);
+  }
 
   // Adds a group (options default to the wrapped optimizer's defaults) and partitions it. Hides
   // the non-virtual Optimizer::add_param_group: call it on OSS, not through a base reference.
@@ -156,6 +177,8 @@ class OSS : public torch::optim::Optimizer {
   void attach_view_grads();
   void sync_options();
   void exchange_parameters();
+  // The default mode's global norm: this rank's part, one all-reduce (sum of |g|^p, or max).
+  double norm_of_partition(double norm_type);
   std::string label(const std::string& op) const;
   // Where the small control tensors (norms, sizes, serialized state) travel: the parameters'
   // device, so that GPU-only communicators carry them.
@@ -170,6 +193,7 @@ class OSS : public torch::optim::Optimizer {
   std::vector<std::pair<size_t, at::Tensor>> views_;
   std::unique_ptr<torch::optim::Optimizer> local_;
   std::unique_ptr<torch::optim::Optimizer> consolidated_;
+  std::function<void(const std::string&)> step_check_;
 };
 
 }  // namespace fairscale::oss

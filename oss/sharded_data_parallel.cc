@@ -14,6 +14,8 @@
 
 #include "base/torch_error.h"
 #include "comm/torch/tensor_buffer.h"
+#include "deterministic/collectives.h"
+#include "deterministic/mode.h"
 
 namespace fairscale::oss {
 namespace {
@@ -27,6 +29,25 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
                                             const torch::autograd::variable_list&) override {
     if (auto owner = owner_.lock()) (*owner)->on_grad_ready(index_);
     return outputs;
+  }
+
+ private:
+  std::weak_ptr<ShardedDataParallelImpl*> owner_;
+  size_t index_;
+};
+
+// Deterministic mode: runs before a parameter's AccumulateGrad node, hands it this backward's
+// gradient and passes on an undefined one, so that AccumulateGrad leaves .grad alone (it returns
+// early on an undefined gradient) and the post hooks still run.
+class CaptureGradHook : public torch::autograd::FunctionPreHook {
+ public:
+  CaptureGradHook(std::weak_ptr<ShardedDataParallelImpl*> owner, size_t index)
+      : owner_(std::move(owner)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    auto owner = owner_.lock();
+    if (!owner || grads.size() != 1) return grads;
+    (*owner)->on_grad_captured(index_, grads[0]);
+    return {at::Tensor()};
   }
 
  private:
@@ -48,6 +69,21 @@ ShardedDataParallelImpl::ShardedDataParallelImpl(torch::nn::AnyModule module,
   TORCH_CHECK(options_.reduce_bucket_numel() >= 0,
               "oss::ShardedDataParallel: reduce_bucket_numel must be >= 0");
   comm_ = optimizer_->communicator();
+  const bool det = options_.deterministic();
+  if (det) deterministic::CheckThreads(label("construct"));
+  // Collective, in both modes, before any other: a job mixing modes fails here on every rank.
+  deterministic::CheckSameMode(*comm_, det, det ? options_.micro_batches() : 0,
+                               label("construct"));
+  if (det) {
+    TORCH_CHECK(optimizer_->options().deterministic(), label("construct"),
+                ": deterministic mode needs an OSS built with OssOptions().deterministic(true)");
+    layout_ = deterministic::MicroBatchLayout::Make(options_.micro_batches(), comm_->size(),
+                                                    comm_->rank());
+  } else {
+    TORCH_CHECK(!optimizer_->options().deterministic(), label("construct"),
+                ": the OSS optimizer runs deterministic mode: build ShardedDataParallel with "
+                "ShardedDataParallelOptions().deterministic(true).micro_batches(M) too");
+  }
   register_module("module", module_.ptr());
   // Every trainable parameter of the module must be one the optimizer partitions: its owner
   // decides where the gradient goes.
@@ -75,9 +111,25 @@ ShardedDataParallelImpl::ShardedDataParallelImpl(torch::nn::AnyModule module,
     sync_buffers();
   }
   refresh_trainable();
+  if (det) {
+    std::weak_ptr<ShardedDataParallelImpl*> alive = alive_;
+    optimizer_->set_step_check([alive](const std::string& op) {
+      if (auto owner = alive.lock()) (*owner)->check_step(op);
+    });
+  }
 }
 
-ShardedDataParallelImpl::~ShardedDataParallelImpl() { unhook(); }
+ShardedDataParallelImpl::~ShardedDataParallelImpl() {
+  unhook();
+  if (options_.deterministic()) optimizer_->set_step_check(nullptr);
+}
+
+ShardedDataParallelImpl::NoSyncGuard ShardedDataParallelImpl::no_sync() {
+  TORCH_CHECK(!options_.deterministic(), label("no_sync"),
+              ": deterministic mode accumulates the step's micro-batches by itself (one backward "
+              "per micro-batch, each on its own loss); do not use no_sync");
+  return NoSyncGuard(this);
+}
 
 std::string ShardedDataParallelImpl::label(const std::string& op) const {
   return "oss::ShardedDataParallel::" + op + " rank " + std::to_string(comm_->rank()) + "/" +
@@ -86,13 +138,27 @@ std::string ShardedDataParallelImpl::label(const std::string& op) const {
 
 void ShardedDataParallelImpl::unhook() {
   for (Hooked& h : hooked_) {
-    if (h.accumulator) h.accumulator->del_post_hook(h.key);
+    if (!h.accumulator) continue;
+    if (h.pre_hook != nullptr) {
+      auto& hooks = h.accumulator->pre_hooks();
+      for (auto it = hooks.begin(); it != hooks.end(); ++it) {
+        if (it->get() == h.pre_hook) {
+          hooks.erase(it);
+          break;
+        }
+      }
+    } else {
+      h.accumulator->del_post_hook(h.key);
+    }
   }
   hooked_.clear();
 }
 
 void ShardedDataParallelImpl::refresh_trainable() {
   TORCH_CHECK(!backward_active_, label("refresh_trainable"), ": called during backward");
+  TORCH_CHECK(done_ == 0, label("refresh_trainable"), ": requires_grad changed after ", done_,
+              " of this rank's ", layout_.per_rank(), " backward passes of a deterministic step; "
+              "change it between steps");
   unhook();
   hooked_index_.clear();
   buckets_.clear();
@@ -144,7 +210,13 @@ void ShardedDataParallelImpl::refresh_trainable() {
     h.accumulator = torch::autograd::impl::grad_accumulator(h.param);
     TORCH_CHECK(h.accumulator != nullptr, label("refresh_trainable"),
                 ": no gradient accumulator (is the parameter a leaf?)");
-    h.key = h.accumulator->add_post_hook(std::make_unique<GradReadyHook>(alive_, i));
+    if (options_.deterministic()) {
+      auto hook = std::make_unique<CaptureGradHook>(alive_, i);
+      h.pre_hook = hook.get();
+      h.accumulator->add_pre_hook(std::move(hook));
+    } else {
+      h.key = h.accumulator->add_post_hook(std::make_unique<GradReadyHook>(alive_, i));
+    }
   }
 }
 
@@ -243,6 +315,9 @@ void ShardedDataParallelImpl::issue(Bucket& bucket) {
 }
 
 void ShardedDataParallelImpl::reduce() {
+  TORCH_CHECK(!options_.deterministic(), label("reduce"),
+              ": deterministic mode reduces by itself after this rank's ", layout_.per_rank(),
+              "th backward of the step");
   TORCH_CHECK(!backward_active_, label("reduce"), ": called during backward");
   finalize();
 }
@@ -274,12 +349,19 @@ void ShardedDataParallelImpl::finalize() {
     b.issued = false;
   }
   c10::NoGradGuard no_grad;
-  const std::vector<ParamShard>& shards = optimizer_->shards();
-  const int me = comm_->rank();
   const double world = comm_->size();
   for (Bucket& b : buckets_) {
+    if (b.owner == comm_->rank()) b.buffer.div_(world);
+  }
+  install_reduced();
+}
+
+void ShardedDataParallelImpl::install_reduced() {
+  c10::NoGradGuard no_grad;
+  const std::vector<ParamShard>& shards = optimizer_->shards();
+  const int me = comm_->rank();
+  for (Bucket& b : buckets_) {
     if (b.owner != me) continue;
-    b.buffer.div_(world);
     int64_t off = 0;
     for (size_t k : b.shards) {
       const ParamShard& s = shards[k];
@@ -308,6 +390,77 @@ void ShardedDataParallelImpl::finalize() {
     }
     b.buffer = at::Tensor();
   }
+}
+
+void ShardedDataParallelImpl::on_grad_captured(size_t index, const at::Tensor& grad) {
+  Hooked& h = hooked_.at(index);
+  if (!backward_active_) {
+    backward_active_ = true;
+    std::weak_ptr<ShardedDataParallelImpl*> alive = alive_;
+    torch::autograd::Engine::get_default_engine().queue_callback([alive] {
+      if (auto owner = alive.lock()) (*owner)->finish_micro_batch();
+    });
+  }
+  if (!grad.defined()) return;
+  // A second AccumulateGrad run in one backward (reentrant backward): one micro-batch's gradient
+  // is the sum of both, in this rank's own order.
+  h.captured = h.captured.defined() ? h.captured + grad : grad;
+}
+
+void ShardedDataParallelImpl::finish_micro_batch() {
+  backward_active_ = false;
+  c10::NoGradGuard no_grad;
+  const std::vector<ParamShard>& shards = optimizer_->shards();
+  const int64_t index = layout_.first() + done_;
+  for (Bucket& b : buckets_) {
+    const at::Tensor& first = shards[b.shards[0]].param;
+    at::Tensor buffer = at::empty({b.numel}, first.options());
+    int64_t off = 0;
+    for (size_t k : b.shards) {
+      const ParamShard& s = shards[k];
+      at::Tensor dst = buffer.narrow(0, off, s.numel);
+      const at::Tensor& g = hooked_[hooked_index_.at(s.param.unsafeGetTensorImpl())].captured;
+      if (g.defined()) {
+        dst.copy_(g.reshape({-1}).narrow(0, s.offset, s.numel));
+      } else {
+        dst.zero_();  // unused in this micro-batch: a zero gradient, as in the default mode
+      }
+      off += s.numel;
+    }
+    b.partials.Add(index, std::move(buffer));
+  }
+  for (Hooked& h : hooked_) h.captured = at::Tensor();
+  if (++done_ < layout_.per_rank()) return;
+  done_ = 0;
+  reduce_deterministic();
+  ++reductions_;
+}
+
+void ShardedDataParallelImpl::reduce_deterministic() {
+  const std::string context = label("reduce");
+  const std::vector<std::vector<deterministic::Node>> nodes = layout_.nodes_by_rank();
+  const int64_t m = layout_.micro_batches;
+  // Every rank gathers the buckets in the same order; only the owner keeps a sum.
+  for (Bucket& b : buckets_) {
+    std::vector<deterministic::Partial> parts =
+        deterministic::Gather(*comm_, b.owner, b.partials.Take(), nodes, context);
+    if (b.owner != comm_->rank()) continue;
+    b.buffer = deterministic::Total(std::move(parts), m);
+    b.buffer.div_(m);
+  }
+  install_reduced();
+}
+
+void ShardedDataParallelImpl::check_step(const std::string& op) {
+  const int64_t k = layout_.per_rank();
+  TORCH_CHECK(done_ == 0, label(op), ": deterministic mode: ", op, " after ", done_, " of this "
+              "rank's ", k, " backward passes of the step (", layout_.micro_batches,
+              " micro-batches over ", comm_->size(), " ranks: one backward per micro-batch)");
+  TORCH_CHECK(reductions_ == 1, label(op), ": deterministic mode: ", op, " after ",
+              reductions_ * k, " backward passes since the last step; each step runs exactly ",
+              k, " on this rank (", layout_.micro_batches, " micro-batches over ", comm_->size(),
+              " ranks, one backward per micro-batch)");
+  if (op == "step") reductions_ = 0;
 }
 
 }  // namespace fairscale::oss

@@ -24,6 +24,19 @@
 // accumulation) and the next synchronised backward reduces the sum. If requires_grad flags change,
 // forward notices and re-hooks (refresh_trainable); all ranks must change them alike.
 //
+// Deterministic mode (ShardedDataParallelOptions::deterministic, issue 22): the same global batch
+// gives bitwise the same losses, gradients and parameters at every world size that divides the
+// micro-batch count. A step's global batch is cut into micro_batches (M) micro-batches of a
+// fixed size; rank r of W computes [r*M/W, (r+1)*M/W) in order, one forward and backward per
+// micro-batch on that micro-batch's own loss (not divided by anything). Each backward's
+// gradients are taken before autograd accumulates them (.grad is left alone) and added into a
+// per-bucket deterministic::Accumulator; after this rank's M/W-th backward each bucket's
+// partial sums go to its owner (deterministic::Gather), which evaluates the canonical tree
+// (Total) and divides by M into .grad, replacing what .grad held (a gradient left from before
+// the step is not added to it). The other ranks end as in the default mode. OSS::step and
+// OSS::clip_grad_norm raise unless this rank ran exactly M/W backward passes since the last
+// step. See oss/README.md for the loop and its cost.
+//
 // Errors raise c10::Error; a failed reduce carries the communicator's absl::Status
 // ("oss::ShardedDataParallel::reduce rank 1/4: DEADLINE_EXCEEDED: ...", //base:torch_error).
 #pragma once
@@ -40,10 +53,12 @@
 #include <utility>
 #include <vector>
 
+#include "deterministic/tree.h"
 #include "oss/oss.h"
 
 namespace torch::autograd {
 struct Node;
+struct FunctionPreHook;
 }  // namespace torch::autograd
 
 namespace fairscale::oss {
@@ -55,6 +70,15 @@ struct ShardedDataParallelOptions {
   TORCH_ARG(bool, sync_models_at_startup) = true;
   // Elements per reduce bucket; 0 reduces each parameter (or kFlat range) on its own.
   TORCH_ARG(int64_t, reduce_bucket_numel) = int64_t{1} << 23;
+  // Deterministic mode (see above). Requires micro_batches >= 1 divisible by the world size (the
+  // constructor raises naming the world sizes that divide it), an OSS built with
+  // OssOptions().deterministic(true), at::set_num_threads(1), and the same setting on every rank
+  // (checked at construction with one 16-byte all-gather, in both modes; a mismatch raises on
+  // every rank). no_sync() and reduce() raise in this mode: it accumulates and reduces by itself.
+  TORCH_ARG(bool, deterministic) = false;
+  // Micro-batches per optimizer step, all ranks together (deterministic mode only; ignored
+  // otherwise).
+  TORCH_ARG(int64_t, micro_batches) = 0;
 };
 
 class ShardedDataParallelImpl : public torch::nn::Module {
@@ -85,9 +109,11 @@ class ShardedDataParallelImpl : public torch::nn::Module {
     ShardedDataParallelImpl* owner_;
     bool previous_ = true;
   };
-  NoSyncGuard no_sync() { return NoSyncGuard(this); }
+  // Raises in deterministic mode (which accumulates micro-batches by itself).
+  NoSyncGuard no_sync();
 
-  // Reduces the current gradients now (e.g. after backwards that all ran under no_sync).
+  // Reduces the current gradients now (e.g. after backwards that all ran under no_sync). Raises
+  // in deterministic mode.
   void reduce();
   // Broadcasts the buffers from rank 0.
   void sync_buffers();
@@ -100,6 +126,14 @@ class ShardedDataParallelImpl : public torch::nn::Module {
 
   // Called by the AccumulateGrad post hook of trainable parameter `index`.
   void on_grad_ready(size_t index);
+  // Deterministic mode: called by the AccumulateGrad pre hook of trainable parameter `index`
+  // with this backward's gradient (which autograd then does not accumulate).
+  void on_grad_captured(size_t index, const at::Tensor& grad);
+
+  // Deterministic mode: the micro-batches of the step and this rank's share of them.
+  const deterministic::MicroBatchLayout& layout() const { return layout_; }
+  // Deterministic mode: backward passes run since this rank's last reduction.
+  int64_t micro_batches_done() const { return done_; }
 
  private:
   struct Bucket {
@@ -110,6 +144,7 @@ class ShardedDataParallelImpl : public torch::nn::Module {
     bool issued = false;
     at::Tensor buffer;
     comm::Work work;
+    deterministic::Accumulator partials;  // deterministic mode: this step's micro-batches
   };
   struct Hooked {
     at::Tensor param;
@@ -117,6 +152,8 @@ class ShardedDataParallelImpl : public torch::nn::Module {
     uintptr_t key = 0;
     std::vector<size_t> buckets;  // one entry per shard of the parameter
     bool ready = false;
+    torch::autograd::FunctionPreHook* pre_hook = nullptr;  // deterministic mode, owned by the node
+    at::Tensor captured;  // deterministic mode: this backward's gradient
   };
 
   void pre_forward();
@@ -124,6 +161,13 @@ class ShardedDataParallelImpl : public torch::nn::Module {
   void issue_ready();
   void issue(Bucket& bucket);
   void finalize();
+  // Copies the owners' reduced buckets (buffer) into .grad and frees or zeroes the rest.
+  void install_reduced();
+  // Deterministic mode: files this backward's gradients as the next micro-batch; after the
+  // M/W-th, reduces.
+  void finish_micro_batch();
+  void reduce_deterministic();
+  void check_step(const std::string& op);
   std::string label(const std::string& op) const;
 
   torch::nn::AnyModule module_;
@@ -138,6 +182,9 @@ class ShardedDataParallelImpl : public torch::nn::Module {
   size_t next_bucket_ = 0;
   bool sync_ = true;
   bool backward_active_ = false;
+  deterministic::MicroBatchLayout layout_;
+  int64_t done_ = 0;        // deterministic mode: backward passes since the last reduction
+  int64_t reductions_ = 0;  // deterministic mode: reductions since the last OSS::step
   // Hooks and the engine callback hold weak references, so a destroyed wrapper is never called.
   std::shared_ptr<ShardedDataParallelImpl*> alive_;
 };
