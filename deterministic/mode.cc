@@ -10,8 +10,10 @@
 
 namespace fairscale::deterministic {
 std::string DescribeMode(bool on, int64_t micro_batches) {
-  return on ? absl::StrCat("deterministic mode with ", micro_batches, " micro-batches per step")
-            : std::string("the default (non-deterministic) mode");
+  if (!on) return "the default (non-deterministic) mode";
+  // An optimizer (oss::OSS) has no micro-batch count of its own.
+  if (micro_batches <= 0) return "deterministic mode";
+  return absl::StrCat("deterministic mode with ", micro_batches, " micro-batches per step");
 }
 
 void CheckSameMode(comm::Communicator& comm, bool deterministic, int64_t micro_batches,

@@ -134,6 +134,11 @@ ABSL_FLAG(double, temperature, 0.8, "sampling temperature");
 ABSL_FLAG(int64_t, top_k, 10, "sample from the k most likely characters (0: all)");
 ABSL_FLAG(int, threads, 0,
           "intra-op threads per rank, at most the core count (0: cores / ranks)");
+ABSL_FLAG(bool, deterministic, false,
+          "bitwise the same losses and parameters at any rank count that divides "
+          "--micro_batches (fsdp and sdp modes; one intra-op thread per rank)");
+ABSL_FLAG(int64_t, micro_batches, 0,
+          "--deterministic: micro-batches of --batch sequences per step over all ranks");
 ABSL_FLAG(int, max_restarts, 0,
           "self-launch only: restart all ranks from the last complete checkpoint up to this many "
           "times after a rank fails");
@@ -249,6 +254,8 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.temperature = absl::GetFlag(FLAGS_temperature);
   c.top_k = absl::GetFlag(FLAGS_top_k);
   c.threads = absl::GetFlag(FLAGS_threads);
+  c.deterministic = absl::GetFlag(FLAGS_deterministic);
+  c.micro_batches = absl::GetFlag(FLAGS_micro_batches);
   c.trace_path = absl::GetFlag(FLAGS_trace);
   c.profile = absl::GetFlag(FLAGS_profile);
   if (c.profile && c.trace_path.empty()) c.trace_path = out + "/trace.json";

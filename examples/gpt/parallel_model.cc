@@ -260,10 +260,11 @@ class FsdpModel final : public ParallelModel {
 // ShardedDataParallel reduces each gradient to its owner only.
 class SdpModel final : public ParallelModel {
  public:
-  SdpModel(Gpt plain, std::shared_ptr<oss::OSS> opt, std::string label)
+  SdpModel(Gpt plain, std::shared_ptr<oss::OSS> opt, std::string label,
+           oss::ShardedDataParallelOptions options)
       : plain_(std::move(plain)),
         oss_(std::move(opt)),
-        sdp_(torch::nn::AnyModule(plain_), oss_),
+        sdp_(torch::nn::AnyModule(plain_), oss_, options),
         label_(std::move(label)) {}
 
   // Evaluation and sampling run the local replica: no ShardedDataParallel collectives.
@@ -319,9 +320,13 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
     FS_ASSIGN_OR_RETURN(oss::PartitionMode partition, ParsePartition(config.oss_partition));
     Gpt plain(model_config);
     std::shared_ptr<oss::OSS> opt = oss::OSS::make<torch::optim::Adam>(
-        plain->parameters(), adam, comm, oss::OssOptions().partition(partition));
-    return std::unique_ptr<ParallelModel>(std::make_unique<SdpModel>(
-        std::move(plain), std::move(opt), absl::StrCat("sdp/", config.oss_partition)));
+        plain->parameters(), adam, comm,
+        oss::OssOptions().partition(partition).deterministic(config.deterministic));
+    auto sdp_options = oss::ShardedDataParallelOptions();
+    if (config.deterministic) sdp_options.deterministic(true).micro_batches(config.micro_batches);
+    return std::unique_ptr<ParallelModel>(
+        std::make_unique<SdpModel>(std::move(plain), std::move(opt),
+                                   absl::StrCat("sdp/", config.oss_partition), sdp_options));
   }
   FS_ASSIGN_OR_RETURN(fsdp::ShardingStrategy strategy, ParseStrategy(config.strategy));
   FS_ASSIGN_OR_RETURN(c10::optional<c10::ScalarType> dtype, ParsePrecision(config.precision));
@@ -330,6 +335,7 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
   // fp32_reduce_scatter): the shards the optimizer steps are f32 master copies either way.
   if (dtype) mp.param_dtype(dtype).reduce_dtype(at::kFloat);
   auto opts = fsdp::FsdpOptions().sharding_strategy(strategy).mixed_precision(mp);
+  if (config.deterministic) opts.deterministic(true).micro_batches(config.micro_batches);
   if (fsdp::IsHybrid(strategy)) {
     if (config.hybrid_shard_group_size > 0 && comm->size() % config.hybrid_shard_group_size != 0) {
       return absl::InvalidArgumentError(
@@ -403,6 +409,15 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
   if (config.pipeline_stages < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "pipeline_stages must be >= 1 (1: no pipeline), got ", config.pipeline_stages));
+  }
+  if (config.deterministic && config.data_parallel == "sdp" && config.oss_partition != "greedy") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--deterministic with data_parallel sdp needs oss_partition greedy (whole tensors per "
+        "rank), got ", config.oss_partition));
+  }
+  if (config.deterministic && config.pipeline_stages > 1) {
+    return absl::InvalidArgumentError(
+        "--deterministic with pipeline_stages > 1 is not supported yet");
   }
   if (config.pipeline_stages == 1 && config.pipeline_virtual_stages != 1) {
     return absl::InvalidArgumentError(absl::StrCat(

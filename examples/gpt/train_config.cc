@@ -88,6 +88,22 @@ absl::Status TrainConfig::Validate() const {
                                               ? "core count of this machine"
                                               : "sane maximum, the core count being unknown",
                                           ")")));
+  FS_RETURN_IF_ERROR(InRange("micro_batches", micro_batches, 0, kMaxDim));
+  if (deterministic) {
+    if (micro_batches < 1) {
+      return absl::InvalidArgumentError(
+          "--deterministic needs --micro_batches=M: the micro-batches (of --batch sequences "
+          "each) per step over all ranks; the rank count must divide M");
+    }
+    if (threads > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--threads=", threads, " with --deterministic: deterministic mode runs one intra-op "
+          "thread per rank (LibTorch's reductions split by thread count); leave --threads unset"));
+    }
+  } else if (micro_batches != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--micro_batches=", micro_batches, " is for --deterministic; add it, or drop the flag"));
+  }
   if (fault_rank < -1 || fault_step < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--fault_kill=", fault_rank, ":", fault_step, ": the rank and step must be >= 0"));
@@ -114,6 +130,10 @@ nlohmann::json TrainConfig::ToJson() const {
   if (pipeline_stages > 1) j["pipeline_stages"] = pipeline_stages;
   if (pipeline_stages > 1 && pipeline_balance != "even") j["pipeline_balance"] = pipeline_balance;
   if (pipeline_virtual_stages > 1) j["pipeline_virtual_stages"] = pipeline_virtual_stages;
+  if (deterministic) {
+    j["deterministic"] = true;
+    j["micro_batches"] = micro_batches;
+  }
   // Only in an extended run, so that other checkpoints keep their config.
   if (schedule_length() != steps) j["schedule_steps"] = schedule_length();
   return j;
@@ -204,6 +224,16 @@ absl::Status CheckBeforeLaunch(const TrainConfig& config, int world_size) {
         "pipeline_stages ", config.pipeline_stages, " does not divide the rank count ",
         world_size, " (each of ranks / pipeline_stages replicas runs the whole pipeline); use "
         "--nproc_per_node=", config.pipeline_stages, " or a multiple of it"));
+  }
+  if (config.deterministic && config.micro_batches % world_size != 0) {
+    std::string ok;
+    for (int64_t w = 1; w <= config.micro_batches; ++w) {
+      if (config.micro_batches % w == 0) absl::StrAppend(&ok, ok.empty() ? "" : ", ", w);
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--micro_batches=", config.micro_batches, " cannot be split evenly over ", world_size,
+        " ranks (each rank runs the same number of whole micro-batches); use a rank count that "
+        "divides it (", ok, ") or another --micro_batches"));
   }
   if (config.data_parallel == "fsdp" && config.pipeline_stages == 1 &&
       absl::StartsWith(config.strategy, "hybrid_shard") && config.hybrid_shard_group_size > 0 &&

@@ -32,6 +32,8 @@
 #include "base/logging.h"
 #include "absl/strings/numbers.h"
 #include "amp/sharded_grad_scaler.h"
+#include "deterministic/collectives.h"
+#include "deterministic/tree.h"
 #include "base/status_macros.h"
 #include "examples/gpt/checkpoints.h"
 #include "examples/gpt/data.h"
@@ -211,10 +213,17 @@ class Trainer {
   }
 
   absl::StatusOr<TrainResult> Run() {
-    const int threads = config_.threads > 0
-                            ? config_.threads
-                            : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) /
-                                              world_);
+    int threads = config_.threads > 0
+                      ? config_.threads
+                      : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world_);
+    if (config_.deterministic) {
+      threads = 1;  // LibTorch's CPU reductions split by thread count
+      try {
+        layout_ = deterministic::MicroBatchLayout::Make(config_.micro_batches, world_, rank_);
+      } catch (const c10::Error& e) {
+        return absl::InvalidArgumentError(e.what_without_backtrace());
+      }
+    }
     at::set_num_threads(threads);
     GptConfig gc = GptConfig()
                              .vocab(tokenizer_.vocab_size())
@@ -314,13 +323,30 @@ class Trainer {
         static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
       }
       at::Tensor loss;
-      {
+      std::vector<double> micro_losses;  // deterministic mode: this rank's, in order
+      if (layout_) {
+        // Deterministic mode: this rank's block of the step's micro-batches, a forward and a
+        // backward each; the library reduces after the last one.
+        trace::Scope scope(recorder_.get(), "forward+backward", trace::kCategoryCompute,
+                           {{"step", step}});
+        model_->zero_grad();
+        for (int64_t j = layout_->first(); j < layout_->first() + layout_->per_rank(); ++j) {
+          at::Tensor l = Loss(data_.Batch(config_.seed, step, static_cast<int>(j), Split::kTrain,
+                                          config_.batch, config_.seq));
+          micro_losses.push_back(l.item<double>());
+          if (scaler_) {
+            scaler_->scale(l).backward();
+          } else {
+            l.backward();
+          }
+        }
+      } else {
         trace::Scope scope(recorder_.get(), "forward", trace::kCategoryCompute, {{"step", step}});
         model_->zero_grad();
         loss = Loss(data_.Batch(config_.seed, step, data_rank_, Split::kTrain, config_.batch,
                                 config_.seq));
       }
-      if (!model_->computes_loss()) {  // the pipeline ran its backward in Loss()
+      if (!layout_ && !model_->computes_loss()) {  // the pipeline ran its backward in Loss()
         trace::Scope scope(recorder_.get(), "backward", trace::kCategoryCompute, {{"step", step}});
         if (scaler_) {
           scaler_->scale(loss).backward();
@@ -354,20 +380,26 @@ class Trainer {
       if (step > result.start_step + 1) timed_s += step_s, ++timed_steps;
 
       // One all-gather per step: every rank's loss and peak RSS.
-      FS_ASSIGN_OR_RETURN(std::vector<double> all, Gather({loss.item<double>(),
-                                                           static_cast<double>(PeakRssBytes())}));
+      FS_ASSIGN_OR_RETURN(std::vector<double> all,
+                          Gather({layout_ ? 0.0 : loss.item<double>(),
+                                  static_cast<double>(PeakRssBytes())}));
       train_loss = 0;
       std::vector<int64_t> rss(world_);
       for (int r = 0; r < world_; ++r) {
         train_loss += all[2 * r] / world_;
         rss[r] = static_cast<int64_t>(all[2 * r + 1]);
       }
+      if (layout_) {
+        // The micro-batch losses' mean over the canonical tree: the same bits at any world size.
+        FS_ASSIGN_OR_RETURN(train_loss, TreeMean(micro_losses, "train loss"));
+      }
       if (!std::isfinite(train_loss)) {
         return absl::InternalError(absl::StrCat("step ", step, ": the loss is ", train_loss,
                                                 " (diverged; try a smaller --lr)"));
       }
       const double avg_s = timed_steps > 0 ? timed_s / timed_steps : step_s;
-      const double tokens_per_s = replicas_ * config_.batch * config_.seq / avg_s;
+      const double tokens_per_s =
+          (layout_ ? config_.micro_batches : replicas_) * config_.batch * config_.seq / avg_s;
       const bool eval = step == config_.steps ||
                         (config_.eval_every > 0 && step % config_.eval_every == 0);
       if (eval) {
@@ -451,6 +483,13 @@ class Trainer {
       if (config_.progress) {
         std::printf("train_gpt: done in %s: train loss %.4f, val loss %.4f\n",
                     HumanDuration(wall_s).c_str(), train_loss, val_loss);
+        // The full parameters' hash (also in the metrics' final record): two runs trained the
+        // same model exactly when it matches (with --deterministic, at any world size).
+        if (!result.full_param_hashes.empty()) {
+          std::printf("  full parameter hash: %016llx%s\n",
+                      static_cast<unsigned long long>(result.full_param_hashes[0]),
+                      config_.deterministic ? " (deterministic mode)" : "");
+        }
         if (!config_.metrics_path.empty()) std::printf("  metrics: %s\n", config_.metrics_path.c_str());
         if (!config_.plot_path.empty()) std::printf("  plot:    %s\n", config_.plot_path.c_str());
         if (!config_.checkpoint_dir.empty()) {
@@ -479,9 +518,28 @@ class Trainer {
 
   std::string ModeLabel() const { return model_->label(); }
 
-  // Mean loss over eval_batches fixed validation batches per rank, averaged over ranks.
+  // Deterministic mode: the tree mean of the step's micro-batch values (collective).
+  absl::StatusOr<double> TreeMean(const std::vector<double>& mine, const std::string& what) {
+    try {
+      return deterministic::Mean(*comm_, *layout_, mine, what);
+    } catch (const c10::Error& e) {
+      return absl::InternalError(e.what_without_backtrace());
+    }
+  }
+
+  // Mean loss over eval_batches fixed validation batches per rank, averaged over ranks;
+  // deterministic mode: over the validation split's micro-batches 0..M-1 (the tree mean).
   absl::StatusOr<double> ValLoss() {
     torch::NoGradGuard no_grad;
+    if (layout_) {
+      std::vector<double> mine;
+      for (int64_t j = layout_->first(); j < layout_->first() + layout_->per_rank(); ++j) {
+        mine.push_back(Loss(data_.Batch(config_.seed, -1, static_cast<int>(j), Split::kVal,
+                                        config_.batch, config_.seq))
+                           .item<double>());
+      }
+      return TreeMean(mine, "validation loss");
+    }
     double sum = 0;
     for (int64_t i = 0; i < config_.eval_batches; ++i) {
       // Fixed batches (step key -1 - i): every evaluation scores the same text.
@@ -711,6 +769,7 @@ class Trainer {
   std::unique_ptr<ParallelModel> model_;            // the data-parallel mode
   torch::optim::Optimizer* optim_ = nullptr;        // model_->optimizer()
   std::unique_ptr<amp::ShardedGradScaler> scaler_;  // with loss_scale
+  std::optional<deterministic::MicroBatchLayout> layout_;  // deterministic mode
   Metrics metrics_;
   train_state::TrainState state_;                            // with checkpoint_dir
   std::unique_ptr<train_state::CheckpointManager> manager_;  // with checkpoint_dir

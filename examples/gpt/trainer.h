@@ -114,6 +114,19 @@ struct TrainConfig {
   std::string pipeline_schedule = "1f1b";
   std::string pipeline_balance = "even";
   int64_t pipeline_virtual_stages = 1;
+  // Deterministic mode (//deterministic): bitwise the same losses, parameters and parameter hash
+  // at any world size that divides `micro_batches`. A step's global batch is `micro_batches`
+  // (M) micro-batches of `batch` sequences each (so `batch` is per micro-batch, not per rank):
+  // micro-batch j of step s is the batch TokenData::Batch(seed, s, j) (the one rank j trains on
+  // in the default mode, so M = world size reads the same data as the default mode), and rank r
+  // of W runs micro-batches [r M/W, (r+1) M/W), one forward and backward each. Gradients are
+  // summed over a fixed tree of the micro-batch index and divided by M (fsdp, sdp and pipeline
+  // modes; see fsdp/README.md), clipping uses an exact sum of squares, the train loss is the same
+  // tree's mean of the micro-batch losses, and validation scores the M micro-batches of the
+  // validation split the same way (eval_batches does not apply). One intra-op thread per rank
+  // (threads must be 0 or 1). deterministic and micro_batches are in ToJson() when on.
+  bool deterministic = false;
+  int64_t micro_batches = 0;
   // FSDP.
   // full_shard | shard_grad_op | no_shard | hybrid_shard | hybrid_shard_zero2 (FULL_SHARD /
   // SHARD_GRAD_OP inside groups of hybrid_shard_group_size ranks, replicated across them).
