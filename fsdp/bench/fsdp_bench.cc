@@ -146,10 +146,17 @@ bool ApplyFullShardVariant(const std::string& config, FsdpOptions* opts) {
   return false;
 }
 
+// "<config>_DET": the same in deterministic mode (deterministic(true).micro_batches(world):
+// each rank's batch is one micro-batch, the same work as the default mode), after any _PP.
+bool Det(const std::string& config) { return absl::EndsWith(config, "_DET"); }
+std::string NoDet(const std::string& config) {
+  return Det(config) ? config.substr(0, config.size() - 4) : config;
+}
 // "<config>_PP": the same with flatten_parameters(false), the per-parameter (FSDP2) layout.
-bool PerParam(const std::string& config) { return absl::EndsWith(config, "_PP"); }
+bool PerParam(const std::string& config) { return absl::EndsWith(NoDet(config), "_PP"); }
 std::string FlatConfig(const std::string& config) {
-  return PerParam(config) ? config.substr(0, config.size() - 3) : config;
+  const std::string c = NoDet(config);
+  return PerParam(c) ? c.substr(0, c.size() - 3) : c;
 }
 
 // HYBRID_SHARD_G<g> / HYBRID_SHARD_ZERO2_G<g> (not in the default --configs): hybrid sharding
@@ -255,6 +262,7 @@ int RunRank(int rank, int n, const std::string& dir) {
                       .flatten_parameters(!PerParam(config_name));
       ApplyFullShardVariant(FlatConfig(config_name), &opts);
       if (HybridGroupOf(config_name) > 0) opts.hybrid_shard_group_size(HybridGroupOf(config_name));
+      if (Det(config_name)) opts.deterministic(true).micro_batches(comm->size());
       FullyShardedDataParallel model{nullptr};
       {
         EnableWrap scope(comm, opts, gpt::GptWrapPolicy());
@@ -383,7 +391,21 @@ std::string Summary(const WorldResult& w) {
     }
   }
   for (const Row& row : w.rows) {
-    if (!PerParam(row.config)) continue;
+    if (!Det(row.config)) continue;
+    const double base_s = StepOf(w, NoDet(row.config));
+    double base_peak = 0;
+    for (const Row& base : w.rows) {
+      if (base.config == NoDet(row.config)) base_peak = static_cast<double>(base.peak_bytes);
+    }
+    if (base_s <= 0 || base_peak <= 0) continue;
+    absl::StrAppend(&summary,
+                    absl::StrFormat("%s / %s at %d ranks: step time %.3f%s, peak %.3f\n",
+                                    row.config, NoDet(row.config), n, row.step_s / base_s,
+                                    n == 2 ? " (target <= 1.25)" : "",
+                                    static_cast<double>(row.peak_bytes) / base_peak));
+  }
+  for (const Row& row : w.rows) {
+    if (!PerParam(row.config) || Det(row.config)) continue;
     for (const Row& flat : w.rows) {
       if (flat.config != FlatConfig(row.config)) continue;
       absl::StrAppend(&summary,
