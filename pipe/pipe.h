@@ -210,7 +210,8 @@ class Pipe {
   // (ignored elsewhere; pass an undefined tensor; it is used detached: no gradient flows back
   // into it), `target` on the last stage. Returns the mean
   // micro-batch loss (detached, 0-dim, the loss's dtype converted through double) on every
-  // rank. Gradients accumulate into parameters(). Raises c10::Error (see Errors above).
+  // rank. Gradients accumulate into parameters() (deterministic mode: they are set, and the
+  // loss is the tree mean; see PipeOptions::deterministic). Raises c10::Error (see Errors above).
   at::Tensor train_step(const at::Tensor& input, const at::Tensor& target, const LossFn& loss_fn);
   // The same with a list input: stage 0's first layer receives a std::vector<at::Tensor> (each
   // tensor split along dimension 0).
