@@ -15,6 +15,15 @@
 // PipeOptions().wrap_stage(fsdp_stage(grid.data, fsdp_options)) (fsdp_stage.h, target
 // //pipe:fsdp_stage) and skip all_reduce_gradients; parameters() are then this rank's shards.
 //
+// Deterministic mode (PipeOptions::deterministic): give each replica its place in the global
+// batch, and reduce with the overload that takes the pipe (a tree sum over the global
+// micro-batches instead of an average in arrival order):
+//
+//   auto pipe = Pipe::Create(model, grid.pipe, PipeOptions().chunks(4).deterministic(true)
+//                                                  .replica(grid.replica).replicas(grid.replicas));
+//   pipe->train_step(my_rows_x, my_rows_y, loss_fn);    // replica d: micro-batches [4d, 4d + 4)
+//   at::Tensor loss = all_reduce_gradients(*pipe, *grid.data);   // the global loss; opt.step()
+//
 // Errors raise c10::Error ("pipe::MakePipeGrid (rank 1/4): INVALID_ARGUMENT: ...",
 // //base:torch_error).
 #pragma once
@@ -27,6 +36,7 @@
 
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "pipe/pipe.h"
 
 namespace fairscale::pipe {
 
@@ -51,5 +61,20 @@ PipeGrid MakePipeGrid(const std::shared_ptr<comm::Communicator>& world, int64_t 
 // Raises the communicator's error ("pipe::all_reduce_gradients (Float, 120 elements): ...").
 void all_reduce_gradients(const std::vector<at::Tensor>& parameters, comm::Communicator& data,
                           absl::Duration timeout = absl::ZeroDuration());
+
+// Deterministic mode's counterpart, after each train_step of a pipe built with
+// PipeOptions().deterministic(true).replica(grid.replica).replicas(grid.replicas): sets the
+// gradient of every parameter of the pipe to the canonical tree sum (deterministic/tree.h) of
+// the M = replicas * chunks global micro-batches' gradients, divided by M (one
+// deterministic::AllReduce per dtype over the flattened partial sums train_step kept), and
+// returns the step's loss over the whole global batch (the tree mean of the M micro-batch
+// losses, the loss's dtype), equal on every rank. Bitwise the same for any (replicas, stages)
+// with the same global batch and M. Collective over `data` (grid.data: rank == replica).
+// Raises c10::Error ("pipe::all_reduce_gradients ...") if the pipe is not in deterministic mode,
+// `data` does not match its replica()/replicas(), no train_step is waiting to be reduced, or
+// a communication fails. With replicas() == 1 train_step has already set the gradients: this
+// only returns the loss.
+// Its collectives wait up to the communicator's operation timeout.
+at::Tensor all_reduce_gradients(Pipe& pipe, comm::Communicator& data);
 
 }  // namespace fairscale::pipe

@@ -20,6 +20,8 @@
 #include "base/torch_error.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/torch/tensor_buffer.h"
+#include "deterministic/mode.h"
+#include "deterministic/tree.h"
 #include "pipe/internal/wire.h"
 
 namespace fairscale::pipe {
@@ -80,6 +82,7 @@ struct StepState {
   std::map<std::pair<int64_t, int64_t>, Boundary> local_activations;
   std::map<std::pair<int64_t, int64_t>, std::vector<at::Tensor>> local_gradients;
   double loss_sum = 0;
+  std::vector<double> losses;  // per micro-batch, on the last stage (deterministic mode)
   c10::ScalarType loss_dtype = c10::ScalarType::Float;
   bool train = true;  // false: forwards only, no graph kept (eval_step)
   explicit StepState(Orphans* orphans) : pending(orphans) {}
@@ -323,6 +326,8 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(std::vector<torch::nn::Sequenti
   pipe->comm_ = std::move(comm);
   comm::OpOptions op;
   op.timeout = pipe->timeout_;
+  absl::Status checked = pipe->SetUpDeterministic();
+  if (!checked.ok()) return checked;
   absl::Status connected = pipe->Connect(op);
   if (!connected.ok()) return connected;
   if (pipe->options_.wrap_stage()) {
@@ -430,6 +435,8 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
   st.loss_fn = &loss_fn;
   st.train = train;
   st.micro.resize(st.chunks * virtual_stages());
+  st.losses.assign(st.chunks, 0.0);
+  const bool det = options_.deterministic();
   absl::Status status;
   doing_ = "splitting the batch";
   try {
@@ -453,6 +460,10 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
       if (status.ok()) status = parts.status();
       if (status.ok()) st.targets = *std::move(parts);
     }
+    if (status.ok() && det) {
+      doing_ = "checking the batch (deterministic mode)";
+      status = BeginDeterministicStep(inputs, target, train);
+    }
     std::vector<Action> actions =
         MakeSchedule(options_.schedule(), num_stages_, stage_, st.chunks, virtual_stages());
     if (!train) {
@@ -473,32 +484,50 @@ absl::StatusOr<at::Tensor> Pipe::Step(const std::vector<at::Tensor>& inputs, boo
         absl::StrAppend(&doing_, " on virtual stage ", VirtualStage(a), " (chunk ", a.chunk, ")");
       }
       status = a.phase == Phase::kForward ? Forward(st, a) : Backward(st, a);
+      if (status.ok() && det && a.phase == Phase::kBackward) CaptureGradients(a);
     }
     if (status.ok()) {
       doing_ = "completing its sends";
       status = st.pending.WaitAll(timeout_);
+    }
+    if (status.ok() && det && train) {
+      doing_ = "summing the micro-batch gradients (deterministic mode)";
+      EndDeterministicStep();
     }
   } catch (const std::exception& e) {
     status = absl::InternalError(WhatOf(e));
   }
   if (!status.ok()) return Fail(Annotate(status, absl::StrCat(Name(), ": ", doing_)));
 
-  // Every rank returns the mean loss: the last stage broadcasts it with its dtype.
-  at::Tensor buffer = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
+  // Every rank returns the mean loss: the last stage broadcasts it with its dtype (in
+  // deterministic mode every micro-batch's loss, then their tree mean is taken on every rank).
+  const int64_t values = det ? st.chunks : 1;
+  at::Tensor buffer = at::empty({values + 1}, at::TensorOptions().dtype(at::kDouble));
   double* shared = buffer.data_ptr<double>();
-  shared[0] = st.loss_sum / static_cast<double>(st.chunks);
-  shared[1] = static_cast<double>(st.loss_dtype);
+  if (det) {
+    std::copy(st.losses.begin(), st.losses.end(), shared);
+  } else {
+    shared[0] = st.loss_sum / static_cast<double>(st.chunks);
+  }
+  shared[values] = static_cast<double>(st.loss_dtype);
   comm::OpOptions op;
   op.timeout = timeout_;
-  status = ctl_->Broadcast(comm::Buffer{shared, 2, comm::DataType::kF64, {}},
+  status = ctl_->Broadcast(comm::Buffer{shared, static_cast<size_t>(values + 1),
+                                        comm::DataType::kF64, {}},
                            static_cast<int>(num_stages_ - 1), op)
                .Wait(timeout_);
   if (!status.ok()) {
     orphans_.push_back(buffer);
     return Fail(Annotate(status, absl::StrCat(Name(), ": loss broadcast")));
   }
-  return at::scalar_tensor(shared[0], at::TensorOptions().dtype(
-                                          static_cast<c10::ScalarType>(shared[1])));
+  double loss = shared[0];
+  if (det) {
+    micro_batch_losses_.assign(shared, shared + values);
+    loss_dtype_ = static_cast<c10::ScalarType>(shared[values]);
+    loss = deterministic::TotalOf(micro_batch_losses_) / static_cast<double>(st.chunks);
+  }
+  return at::scalar_tensor(loss, at::TensorOptions().dtype(
+                                     static_cast<c10::ScalarType>(shared[values])));
 }
 
 // "stage 2" or, with virtual stages, "virtual stage 5 (rank 1)".
@@ -553,7 +582,8 @@ absl::Status Pipe::Forward(internal::StepState& st, const Action& a) {
     TORCH_CHECK(mb.loss.defined() && mb.loss.numel() == 1,
                 "the loss function must return a scalar, got ", mb.loss.sizes());
     st.loss_dtype = mb.loss.scalar_type();
-    st.loss_sum += mb.loss.detach().item<double>();
+    st.losses[i] = mb.loss.detach().item<double>();
+    st.loss_sum += st.losses[i];
     trace_.push_back({stage_, i, Phase::kForward, start, absl::Now(), a.chunk});
     if (!st.train) mb = internal::MicroBatch();
     return absl::OkStatus();
@@ -585,7 +615,14 @@ absl::Status Pipe::Backward(internal::StepState& st, const Action& a) {
   absl::Time start;
   if (c == LastVirtualStage()) {
     start = absl::Now();
-    if (mb.loss.requires_grad()) (mb.loss / static_cast<double>(st.chunks)).backward();
+    if (mb.loss.requires_grad()) {
+      // Deterministic mode: this micro-batch's own gradient, divided by M after the tree sum.
+      if (options_.deterministic()) {
+        mb.loss.backward();
+      } else {
+        (mb.loss / static_cast<double>(st.chunks)).backward();
+      }
+    }
   } else {
     std::vector<at::Tensor> outs = RequiringGrad(mb.outputs);
     absl::StatusOr<std::vector<at::Tensor>> grads;
@@ -625,6 +662,125 @@ absl::Status Pipe::Backward(internal::StepState& st, const Action& a) {
   mb = internal::MicroBatch();  // frees this micro-batch's activations
   trace_.push_back({stage_, i, Phase::kBackward, start, absl::Now(), a.chunk});
   return status;
+}
+
+absl::Status Pipe::SetUpDeterministic() {
+  const bool det = options_.deterministic();
+  const int64_t replicas = options_.replicas();
+  try {
+    // Collective in either mode, so that a job mixing modes fails here on every rank.
+    deterministic::CheckSameMode(*comm_, det, det ? options_.chunks() * replicas : 0, "pipe");
+    if (!det) return absl::OkStatus();
+    if (options_.wrap_stage()) {
+      return absl::InvalidArgumentError(
+          "deterministic mode with wrap_stage (e.g. fsdp_stage, FSDP inside a stage) is not "
+          "supported yet");
+    }
+    if (replicas < 1 || options_.replica() < 0 || options_.replica() >= replicas) {
+      return absl::InvalidArgumentError(absl::StrCat("replica ", options_.replica(), " of ",
+                                                     replicas, " replicas: need 0 <= replica < "
+                                                     "replicas"));
+    }
+    deterministic::CheckThreads("pipe");
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(WhatOf(e));
+  }
+  // Each parameter must belong to one layer of one chunk: its gradient is taken after each of
+  // that chunk's backwards.
+  std::map<const void*, int64_t> seen;
+  chunk_params_.clear();
+  for (size_t j = 0; j < chunk_stages_.size(); ++j) {
+    chunk_params_.push_back(chunk_stages_[j]->parameters());
+    for (const at::Tensor& p : chunk_params_.back()) {
+      if (!seen.emplace(p.unsafeGetTensorImpl(), static_cast<int64_t>(j)).second) {
+        return absl::InvalidArgumentError(
+            "deterministic mode: a parameter is shared between layers of this rank (not "
+            "supported: each micro-batch's gradient is taken per chunk)");
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Pipe::BeginDeterministicStep(const std::vector<at::Tensor>& inputs,
+                                          const at::Tensor& target, bool train) {
+  const int64_t m = options_.chunks();
+  auto check = [m](const at::Tensor& t, const std::string& what) -> absl::Status {
+    if (t.defined() && t.dim() > 0 && t.size(0) % m != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "deterministic mode needs equal micro-batches, but ", what, " has ", t.size(0),
+          " rows, not a multiple of chunks = ", m));
+    }
+    return absl::OkStatus();
+  };
+  if (stage_ == 0) {
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      absl::Status s = check(inputs[k], inputs.size() == 1 ? std::string("the input")
+                                                           : absl::StrCat("input ", k));
+      if (!s.ok()) return s;
+    }
+  }
+  if (stage_ + 1 == num_stages_) {
+    absl::Status s = check(target, "the target");
+    if (!s.ok()) return s;
+  }
+  if (!train) return absl::OkStatus();  // eval_step
+  if (!pending_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "deterministic mode with replicas = ", options_.replicas(),
+        ": the last step's gradients were not reduced; call all_reduce_gradients(pipe, "
+        "*grid.data) after every train_step"));
+  }
+  // Each micro-batch's backward must find no gradient, so that what it leaves is its own.
+  accumulators_.assign(chunk_params_.size(), {});
+  grad_storage_.assign(chunk_params_.size(), {});
+  for (size_t j = 0; j < chunk_params_.size(); ++j) {
+    accumulators_[j].resize(chunk_params_[j].size());
+    for (at::Tensor& p : chunk_params_[j]) {
+      grad_storage_[j].push_back(std::move(p.mutable_grad()));
+      p.mutable_grad() = at::Tensor();
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Pipe::CaptureGradients(const Action& a) {
+  const int64_t global = options_.replica() * options_.chunks() + a.micro_batch;
+  std::vector<at::Tensor>& params = chunk_params_.at(a.chunk);
+  for (size_t k = 0; k < params.size(); ++k) {
+    at::Tensor g = std::move(params[k].mutable_grad());
+    params[k].mutable_grad() = at::Tensor();
+    if (!g.defined()) g = at::zeros_like(params[k]);
+    accumulators_[a.chunk][k].Add(global, std::move(g));
+  }
+}
+
+void Pipe::EndDeterministicStep() {
+  c10::NoGradGuard no_grad;
+  const int64_t m = options_.chunks();
+  const bool local = options_.replicas() == 1;
+  for (size_t j = 0; j < chunk_params_.size(); ++j) {
+    for (size_t k = 0; k < chunk_params_[j].size(); ++k) {
+      std::vector<deterministic::Partial> parts = accumulators_[j][k].Take();
+      if (!local) {
+        pending_.push_back(std::move(parts));  // chunk order = parameters() order
+        continue;
+      }
+      at::Tensor total = deterministic::Total(std::move(parts), m);
+      total.div_(static_cast<double>(m));
+      at::Tensor& storage = grad_storage_[j][k];
+      at::Tensor& p = chunk_params_[j][k];
+      if (storage.defined() && storage.sizes() == total.sizes() &&
+          storage.scalar_type() == total.scalar_type() && storage.device() == total.device()) {
+        storage.copy_(total);
+        p.mutable_grad() = storage;
+      } else {
+        p.mutable_grad() = total;
+      }
+    }
+  }
+  if (local) grad_storage_.clear();
+  accumulators_.clear();
 }
 
 }  // namespace fairscale::pipe

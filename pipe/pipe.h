@@ -37,6 +37,10 @@
 // link between neighbouring ranks has its own two-rank communicators per direction, so a send
 // never waits behind a receive and the order in schedule.h cannot deadlock.
 //
+// Deterministic mode (PipeOptions::deterministic, //deterministic): the same global batch gives
+// bitwise the same losses, gradients and parameters at any number of stages (and, on a
+// PipeGrid, of replicas); see PipeOptions::deterministic and README.md.
+//
 // Errors raise c10::Error, "<function>: <CODE>: <message>" (//base:torch_error; the code is
 // absl's name, e.g. INVALID_ARGUMENT). train_step() is collective over the communicator. A stage
 // that fails (a layer or the loss throws, a bad input, a comm error) aborts the pipe's
@@ -65,6 +69,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "deterministic/tree.h"
 #include "pipe/schedule.h"
 
 namespace fairscale::pipe {
@@ -143,7 +148,28 @@ struct PipeOptions {
   // step) to wrap it, e.g. in FSDP over the ranks that hold the same stage (fsdp_stage.h).
   // Unset: the pipe runs the layers itself and parameters() are theirs.
   // Only with virtual_stages == 1 (INVALID_ARGUMENT otherwise).
+  // Not supported (yet) with deterministic(true): Create raises INVALID_ARGUMENT.
   TORCH_ARG(WrapStageFn, wrap_stage) = nullptr;
+  // Deterministic mode (issue 22): the step's losses, gradients and (after the optimizer)
+  // parameters are bitwise the same whatever the number of stages, the virtual stages and the
+  // schedule, and on a PipeGrid whatever the number of replicas, for the same model, global
+  // batch and global micro-batch count M. The batch must split into `chunks` equal micro-batches
+  // (INVALID_ARGUMENT otherwise). Each micro-batch's gradient of this rank's parameters is
+  // captured on its own (the loss is not scaled by 1/chunks before backward) and summed over
+  // the canonical micro-batch tree (deterministic/tree.h), then divided by M: train_step SETS
+  // each parameter's gradient to that (it does not accumulate into what was there). The
+  // returned loss is the tree mean of the micro-batch losses. With replicas() > 1 the gradients
+  // are left undefined by train_step and set by all_reduce_gradients(Pipe&, ...) (grid.h), which
+  // must follow every train_step. Every rank of the pipe's communicator must use the same mode
+  // and M (checked at construction, one 32-byte all-gather in either mode); needs
+  // at::set_num_threads(1) (checked at construction). Parameters shared between layers of this
+  // rank are not supported (INVALID_ARGUMENT).
+  TORCH_ARG(bool, deterministic) = false;
+  // Pipe x data parallel in deterministic mode (read only there): this pipe is replica
+  // `replica` of `replicas` (PipeGrid::replica / replicas) and computes the global
+  // micro-batches [replica * chunks, (replica + 1) * chunks) of M = replicas * chunks.
+  TORCH_ARG(int64_t, replica) = 0;
+  TORCH_ARG(int64_t, replicas) = 1;
 };
 
 // loss_fn(output of the last layer for one micro-batch, its rows of the target) -> a scalar.
@@ -184,7 +210,8 @@ class Pipe {
   // (ignored elsewhere; pass an undefined tensor; it is used detached: no gradient flows back
   // into it), `target` on the last stage. Returns the mean
   // micro-batch loss (detached, 0-dim, the loss's dtype converted through double) on every
-  // rank. Gradients accumulate into parameters(). Raises c10::Error (see Errors above).
+  // rank. Gradients accumulate into parameters() (deterministic mode: they are set, and the
+  // loss is the tree mean; see PipeOptions::deterministic). Raises c10::Error (see Errors above).
   at::Tensor train_step(const at::Tensor& input, const at::Tensor& target, const LossFn& loss_fn);
   // The same with a list input: stage 0's first layer receives a std::vector<at::Tensor> (each
   // tensor split along dimension 0).
@@ -228,7 +255,13 @@ class Pipe {
   bool failed() const { return !broken_.ok(); }
   std::string error() const { return broken_.ok() ? std::string() : broken_.ToString(); }
 
+  // Deterministic mode: the last train_step's (or eval_step's) micro-batch losses, in
+  // micro-batch order (chunks of them), on every rank. Empty in the default mode.
+  const std::vector<double>& micro_batch_losses() const { return micro_batch_losses_; }
+
  private:
+  // grid.h: reduces the partial sums train_step keeps with replicas > 1.
+  friend at::Tensor all_reduce_gradients(Pipe& pipe, comm::Communicator& data);
   Pipe() = default;
   // Create / CreateForStage without the conversion to c10::Error.
   static absl::StatusOr<std::unique_ptr<Pipe>> Build(torch::nn::Sequential model,
@@ -255,6 +288,14 @@ class Pipe {
   // A virtual stage in messages: "stage 2", or "virtual stage 5 (rank 1)".
   std::string Describe(int64_t virtual_stage) const;
   absl::Status Fail(absl::Status status);
+  // Deterministic mode: checks at construction; before a step (the batch split, the gradients
+  // moved aside); after each backward (that micro-batch's gradients into the accumulators);
+  // after the step (the gradients set, or the partial sums kept for all_reduce_gradients).
+  absl::Status SetUpDeterministic();
+  absl::Status BeginDeterministicStep(const std::vector<at::Tensor>& inputs,
+                                      const at::Tensor& target, bool train);
+  void CaptureGradients(const Action& a);
+  void EndDeterministicStep();
 
   // Declared first, destroyed last: buffers of failed operations that the communicators below
   // may still touch, and the links that point at those communicators.
@@ -281,6 +322,16 @@ class Pipe {
   std::vector<std::function<std::vector<at::Tensor>(std::vector<at::Tensor>, bool)>> forwards_;
   std::function<void(bool last)> before_backward_;  // WrappedStage::before_backward
   std::vector<PipeEvent> trace_;
+  // Deterministic mode: each local chunk's parameters, their accumulators during a step (same
+  // indices), the gradient tensors found at the step's start (reused as storage), and with
+  // replicas > 1 the partial sums of the last step awaiting all_reduce_gradients (indexed like
+  // parameters(), which lists the chunks' parameters in chunk order).
+  std::vector<std::vector<at::Tensor>> chunk_params_;
+  std::vector<std::vector<deterministic::Accumulator>> accumulators_;
+  std::vector<std::vector<at::Tensor>> grad_storage_;
+  std::vector<std::vector<deterministic::Partial>> pending_;
+  std::vector<double> micro_batch_losses_;
+  c10::ScalarType loss_dtype_ = c10::ScalarType::Float;  // of the last step's loss
   absl::Status broken_;
   std::string doing_;  // the action running now, for error messages
 };
