@@ -136,7 +136,8 @@ ABSL_FLAG(int, threads, 0,
           "intra-op threads per rank, at most the core count (0: cores / ranks)");
 ABSL_FLAG(bool, deterministic, false,
           "bitwise the same losses and parameters at any rank count that divides "
-          "--micro_batches (fsdp and sdp modes; one intra-op thread per rank)");
+          "--micro_batches (fsdp, sdp, and pipeline with strategy no_shard; one intra-op "
+          "thread per rank)");
 ABSL_FLAG(int64_t, micro_batches, 0,
           "--deterministic: micro-batches of --batch sequences per step over all ranks");
 ABSL_FLAG(int, max_restarts, 0,

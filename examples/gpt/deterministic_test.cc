@@ -124,6 +124,28 @@ INSTANTIATE_TEST_SUITE_P(
                       Mode{"sdp", "sdp", "full_shard"}),
     [](const auto& info) { return info.param.name; });
 
+// The pipeline mode (2 stages, whole stages) at 2 ranks (one pipeline, 1F1B, 4 chunks) and at 4
+// ranks (two replicas, GPipe, 2 chunks each) trains the unpipelined job's model bitwise: the
+// same per-micro-batch gradients summed on the same tree, the same exact norm.
+TEST(GptDeterministicPipeline, MatchesTheUnpipelinedJobBitwise) {
+  TrainConfig plain = Tiny(4);
+  plain.strategy = "no_shard";
+  TrainConfig piped = plain;
+  piped.pipeline_stages = 2;
+  const Job one = RunJob(plain, 1, "pipe_plain_1");
+  const Job two = RunJob(piped, 2, "pipe_2x1");
+  piped.pipeline_schedule = "gpipe";
+  const Job four = RunJob(piped, 4, "pipe_2x2");
+  if (comm::testing::IsRankProcess()) return;
+  // The pipeline's ranks each hash their own stage: compare the losses (every step, and the
+  // validation loss), and the two pipelined runs' stage-0 hashes.
+  Job one_losses = one, two_losses = two, four_losses = four;
+  one_losses.full_hash = two_losses.full_hash = four_losses.full_hash = "-";
+  ExpectSameBits(two_losses, one_losses, "2 stages x 1 replica vs unpipelined");
+  ExpectSameBits(four_losses, one_losses, "2 stages x 2 replicas vs unpipelined");
+  EXPECT_EQ(four.full_hash, two.full_hash);
+}
+
 // With M = 4 micro-batches the deterministic job reads the default mode's data at 4 ranks: the
 // losses agree within f32 rounding, the bits do not (so the comparisons above can fail).
 TEST(GptDeterministicControl, MatchesTheDefaultModeWithinRoundingButNotBitwise) {

@@ -415,9 +415,11 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
         "--deterministic with data_parallel sdp needs oss_partition greedy (whole tensors per "
         "rank), got ", config.oss_partition));
   }
-  if (config.deterministic && config.pipeline_stages > 1) {
-    return absl::InvalidArgumentError(
-        "--deterministic with pipeline_stages > 1 is not supported yet");
+  if (config.deterministic && config.pipeline_stages > 1 && config.strategy != "no_shard") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--deterministic with pipeline_stages > 1 needs strategy no_shard (whole stages whose "
+        "gradients are reduced over the replicas); FSDP inside the stages (strategy ",
+        config.strategy, ") is not supported in deterministic mode yet"));
   }
   if (config.pipeline_stages == 1 && config.pipeline_virtual_stages != 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -427,7 +429,9 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
   if (config.pipeline_stages > 1) {
     const std::string p = absl::StrCat("pipeline_stages ", config.pipeline_stages, ": ");
     FS_RETURN_IF_ERROR(ParseSchedule(config.pipeline_schedule).status());
-    if (config.pipeline_chunks < 1 || config.pipeline_chunks > config.batch) {
+    // (Deterministic mode derives the chunks: micro_batches / replicas, of `batch` rows each.)
+    if (!config.deterministic &&
+        (config.pipeline_chunks < 1 || config.pipeline_chunks > config.batch)) {
       return absl::InvalidArgumentError(absl::StrCat(
           p, "pipeline_chunks must be in [1, batch = ", config.batch, "], got ",
           config.pipeline_chunks));

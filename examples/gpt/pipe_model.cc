@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "deterministic/collectives.h"
+#include "deterministic/tree.h"
 #include "absl/strings/str_cat.h"
 #include "base/fnv1a.h"
 #include "base/status_macros.h"
@@ -35,9 +37,12 @@ namespace {
 // (full_shard / shard_grad_op: pipe::fsdp_stage; the Adam steps this rank's shard).
 class PipeModel final : public ParallelModel {
  public:
+  // `micro_batches` > 0: deterministic mode with that many micro-batches per step.
   PipeModel(pipe::PipeGrid grid, std::unique_ptr<pipe::Pipe> pipe, int64_t vocab,
-            int64_t num_params, torch::optim::AdamOptions adam, std::string label)
-      : grid_(std::move(grid)),
+            int64_t num_params, torch::optim::AdamOptions adam, std::string label,
+            int64_t micro_batches)
+      : micro_batches_(micro_batches),
+        grid_(std::move(grid)),
         pipe_(std::move(pipe)),
         fsdp_(std::dynamic_pointer_cast<fsdp::FullyShardedDataParallelImpl>(pipe_->module())),
         opt_(pipe_->parameters(), adam),
@@ -59,6 +64,19 @@ class PipeModel final : public ParallelModel {
     const bool train = c10::GradMode::is_enabled();
     at::Tensor loss =
         train ? pipe_->train_step(tokens, targets, fn) : pipe_->eval_step(tokens, targets, fn);
+    if (micro_batches_ > 0) {
+      // Deterministic mode: this replica ran micro-batches [replica c, (replica + 1) c) of the
+      // step's M; the gradients and the loss are reduced over the replicas on the tree.
+      if (train && grid_.replicas > 1) pipe::all_reduce_gradients(*pipe_, *grid_.data);
+      // The loss in double from the micro-batch losses, as the unpipelined modes compute it
+      // (the pipe's own is rounded to the loss's dtype).
+      const auto layout = deterministic::MicroBatchLayout::Make(
+          micro_batches_, static_cast<int>(grid_.replicas), static_cast<int>(grid_.replica));
+      return at::scalar_tensor(
+          deterministic::Mean(*grid_.data, layout, pipe_->micro_batch_losses(),
+                              train ? "train loss" : "validation loss"),
+          at::kDouble);
+    }
     // Under FSDP every micro-batch's backward already reduce-scattered its gradient.
     if (train && grid_.replicas > 1 && !fsdp_) {
       pipe::all_reduce_gradients(pipe_->parameters(), *grid_.data);
@@ -74,6 +92,22 @@ class PipeModel final : public ParallelModel {
   // stages summed over the pipe (whole stages: the same in every replica after the all-reduce;
   // FSDP: each stage's shards summed over its replicas first).
   void clip_grad_norm(double max_norm) override {
+    if (micro_batches_ > 0) {
+      // Deterministic mode: an exact sum of squares over the pipe (the replicas hold the same
+      // gradients), so the norm does not depend on the cut into stages.
+      deterministic::ExactSquareSum squares;
+      for (const at::Tensor& p : pipe_->parameters()) {
+        if (p.grad().defined()) squares.Add(p.grad());
+      }
+      squares.AllReduce(*grid_.pipe, "clip_grad_norm");
+      const double coef = max_norm / (squares.norm() + 1e-6);
+      if (coef >= 1) return;
+      torch::NoGradGuard no_grad;
+      for (const at::Tensor& p : pipe_->parameters()) {
+        if (p.grad().defined()) p.grad().mul_(coef);
+      }
+      return;
+    }
     double sq = 0;
     for (const at::Tensor& p : pipe_->parameters()) {
       if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
@@ -130,6 +164,7 @@ class PipeModel final : public ParallelModel {
   }
 
  private:
+  int64_t micro_batches_;
   pipe::PipeGrid grid_;
   std::unique_ptr<pipe::Pipe> pipe_;
   std::shared_ptr<fsdp::FullyShardedDataParallelImpl> fsdp_;  // null: whole stages
@@ -176,11 +211,22 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
   FS_ASSIGN_OR_RETURN(pipe::CheckpointMode checkpoint,
                       ParsePipeCheckpoint(config.checkpoint_activations));
   FS_ASSIGN_OR_RETURN(fsdp::ShardingStrategy strategy, ParseStrategy(config.strategy));
+  // Deterministic mode: each replica runs its M / replicas micro-batches as the pipe's chunks.
+  const int64_t chunks = config.deterministic ? config.micro_batches / grid.replicas
+                                              : config.pipeline_chunks;
+  if (config.deterministic && config.micro_batches % grid.replicas != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--micro_batches=", config.micro_batches, " does not split over ", grid.replicas,
+        " pipeline replicas"));
+  }
   auto opts = pipe::PipeOptions()
-                  .chunks(config.pipeline_chunks)
+                  .chunks(chunks)
                   .schedule(schedule)
                   .virtual_stages(config.pipeline_virtual_stages)
                   .checkpoint(checkpoint);
+  if (config.deterministic) {
+    opts.deterministic(true).replica(grid.replica).replicas(grid.replicas);
+  }
   if (config.pipeline_balance == "size") {
     // Parameter bytes x 4 (parameter, gradient, Adam's two moments) + one micro-batch's
     // output bytes per layer, measured on a batch of the job's shape (the same on every rank).
@@ -222,10 +268,12 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
       strategy == fsdp::ShardingStrategy::kNoShard
           ? std::string(" (all-reduce)")
           : absl::StrCat(" (FSDP ", fsdp::ShardingStrategyName(strategy), ")"),
-      ", ", config.pipeline_schedule, ", ", config.pipeline_chunks, " micro-batches");
+      ", ", config.pipeline_schedule, ", ", chunks, " micro-batches",
+      config.deterministic ? " (deterministic)" : "");
   const int64_t vocab = model_config.vocab();
   return std::unique_ptr<ParallelModel>(std::make_unique<PipeModel>(
-      std::move(grid), std::move(p), vocab, num_params, adam, label));
+      std::move(grid), std::move(p), vocab, num_params, adam, label,
+      config.deterministic ? config.micro_batches : 0));
 }
 
 }  // namespace fairscale::examples::gpt::internal

@@ -258,7 +258,7 @@ class Trainer {
                       {"step", result.start_step},
                       {"from_world_size", resumed_from_world_},
                       {"world_size", world_},
-                      {"global_batch", world_ * config_.batch},
+                      {"global_batch", GlobalBatch()},
                       {"steps", config_.steps},
                       {"schedule_steps", config_.schedule_length()},
                       {"full_param_fnv1a64", absl::StrFormat("%016x", resumed_full_param_hash_)}});
@@ -297,7 +297,7 @@ class Trainer {
       std::printf("train_gpt: %d rank%s, %s, %s, %lld params, vocab %lld, %lld tokens/step%s\n",
                   world_, world_ == 1 ? "" : "s", ModeLabel().c_str(), config_.precision.c_str(),
                   static_cast<long long>(num_params_), static_cast<long long>(gc.vocab()),
-                  static_cast<long long>(replicas_ * config_.batch * config_.seq),
+                  static_cast<long long>(GlobalBatch() * config_.seq),
                   options.c_str());
       std::fflush(stdout);
     }
@@ -330,7 +330,13 @@ class Trainer {
         trace::Scope scope(recorder_.get(), "forward+backward", trace::kCategoryCompute,
                            {{"step", step}});
         model_->zero_grad();
-        for (int64_t j = layout_->first(); j < layout_->first() + layout_->per_rank(); ++j) {
+        if (model_->computes_loss()) {
+          // A pipeline replica runs its block of the micro-batches as the pipe's chunks; the
+          // pipe reduces over the replicas and returns the step's tree-mean loss.
+          loss = Loss(ReplicaRows(step, Split::kTrain));
+        }
+        for (int64_t j = layout_->first();
+             !model_->computes_loss() && j < layout_->first() + layout_->per_rank(); ++j) {
           at::Tensor l = Loss(data_.Batch(config_.seed, step, static_cast<int>(j), Split::kTrain,
                                           config_.batch, config_.seq));
           micro_losses.push_back(l.item<double>());
@@ -389,7 +395,9 @@ class Trainer {
         train_loss += all[2 * r] / world_;
         rss[r] = static_cast<int64_t>(all[2 * r + 1]);
       }
-      if (layout_) {
+      if (layout_ && model_->computes_loss()) {
+        train_loss = loss.item<double>();
+      } else if (layout_) {
         // The micro-batch losses' mean over the canonical tree: the same bits at any world size.
         FS_ASSIGN_OR_RETURN(train_loss, TreeMean(micro_losses, "train loss"));
       }
@@ -399,7 +407,7 @@ class Trainer {
       }
       const double avg_s = timed_steps > 0 ? timed_s / timed_steps : step_s;
       const double tokens_per_s =
-          (layout_ ? config_.micro_batches : replicas_) * config_.batch * config_.seq / avg_s;
+          static_cast<double>(GlobalBatch() * config_.seq) / avg_s;
       const bool eval = step == config_.steps ||
                         (config_.eval_every > 0 && step % config_.eval_every == 0);
       if (eval) {
@@ -506,8 +514,28 @@ class Trainer {
   }
 
  private:
+  // Sequences per step over all ranks: M micro-batches of `batch` in deterministic mode, else
+  // `batch` per data-parallel replica.
+  int64_t GlobalBatch() const {
+    return (layout_ ? config_.micro_batches : replicas_) * config_.batch;
+  }
+
+  // Deterministic pipeline mode: this replica's micro-batches of `step` (of `split`), back to
+  // back: [replica c, (replica + 1) c) with c = M / replicas.
+  std::vector<int64_t> ReplicaRows(int64_t step, Split split) {
+    const int64_t c = config_.micro_batches / replicas_;
+    std::vector<int64_t> rows;
+    for (int64_t j = data_rank_ * c; j < (data_rank_ + 1) * c; ++j) {
+      std::vector<int64_t> b =
+          data_.Batch(config_.seed, step, static_cast<int>(j), split, config_.batch, config_.seq);
+      rows.insert(rows.end(), b.begin(), b.end());
+    }
+    return rows;
+  }
+
   at::Tensor Loss(std::vector<int64_t> rows) {
-    at::Tensor data = at::from_blob(rows.data(), {config_.batch, config_.seq + 1}, at::kLong).clone();
+    const int64_t n = static_cast<int64_t>(rows.size()) / (config_.seq + 1);
+    at::Tensor data = at::from_blob(rows.data(), {n, config_.seq + 1}, at::kLong).clone();
     at::Tensor input = data.narrow(1, 0, config_.seq);
     if (model_->computes_loss()) return model_->loss(input, data.narrow(1, 1, config_.seq));
     at::Tensor logits = model_->forward(input);
@@ -531,6 +559,9 @@ class Trainer {
   // deterministic mode: over the validation split's micro-batches 0..M-1 (the tree mean).
   absl::StatusOr<double> ValLoss() {
     torch::NoGradGuard no_grad;
+    if (layout_ && model_->computes_loss()) {
+      return Loss(ReplicaRows(-1, Split::kVal)).item<double>();  // the pipe's tree mean
+    }
     if (layout_) {
       std::vector<double> mine;
       for (int64_t j = layout_->first(); j < layout_->first() + layout_->per_rank(); ++j) {

@@ -120,11 +120,15 @@ struct TrainConfig {
   // micro-batch j of step s is the batch TokenData::Batch(seed, s, j) (the one rank j trains on
   // in the default mode, so M = world size reads the same data as the default mode), and rank r
   // of W runs micro-batches [r M/W, (r+1) M/W), one forward and backward each. Gradients are
-  // summed over a fixed tree of the micro-batch index and divided by M (fsdp, sdp and pipeline
-  // modes; see fsdp/README.md), clipping uses an exact sum of squares, the train loss is the same
+  // summed over a fixed tree of the micro-batch index and divided by M (see
+  // deterministic/README.md), clipping uses an exact sum of squares, the train loss is the same
   // tree's mean of the micro-batch losses, and validation scores the M micro-batches of the
-  // validation split the same way (eval_batches does not apply). One intra-op thread per rank
-  // (threads must be 0 or 1). deterministic and micro_batches are in ToJson() when on.
+  // validation split the same way (eval_batches does not apply). Modes: fsdp (every strategy,
+  // any precision, loss scaling, offload), sdp (oss_partition greedy), and the pipeline with
+  // whole stages (strategy no_shard: each of the world / pipeline_stages replicas runs its
+  // M / replicas micro-batches as the pipe's chunks; pipeline_chunks does not apply), which
+  // trains the unpipelined job's model bitwise. One intra-op thread per rank (threads must be 0
+  // or 1). deterministic and micro_batches are in ToJson() when on.
   bool deterministic = false;
   int64_t micro_batches = 0;
   // FSDP.
