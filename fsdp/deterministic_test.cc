@@ -26,6 +26,7 @@
 #include "comm/testing/rank_runner.h"
 #include "deterministic/collectives.h"
 #include "fsdp/fully_sharded_data_parallel.h"
+#include "fsdp/internal/flat_param.h"
 #include "fsdp/state_dict.h"
 #include "testing/c10_error.h"
 
@@ -98,6 +99,7 @@ struct Config {
   bool bf16 = false;
   bool clip = false;
   bool no_sync = true;
+  bool offload = false;  // move_params_to_cpu on the offloaded path (the CPU test hook)
 };
 
 FsdpOptions OptionsFor(const Config& c, int world, bool deterministic) {
@@ -106,6 +108,7 @@ FsdpOptions OptionsFor(const Config& c, int world, bool deterministic) {
   if (IsHybrid(c.strategy)) o.hybrid_shard_group_size(world % 2 == 0 ? 2 : 1);
   if (c.bf16) o.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
   if (deterministic) o.deterministic(true).micro_batches(kMicroBatches);
+  if (c.offload) o.move_params_to_cpu(true);
   return o;
 }
 
@@ -158,6 +161,11 @@ std::map<std::string, at::Tensor> FullParams(FullyShardedDataParallel& model) {
 }
 
 Trajectory TrainOnWorld(const Config& c, int world, bool deterministic) {
+  // Read when a unit is constructed: the offloaded path's separate buffers and copies.
+  internal::SetOffloadOnCpuForTesting(c.offload);
+  struct Reset {
+    ~Reset() { internal::SetOffloadOnCpuForTesting(false); }
+  } reset;
   Trajectory result;
   std::mutex mu;
   ExpectAllOk(RunInprocRanks(world, [&](int rank, int w, std::shared_ptr<comm::Communicator> comm)
@@ -249,7 +257,9 @@ INSTANTIATE_TEST_SUITE_P(
         Config{"full_shard_bf16", ShardingStrategy::kFullShard, true, true},
         Config{"no_shard_bf16_clip", ShardingStrategy::kNoShard, true, true, true},
         Config{"full_shard_clip_without_no_sync", ShardingStrategy::kFullShard, true, false, true,
-               false}),
+               false},
+        Config{"shard_grad_op_bf16_offload", ShardingStrategy::kShardGradOp, true, true, false,
+               true, true}),
     [](const auto& info) { return info.param.name; });
 
 TEST(DeterministicControl, DefaultModeDiffersAcrossWorldSizes) {

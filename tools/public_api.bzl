@@ -26,6 +26,7 @@ FEATURE_LIBRARIES = [
     "//base:tracking_allocator",  # TrackingCpuAllocator, which MemoryTracker counts with
     "//offload",  # OffloadedAdam, OffloadModel
     "//pipe",  # Pipe, PipeGrid, balancing
+    "//deterministic",  # deterministic mode: the micro-batch tree, tree-order reductions, exact norms
     "//pipe:fsdp_stage",  # FSDP inside each pipeline stage
     "//trace",  # Chrome traces, TracingCommunicator, the compute/communication profile
     "//launch:launcher",  # what fs_launch does, as a library (a job that launches itself)

@@ -36,7 +36,7 @@ struct Job {
 
 TrainConfig Tiny(int64_t micro_batches) {
   TrainConfig c;
-  c.steps = 6, c.batch = 2, c.seq = 16, c.width = 32, c.blocks = 2, c.heads = 2;
+  c.steps = 10, c.batch = 2, c.seq = 16, c.width = 32, c.blocks = 2, c.heads = 2;
   c.lr = 1e-2, c.warmup_steps = 2, c.grad_clip = 0.5;
   c.precision = "fp32", c.strategy = "full_shard";
   c.eval_every = 0, c.eval_batches = 1, c.sample_tokens = 0, c.progress = false;
@@ -90,7 +90,7 @@ struct Mode {
   std::string strategy = "full_shard";
   std::string precision = "fp32";
   bool loss_scale = false;
-  int64_t group = 0;  // hybrid_shard_group_size
+  int64_t group = 0;  // hybrid_shard_group_size (-1 in the resume test: a 2-stage pipeline)
 };
 
 class GptDeterministic : public ::testing::TestWithParam<Mode> {};
@@ -109,7 +109,7 @@ TEST_P(GptDeterministic, BitwiseEqualAtOneToFourRanks) {
     others.push_back(RunJob(w, world, absl::StrCat(m.name, "_", world)));
   }
   if (comm::testing::IsRankProcess()) return;
-  ASSERT_EQ(one.losses.size(), 6u);
+  ASSERT_EQ(one.losses.size(), 10u);
   EXPECT_LT(one.losses.back(), one.losses.front());  // it learns
   for (size_t i = 0; i < others.size(); ++i) {
     ExpectSameBits(others[i], one, absl::StrCat(m.name, " at ", i + 2, " ranks"));
@@ -163,22 +163,38 @@ TEST(GptDeterministicControl, MatchesTheDefaultModeWithinRoundingButNotBitwise) 
   EXPECT_TRUE(differs);
 }
 
-TEST(GptDeterministicResume, SavedAtFourRanksResumedAtTwoEndsWhereTheUninterruptedRunDoes) {
-  const std::string dir = fairscale::testing::TmpPath("det_resume_ckpt");
+// Saved at 4 ranks after step 5, resumed at 2: the same losses from step 6 and the same final
+// parameters as the uninterrupted run at 3 ranks (fsdp bf16 ZeRO-2, sdp, and the pipeline: 2
+// stages x 2 replicas resumed as 2 x 1).
+class GptDeterministicResume : public ::testing::TestWithParam<Mode> {};
+
+TEST_P(GptDeterministicResume, SavedAtFourRanksResumedAtTwoEndsWhereTheUninterruptedRunDoes) {
+  const Mode& m = GetParam();
+  const std::string dir = fairscale::testing::TmpPath("det_resume_" + m.name);
   // Rank processes re-run the test up to their RunProcesses call: only the parent cleans up.
   if (!comm::testing::IsRankProcess()) std::filesystem::remove_all(dir);
   TrainConfig c = Tiny(12);
-  c.strategy = "shard_grad_op", c.precision = "bf16";
-  const Job whole = RunJob(c, 3, "resume_whole_3");
+  c.data_parallel = m.data_parallel, c.strategy = m.strategy, c.precision = m.precision;
+  const bool pipe = m.group < 0;  // a pipeline of 2 stages
+  if (pipe) c.pipeline_stages = 2;
+  const Job whole = RunJob(c, pipe ? 2 : 3, "resume_whole_" + m.name);
   TrainConfig first = c;
-  first.checkpoint_dir = dir, first.checkpoint_every = 3, first.stop_after = 3;
-  RunJob(first, 4, "resume_part");
+  first.checkpoint_dir = dir, first.checkpoint_every = 5, first.stop_after = 5;
+  RunJob(first, 4, "resume_part_" + m.name);
   TrainConfig second = c;
-  second.checkpoint_dir = dir, second.checkpoint_every = 3, second.resume = ResumeMode::kRequired;
-  const Job resumed = RunJob(second, 2, "resume_part");  // continues the same metrics file
+  second.checkpoint_dir = dir, second.checkpoint_every = 5, second.resume = ResumeMode::kRequired;
+  // Continues the same metrics file: all 10 steps' losses.
+  const Job resumed = RunJob(second, 2, "resume_part_" + m.name);
   if (comm::testing::IsRankProcess()) return;
-  ExpectSameBits(resumed, whole, "saved at 4 ranks, resumed at 2");
+  ExpectSameBits(resumed, whole, m.name + " saved at 4 ranks, resumed at 2");
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, GptDeterministicResume,
+    ::testing::Values(Mode{"shard_grad_op_bf16", "fsdp", "shard_grad_op", "bf16"},
+                      Mode{"sdp", "sdp", "full_shard"},
+                      Mode{"pipe_no_shard", "fsdp", "no_shard", "fp32", false, -1}),
+    [](const auto& info) { return info.param.name; });
 
 TEST(GptDeterministicConfig, BadInputIsRejectedBeforeLaunch) {
   TrainConfig c = Tiny(12);
