@@ -180,7 +180,18 @@ void Coordinator::OnParamGrad(Unit& unit, size_t flat, size_t slot) {
   if (unit.NeedsGradBuffer(flat, slot)) {
     reductions_.Drain(static_cast<size_t>(unit.options().reductions_in_flight()));
   }
-  if (!unit.AccumulateGrad(flat, slot) || no_sync_ || unit.det_layout() != nullptr) return;
+  if (!unit.AccumulateGrad(flat, slot)) return;
+  if (unit.det_layout() != nullptr) {
+    // Deterministic mode: this flat parameter's gradient of this micro-batch is complete: into
+    // its tree now (and, after the step's last micro-batch, reduced now), so the full gradient
+    // is freed during backward as in the default mode.
+    DeterministicFlatDone(unit, flat);
+    if (unit.sharded() && unit.flats()[flat].requires_grad && unit.flats().size() == 1) {
+      unit.Reshard();
+    }
+    return;
+  }
+  if (no_sync_) return;
   // Every use of this flat parameter in backward is done: free it now rather than at the end.
   if (unit.sharded() && unit.flats()[flat].requires_grad && unit.flats().size() == 1) {
     unit.Reshard();
@@ -201,26 +212,29 @@ void Coordinator::IssueReduce(Unit& unit, size_t flat) {
   reductions_.Submit(unit, flat, unit.TakeGradient(flat), in_place);
 }
 
-void Coordinator::FinalizeDeterministic() {
+void Coordinator::DeterministicFlatDone(Unit& unit, size_t flat) {
   const deterministic::MicroBatchLayout& layout = *root_->det_layout();
-  const int64_t index = layout.first() + det_done_;
-  for (Unit* u : units_) {
-    for (size_t f = 0; f < u->flats().size(); ++f) {
-      if (u->flats()[f].requires_grad) u->PushMicroBatchGrad(f, index);
-    }
-  }
-  ++det_done_;
-  if (det_done_ < layout.per_rank()) return;
-  det_done_ = 0;
+  unit.flats()[flat].reduced = true;  // handled in this backward
+  unit.PushMicroBatchGrad(flat, layout.first() + det_done_);
+  if (det_done_ + 1 < layout.per_rank()) return;
   TORCH_CHECK(!no_sync_, root_->label(), ": deterministic mode reduces the gradients after this "
               "rank's last micro-batch of the step (", layout.per_rank(), " of ",
               layout.micro_batches, " micro-batches over ", layout.world,
               " ranks), but no_sync() covers it; run the last backward outside no_sync()");
+  unit.ReduceDeterministic(flat);
+}
+
+void Coordinator::FinalizeDeterministic() {
+  // Flat parameters whose gradient did not complete in this backward (unused parameters, or
+  // none at all: zeros) join their trees now, in the same order on every rank.
   for (Unit* u : units_) {
     for (size_t f = 0; f < u->flats().size(); ++f) {
-      if (u->flats()[f].requires_grad) u->ReduceDeterministic(f);
+      const FlatParam& fp = u->flats()[f];
+      if (fp.requires_grad && !fp.reduced) DeterministicFlatDone(*u, f);
     }
   }
+  ++det_done_;
+  if (det_done_ == root_->det_layout()->per_rank()) det_done_ = 0;
 }
 
 void Coordinator::FinalizeBackward() {

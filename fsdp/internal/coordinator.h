@@ -76,6 +76,9 @@ class Coordinator {
   // Deterministic mode: after each backward, every unit's full gradients join their trees; after
   // the step's last micro-batch on this rank, they are reduced.
   void FinalizeDeterministic();
+  // Flat parameter `flat` of `unit` has this micro-batch's gradient: into its tree, and reduced
+  // after the step's last micro-batch on this rank.
+  void DeterministicFlatDone(Unit& unit, size_t flat);
   std::shared_ptr<GatherQueue> gathers_ = std::make_shared<GatherQueue>();
   ReductionQueue reductions_;
 };
