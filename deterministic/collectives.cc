@@ -59,6 +59,17 @@ at::Tensor PackRows(const std::vector<Partial>& mine, size_t slots, int64_t nume
   return send;
 }
 
+// The partials every rank sent, from a [world, slots, n] receive buffer (views into it).
+std::vector<Partial> Unpack(const at::Tensor& recv, const std::vector<std::vector<Node>>& nodes_of) {
+  std::vector<Partial> parts;
+  for (size_t q = 0; q < nodes_of.size(); ++q) {
+    for (size_t s = 0; s < nodes_of[q].size(); ++s) {
+      parts.push_back({nodes_of[q][s], recv[static_cast<int64_t>(q)][static_cast<int64_t>(s)]});
+    }
+  }
+  return parts;
+}
+
 }  // namespace
 
 std::vector<Partial> ReduceScatter(comm::Communicator& comm, std::vector<Partial> mine,
@@ -96,13 +107,7 @@ std::vector<Partial> ReduceScatter(comm::Communicator& comm, std::vector<Partial
                                   base::ValueOrThrow(comm::ToBuffer(recv), ctx));
   base::ThrowIfError(work.Wait(), ctx);
   mine.clear();
-  std::vector<Partial> parts;
-  for (int q = 0; q < world; ++q) {
-    for (size_t s = 0; s < nodes_of[q].size(); ++s) {
-      parts.push_back({nodes_of[q][s], recv[q][static_cast<int64_t>(s)]});
-    }
-  }
-  return Merge(std::move(parts));
+  return Merge(Unpack(recv, nodes_of));
 }
 
 std::vector<Partial> AllGather(comm::Communicator& comm, std::vector<Partial> mine,
@@ -121,13 +126,7 @@ std::vector<Partial> AllGather(comm::Communicator& comm, std::vector<Partial> mi
                                    base::ValueOrThrow(comm::ToBuffer(recv), ctx));
   base::ThrowIfError(work.Wait(), ctx);
   mine.clear();
-  std::vector<Partial> parts;
-  for (int q = 0; q < world; ++q) {
-    for (size_t s = 0; s < nodes_of[q].size(); ++s) {
-      parts.push_back({nodes_of[q][s], recv[q][static_cast<int64_t>(s)]});
-    }
-  }
-  return Merge(std::move(parts));
+  return Merge(Unpack(recv, nodes_of));
 }
 
 std::vector<Partial> Gather(comm::Communicator& comm, int root, std::vector<Partial> mine,

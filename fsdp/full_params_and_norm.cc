@@ -41,31 +41,12 @@ at::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double
   TORCH_CHECK(norm_type > 0, label(), ": clip_grad_norm_() needs norm_type > 0, got ", norm_type);
   const bool inf = std::isinf(norm_type);
   c10::NoGradGuard no_grad;
-  if (unit_->det_layout() != nullptr && !inf) {
-    // Deterministic mode: the squares summed exactly (deterministic::ExactSquareSum), so the
-    // norm does not depend on how the elements are sharded; counted once each as below.
-    TORCH_CHECK(norm_type == 2.0, label(), ": deterministic mode computes the 2-norm (an exact "
-                "sum of squares) or the inf-norm, not the ", norm_type, "-norm");
-    deterministic::ExactSquareSum squares;
-    std::vector<at::Tensor> grads;
-    for (const internal::Unit* u : c.units()) {
-      for (const FlatParam& fp : u->flats()) {
-        if (!fp.requires_grad) continue;
-        for (const at::Tensor& g : internal::ShardGrads(fp)) {
-          grads.push_back(g);
-          if (u->sharded() ? u->groups().replicate_rank != 0 : rank() != 0) continue;
-          squares.Add(g);
-        }
-      }
-    }
-    squares.AllReduce(*communicator(), label() + ": clip_grad_norm_");
-    const double total = squares.norm();
-    const double coef = max_norm / (total + 1e-6);
-    if (coef < 1) {
-      for (at::Tensor& g : grads) g.mul_(coef);
-    }
-    return at::scalar_tensor(total, at::kFloat);
-  }
+  // Deterministic mode: the squares summed exactly (deterministic::ExactSquareSum), so the norm
+  // does not depend on how the elements are sharded (the inf-norm, a max, is exact already).
+  const bool exact = unit_->det_layout() != nullptr && !inf;
+  TORCH_CHECK(!exact || norm_type == 2.0, label(), ": deterministic mode computes the 2-norm "
+              "(an exact sum of squares) or the inf-norm, not the ", norm_type, "-norm");
+  deterministic::ExactSquareSum squares;
   double local = 0;
   std::vector<at::Tensor> grads;
   for (const internal::Unit* u : c.units()) {
@@ -77,21 +58,28 @@ at::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double
         // every rank) on rank 0 only; a HYBRID_SHARD shard (the same in every shard group) in
         // the first group only, so the sum is the shard group's, not replicate-size times it.
         if (!inf && (u->sharded() ? u->groups().replicate_rank != 0 : rank() != 0)) continue;
+        if (exact) {
+          squares.Add(g);
+          continue;
+        }
         const double n = g.to(at::kDouble).norm(norm_type).item<double>();
         local = inf ? std::max(local, n) : local + std::pow(n, norm_type);
       }
     }
   }
   double total = local;
-  if (world_size() > 1) {
-    const std::string context = label() + ": clip_grad_norm_ all_reduce";
+  const std::string context = label() + ": clip_grad_norm_ all_reduce";
+  if (exact) {
+    squares.AllReduce(*communicator(), context);
+    total = squares.norm();
+  } else if (world_size() > 1) {
     base::ThrowIfError(communicator()
                      ->AllReduce(comm::MakeConstBuffer(&local, 1), comm::MakeBuffer(&total, 1),
                                  inf ? comm::ReduceOp::kMax : comm::ReduceOp::kSum)
                      .Wait(),
                  context);
   }
-  if (!inf) total = std::pow(total, 1.0 / norm_type);
+  if (!inf && !exact) total = std::pow(total, 1.0 / norm_type);
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1) {
     for (at::Tensor& g : grads) g.mul_(coef);

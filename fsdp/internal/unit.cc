@@ -621,17 +621,7 @@ void Unit::ReduceDeterministic(size_t flat) {
     reduced = deterministic::AllReduce(*groups_.world, std::move(parts), det_world_nodes_, m, what);
   }
   reduced.div_(static_cast<double>(m));
-  if (fp.per_param) {
-    AccumulateDim0Grads(fp, reduced);
-    return;
-  }
-  at::Tensor& grad = fp.shard.mutable_grad();
-  if (grad.defined()) {
-    grad.add_(reduced.device() == grad.device() ? reduced : reduced.to(grad.device()));
-  } else {
-    grad = reduced.to(fp.shard.device(), fp.shard.scalar_type(), /*non_blocking=*/false,
-                      /*copy=*/true);
-  }
+  AddToShardGrad(fp, reduced);
 }
 
 void Unit::AddReduced(size_t flat, const at::Tensor& reduced, bool in_place) {
@@ -641,6 +631,10 @@ void Unit::AddReduced(size_t flat, const at::Tensor& reduced, bool in_place) {
   at::Tensor recv = reduced;
   if (post != 1.0) recv.div_(post);
   if (in_place) return;  // recv is the shard's .grad itself
+  AddToShardGrad(fp, recv);
+}
+
+void Unit::AddToShardGrad(FlatParam& fp, const at::Tensor& recv) {
   if (fp.per_param) {
     AccumulateDim0Grads(fp, recv);
     return;
@@ -650,9 +644,10 @@ void Unit::AddReduced(size_t flat, const at::Tensor& reduced, bool in_place) {
   if (grad.defined()) {
     grad.add_(recv.device() == grad.device() ? recv : recv.to(grad.device()));
   } else {
-    // A copy: recv views the whole send buffer (the unit's full gradient, or a bucket), which
-    // must not stay alive as the shard's gradient. (Reducing into a buffer of its own instead
-    // would save this copy but hold one more shard per reduction in flight: +1 shard of peak.)
+    // A copy: recv views the whole send buffer (the unit's full gradient, a bucket, or the
+    // deterministic reduction's receive buffer), which must not stay alive as the shard's
+    // gradient. (Reducing into a buffer of its own instead would save this copy but hold one
+    // more shard per reduction in flight: +1 shard of peak.)
     grad = recv.to(fp.shard.device(), fp.shard.scalar_type(), /*non_blocking=*/false,
                    /*copy=*/true);
   }

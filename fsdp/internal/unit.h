@@ -190,6 +190,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void InitBuffers(const std::vector<at::Tensor>& buffers);
   // The padded full gradient of this backward (zeros where a slot got none); empties full_grad.
   at::Tensor TakeFullGrad(FlatParam& fp);
+  // Adds this rank's reduced block `recv` into the optimizer's gradients (the shard's .grad, or
+  // per parameter their rows), on the shard's device.
+  void AddToShardGrad(FlatParam& fp, const at::Tensor& recv);
   // Deterministic mode: the layout (checked: local) at construction; every group member's tree
   // nodes once the ranks agreed on the mode in Shard (collective: two small all-gathers when
   // HYBRID_SHARD has a replicate group, one when sharded).
