@@ -6,17 +6,15 @@
 // it reads the data of the default mode at M ranks, whose losses it matches within rounding
 // (and differs from in the last bits: the negative control).
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "base/status_macros.h"
 #include "base/status_matchers.h"
-#include "comm/registry.h"
 #include "comm/testing/rank_runner.h"
+#include "examples/gpt/job_testing.h"
 #include "examples/gpt/trainer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -46,32 +44,18 @@ TrainConfig Tiny(int64_t micro_batches) {
   return c;
 }
 
-// Runs TrainRank at `world` ranks and reads what rank 0 recorded (empty in rank processes).
-Job RunJob(TrainConfig config, int world, const std::string& name) {
-  config.metrics_path = fairscale::testing::TmpPath(absl::StrCat("det_", name, ".jsonl"));
-  std::vector<absl::Status> st = comm::testing::RunProcesses(
-      world,
-      [&](int) -> absl::Status {
-        FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> comm,
-                            comm::CreateCommunicator(
-                                "tcp", comm::testing::RankConfig(absl::Seconds(30))));
-        return TrainRank(config, comm).status();
-      },
-      absl::Seconds(120));
+// The job at `world` ranks (job_testing.h): the losses, the validation loss and rank 0's
+// full-parameter hash (empty in the rank processes).
+Job RunDet(TrainConfig config, int world, const std::string& name) {
+  const JobOutput out = RunJob(std::move(config), world, "det_" + name);
   if (comm::testing::IsRankProcess()) return {};
-  for (int r = 0; r < world; ++r) EXPECT_OK(st[r]) << name << " rank " << r;
-  Job out;
-  std::ifstream in(config.metrics_path);
-  std::string line;
-  while (std::getline(in, line)) {
-    const nlohmann::json j = nlohmann::json::parse(line);
-    if (j["type"] == "train") out.losses.push_back(j["loss"].get<double>());
-    if (j["type"] == "final") {
-      out.val_loss = j["val_loss"].get<double>();
-      out.full_hash = j["full_param_fnv1a64"][0].get<std::string>();
-    }
+  Job job;
+  job.losses = out.losses;
+  if (out.final_record.is_object()) {
+    job.val_loss = out.final_record["val_loss"].get<double>();
+    job.full_hash = out.final_record["full_param_fnv1a64"][0].get<std::string>();
   }
-  return out;
+  return job;
 }
 
 void ExpectSameBits(const Job& got, const Job& want, const std::string& what) {
@@ -100,13 +84,13 @@ TEST_P(GptDeterministic, BitwiseEqualAtOneToFourRanks) {
   TrainConfig c = Tiny(12);
   c.data_parallel = m.data_parallel, c.strategy = m.strategy, c.precision = m.precision;
   c.loss_scale = m.loss_scale;
-  const Job one = RunJob(c, 1, m.name + "_1");
+  const Job one = RunDet(c, 1, m.name + "_1");
   std::vector<Job> others;
   for (int world : {2, 3, 4}) {
     TrainConfig w = c;
     // Hybrid: groups of `group` ranks where they divide the world, else one group per rank.
     if (m.group > 0) w.hybrid_shard_group_size = world % m.group == 0 ? m.group : 1;
-    others.push_back(RunJob(w, world, absl::StrCat(m.name, "_", world)));
+    others.push_back(RunDet(w, world, absl::StrCat(m.name, "_", world)));
   }
   if (comm::testing::IsRankProcess()) return;
   ASSERT_EQ(one.losses.size(), 10u);
@@ -132,10 +116,10 @@ TEST(GptDeterministicPipeline, MatchesTheUnpipelinedJobBitwise) {
   plain.strategy = "no_shard";
   TrainConfig piped = plain;
   piped.pipeline_stages = 2;
-  const Job one = RunJob(plain, 1, "pipe_plain_1");
-  const Job two = RunJob(piped, 2, "pipe_2x1");
+  const Job one = RunDet(plain, 1, "pipe_plain_1");
+  const Job two = RunDet(piped, 2, "pipe_2x1");
   piped.pipeline_schedule = "gpipe";
-  const Job four = RunJob(piped, 4, "pipe_2x2");
+  const Job four = RunDet(piped, 4, "pipe_2x2");
   if (comm::testing::IsRankProcess()) return;
   // The pipeline's ranks each hash their own stage: compare the losses (every step, and the
   // validation loss), and the two pipelined runs' stage-0 hashes.
@@ -149,9 +133,9 @@ TEST(GptDeterministicPipeline, MatchesTheUnpipelinedJobBitwise) {
 // With M = 4 micro-batches the deterministic job reads the default mode's data at 4 ranks: the
 // losses agree within f32 rounding, the bits do not (so the comparisons above can fail).
 TEST(GptDeterministicControl, MatchesTheDefaultModeWithinRoundingButNotBitwise) {
-  const Job det1 = RunJob(Tiny(4), 1, "control_det_1");
-  const Job det2 = RunJob(Tiny(4), 2, "control_det_2");
-  const Job plain4 = RunJob(Tiny(0), 4, "control_default_4");
+  const Job det1 = RunDet(Tiny(4), 1, "control_det_1");
+  const Job det2 = RunDet(Tiny(4), 2, "control_det_2");
+  const Job plain4 = RunDet(Tiny(0), 4, "control_default_4");
   if (comm::testing::IsRankProcess()) return;
   ExpectSameBits(det2, det1, "M=4 at 2 ranks");
   ASSERT_EQ(plain4.losses.size(), det1.losses.size());
@@ -177,14 +161,14 @@ TEST_P(GptDeterministicResume, SavedAtFourRanksResumedAtTwoEndsWhereTheUninterru
   c.data_parallel = m.data_parallel, c.strategy = m.strategy, c.precision = m.precision;
   const bool pipe = m.group < 0;  // a pipeline of 2 stages
   if (pipe) c.pipeline_stages = 2;
-  const Job whole = RunJob(c, pipe ? 2 : 3, "resume_whole_" + m.name);
+  const Job whole = RunDet(c, pipe ? 2 : 3, "resume_whole_" + m.name);
   TrainConfig first = c;
   first.checkpoint_dir = dir, first.checkpoint_every = 5, first.stop_after = 5;
-  RunJob(first, 4, "resume_part_" + m.name);
+  RunDet(first, 4, "resume_part_" + m.name);
   TrainConfig second = c;
   second.checkpoint_dir = dir, second.checkpoint_every = 5, second.resume = ResumeMode::kRequired;
   // Continues the same metrics file: all 10 steps' losses.
-  const Job resumed = RunJob(second, 2, "resume_part_" + m.name);
+  const Job resumed = RunDet(second, 2, "resume_part_" + m.name);
   if (comm::testing::IsRankProcess()) return;
   ExpectSameBits(resumed, whole, m.name + " saved at 4 ranks, resumed at 2");
 }

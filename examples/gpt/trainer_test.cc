@@ -30,6 +30,7 @@
 #include "comm/registry.h"
 #include "comm/testing/rank_runner.h"
 #include "examples/gpt/data.h"
+#include "examples/gpt/job_testing.h"
 #include "examples/gpt/model.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -162,50 +163,6 @@ TEST(TrainRankTest, TwoRanksMatchASingleProcessReference) {
     EXPECT_NEAR(got[step - 1], loss.item<double>(), 1e-4) << "step " << step;
   }
   EXPECT_LT(got.back(), got.front() - 0.3);  // and it learns
-}
-
-struct JobOutput {
-  std::vector<double> losses;   // by step
-  nlohmann::json final_record;  // null unless the run reached config.steps
-  std::vector<nlohmann::json> checkpoints;  // the "checkpoint" records
-  std::vector<nlohmann::json> resumes;      // the "resume" records
-};
-
-// <TEST_TMPDIR>/trainer_test_<name>.jsonl: where RunJob(..., name) has rank 0 write its metrics.
-std::string MetricsPath(const std::string& name) {
-  return fairscale::testing::TmpPath(absl::StrCat("trainer_test_", name, ".jsonl"));
-}
-
-// Runs TrainRank at `world` ranks (processes over tcp) and returns what rank 0 recorded in the
-// metrics file MetricsPath(name) (a resumed run continues the file of its first part when given
-// the same name). Empty in the rank processes (see RunProcesses' rules for several calls in one
-// test).
-JobOutput RunJob(TrainConfig config, int world, const std::string& name) {
-  config.metrics_path = MetricsPath(name);
-  std::vector<absl::Status> st = comm::testing::RunProcesses(
-      world,
-      [&](int) -> absl::Status {
-        FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> comm,
-                            comm::CreateCommunicator(
-                                "tcp", comm::testing::RankConfig(absl::Seconds(30))));
-        return TrainRank(config, comm).status();
-      },
-      absl::Seconds(90));
-  if (comm::testing::IsRankProcess()) return {};
-  for (int r = 0; r < world; ++r) EXPECT_OK(st[r]) << name << " rank " << r;
-  JobOutput out;
-  std::ifstream in(config.metrics_path);
-  std::string line;
-  while (std::getline(in, line)) {
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j["type"] == "train") out.losses.push_back(j["loss"].get<double>());
-    if (j["type"] == "final") out.final_record = j;
-    if (j["type"] == "checkpoint") out.checkpoints.push_back(j);
-    if (j["type"] == "resume") out.resumes.push_back(j);
-  }
-  const int64_t last = config.stop_after > 0 ? config.stop_after : config.steps;
-  EXPECT_EQ(out.losses.size(), static_cast<size_t>(last)) << name;
-  return out;
 }
 
 // Every step's loss of `got` within 1e-5 of `ref`'s (as many steps); returns the largest
