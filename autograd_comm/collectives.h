@@ -44,6 +44,8 @@
 //   c10::Error "autograd_comm::<function> [backward] rank r/n x [shape]: <CODE>: <message>"
 //   (base/torch_error.h). After such an error the communicator is broken (comm/communicator.h).
 // * `comm` must outlive the backward pass of every result (it is held by reference).
+// * Once differentiable: the backward passes are not themselves recorded (no double backward),
+//   like the Python originals.
 #pragma once
 
 #include <ATen/core/Tensor.h>

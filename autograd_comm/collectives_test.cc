@@ -1,7 +1,7 @@
 // Every function of autograd_comm/collectives.h at world sizes 1-4 (ranks as threads over the
 // inproc backend), against the single-process equivalent computed here from every rank's data:
-// forward results and input gradients (f64 within 1e-12; f32 and bf16 on small-integer data, where
-// every sum is exact, bitwise), contiguous and non-contiguous inputs, positive and negative dims;
+// forward results and input gradients (f64 within 1e-12; f32, bf16 and f16 on small-integer data,
+// where every sum is exact, bitwise), contiguous and non-contiguous inputs, positive and negative dims;
 // central finite differences in f64; a tensor-parallel two-layer MLP (plain, gathered / scattered,
 // sequence-parallel) against the dense one; bad shapes and a rank whose shape differs.
 #include "autograd_comm/collectives.h"
@@ -144,7 +144,8 @@ absl::Status CheckFiniteDifferences(const std::string& what, Communicator& comm,
 }
 
 const std::vector<int> kWorlds = {1, 2, 3, 4};
-const std::vector<at::ScalarType> kDtypes = {at::kDouble, at::kFloat, at::kBFloat16};
+const std::vector<at::ScalarType> kDtypes = {at::kDouble, at::kFloat, at::kBFloat16,
+                                               at::kHalf};
 const std::vector<int64_t> kDims = {0, 1, 2, -1, -2, -3};
 const std::vector<int64_t> kChunk = {2, 3, 2};  // the per-rank shape along a split dimension
 
