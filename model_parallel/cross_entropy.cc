@@ -34,14 +34,13 @@ void AllReduce(at::Tensor& t, comm::ReduceOp op, comm::Communicator& comm,
   t = recv;
 }
 
-class VocabParallelCrossEntropy
-    : public torch::autograd::Function<VocabParallelCrossEntropy> {
+class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallelCrossEntropy> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& targets, comm::Communicator* comm) {
-    const std::string what = absl::StrCat("model_parallel::vocab_parallel_cross_entropy rank ",
-                                          comm->rank(), "/", comm->size(), " logits ",
-                                          Shape(logits));
+    const std::string what =
+        absl::StrCat("model_parallel::vocab_parallel_cross_entropy rank ", comm->rank(), "/",
+                     comm->size(), " logits ", Shape(logits));
     // Half types are computed in f32 (exp and sums), as torch's own cross-entropy does.
     const bool half = logits.scalar_type() == at::kHalf || logits.scalar_type() == at::kBFloat16;
     const int64_t shard = logits.size(-1);
@@ -105,11 +104,11 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits_parallel,
   }
   if (!targets.defined() || targets.scalar_type() != at::kLong ||
       targets.sizes() != logits_parallel.sizes().slice(0, logits_parallel.dim() - 1)) {
-    fail(absl::StrCat("targets must be int64 of the logits' shape without the last dimension: "
-                      "logits_parallel ",
-                      Shape(logits_parallel), ", targets ", Shape(targets),
-                      targets.defined() ? absl::StrCat(" ", c10::toString(targets.scalar_type()))
-                                        : ""));
+    fail(absl::StrCat(
+        "targets must be int64 of the logits' shape without the last dimension: "
+        "logits_parallel ",
+        Shape(logits_parallel), ", targets ", Shape(targets),
+        targets.defined() ? absl::StrCat(" ", c10::toString(targets.scalar_type())) : ""));
   }
   return VocabParallelCrossEntropy::apply(logits_parallel, targets, &comm);
 }

@@ -9,6 +9,7 @@
 #include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -36,7 +37,8 @@ std::string Shape(const at::Tensor& t) {
 
 comm::Communicator& CheckComm(const std::shared_ptr<comm::Communicator>& comm, const char* layer) {
   if (comm == nullptr) {
-    Fail(absl::StrCat("model_parallel::", layer), "the communicator (tensor-parallel group) is null");
+    Fail(absl::StrCat("model_parallel::", layer),
+         "the communicator (tensor-parallel group) is null");
   }
   return *comm;
 }
@@ -47,8 +49,8 @@ void CheckPositive(const std::string& context, const char* option, int64_t size)
 
 void CheckDivisible(const std::string& context, const char* option, int64_t size, int world) {
   if (size % world != 0) {
-    Fail(context, absl::StrCat(option, " = ", size, " is not divisible by the tensor-parallel size ",
-                               world));
+    Fail(context, absl::StrCat(option, " = ", size,
+                               " is not divisible by the tensor-parallel size ", world));
   }
 }
 
@@ -124,7 +126,8 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
   return options_.gather_output() ? ac::gather_from_parallel_region(y, *comm_, -1) : y;
 }
 
-void ColumnParallelLinearImpl::load_full(const at::Tensor& full_weight, const at::Tensor& full_bias) {
+void ColumnParallelLinearImpl::load_full(const at::Tensor& full_weight,
+                                         const at::Tensor& full_bias) {
   const std::string context = Context("ColumnParallelLinear::load_full", *comm_);
   const int64_t out = options_.out_features(), rows = out / comm_->size();
   CheckShape(context, "weight", full_weight, {out, options_.in_features()});
@@ -149,16 +152,17 @@ TensorDict ColumnParallelLinearImpl::full_state_dict() {
 
 void ColumnParallelLinearImpl::load_full_state_dict(const TensorDict& full) {
   const std::string context = Context("ColumnParallelLinear::load_full_state_dict", *comm_);
-  CheckKeys(full, options_.bias() ? std::set<std::string>{"weight", "bias"}
-                                  : std::set<std::string>{"weight"},
-            context);
+  CheckKeys(
+      full,
+      options_.bias() ? std::set<std::string>{"weight", "bias"} : std::set<std::string>{"weight"},
+      context);
   load_full(Get(full, "weight", context),
             options_.bias() ? Get(full, "bias", context) : at::Tensor());
 }
 
 void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
-  stream << "fairscale::model_parallel::ColumnParallelLinear(in_features="
-         << options_.in_features() << ", out_features=" << options_.out_features()
+  stream << "fairscale::model_parallel::ColumnParallelLinear(in_features=" << options_.in_features()
+         << ", out_features=" << options_.out_features()
          << ", bias=" << (options_.bias() ? "true" : "false")
          << ", gather_output=" << (options_.gather_output() ? "true" : "false")
          << ", tp=" << comm_->size() << ")";
@@ -218,9 +222,10 @@ TensorDict RowParallelLinearImpl::full_state_dict() {
 
 void RowParallelLinearImpl::load_full_state_dict(const TensorDict& full) {
   const std::string context = Context("RowParallelLinear::load_full_state_dict", *comm_);
-  CheckKeys(full, options_.bias() ? std::set<std::string>{"weight", "bias"}
-                                  : std::set<std::string>{"weight"},
-            context);
+  CheckKeys(
+      full,
+      options_.bias() ? std::set<std::string>{"weight", "bias"} : std::set<std::string>{"weight"},
+      context);
   load_full(Get(full, "weight", context),
             options_.bias() ? Get(full, "bias", context) : at::Tensor());
 }
@@ -264,8 +269,7 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& tokens) {
 
 void VocabParallelEmbeddingImpl::load_full(const at::Tensor& full_weight) {
   const std::string context = Context("VocabParallelEmbedding::load_full", *comm_);
-  CheckShape(context, "weight", full_weight,
-             {options_.num_embeddings(), options_.embedding_dim()});
+  CheckShape(context, "weight", full_weight, {options_.num_embeddings(), options_.embedding_dim()});
   CopyInto(weight, full_weight.narrow(0, vocab_start_, vocab_end_ - vocab_start_));
 }
 
@@ -315,7 +319,8 @@ std::vector<std::pair<std::string, TensorParallelModule*>> ParallelModules(
 
 TensorDict full_state_dict(torch::nn::Module& model) {
   TensorDict out;
-  for (const auto& p : model.named_parameters(true)) out.insert(p.key(), p.value().detach().clone());
+  for (const auto& p : model.named_parameters(true))
+    out.insert(p.key(), p.value().detach().clone());
   for (const auto& b : model.named_buffers(true)) out.insert(b.key(), b.value().detach().clone());
   for (const auto& [prefix, tp] : ParallelModules(model)) {
     for (const auto& item : tp->full_state_dict()) out[Join(prefix, item.key())] = item.value();

@@ -40,9 +40,10 @@
 //   same group on every rank of it. Errors from the group raise c10::Error (base/torch_error.h).
 // * dtypes: parameters are f32 at construction; module.to(kDouble) etc. work as for any Module
 //   (f32, f64, f16, bf16: what the comm layer carries).
-// * Missing (see README.md): the model-parallel RNG tracker (dropout), sequence parallelism in the
-//   layers (use //autograd_comm's sequence-parallel mappings directly), ParallelEmbedding
-//   (embedding-dim split), padding_idx / max_norm, strided (fused QKV) partitions.
+// * Dropout across the group: rng.h (ModelParallelRng). Missing (see README.md): sequence
+//   parallelism in the layers (use //autograd_comm's sequence-parallel mappings directly),
+//   ParallelEmbedding (embedding-dim split), padding_idx / max_norm, strided (fused QKV)
+//   partitions.
 #pragma once
 
 #include <ATen/core/Tensor.h>

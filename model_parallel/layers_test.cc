@@ -5,11 +5,11 @@
 // the shard gradients = slices of the dense gradients, within 1e-5 (f32); a Column -> gelu -> Row
 // MLP and 5 Adam steps on it; the cross-entropy against torch's on the full logits; full state
 // dicts across T; bad sizes and shapes.
-#include <torch/torch.h>
-
-#include <gtest/gtest.h>
+#include "model_parallel/layers.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <memory>
 #include <string>
@@ -23,7 +23,7 @@
 #include "comm/testing/inproc_ranks.h"
 #include "comm/testing/rank_runner.h"
 #include "model_parallel/cross_entropy.h"
-#include "model_parallel/layers.h"
+#include "model_parallel/rng.h"
 #include "testing/c10_error.h"
 
 namespace fairscale::model_parallel {
@@ -55,8 +55,8 @@ std::string Shape(const at::Tensor& t) {
 absl::Status Near(const at::Tensor& got, const at::Tensor& want, double tol,
                   const std::string& what) {
   if (!got.defined() || !want.defined()) {
-    return absl::InternalError(absl::StrCat(what, ": undefined (got ", got.defined(), ", want ",
-                                            want.defined(), ")"));
+    return absl::InternalError(
+        absl::StrCat(what, ": undefined (got ", got.defined(), ", want ", want.defined(), ")"));
   }
   if (got.sizes() != want.sizes()) {
     return absl::InternalError(absl::StrCat(what, ": got ", Shape(got), ", want ", Shape(want)));
@@ -90,35 +90,34 @@ TEST(ModelParallel, ColumnParallelLinearEqualsDense) {
       for (bool gather : {true, false}) {
         const std::string label =
             absl::StrCat("column T=", world, " bias=", bias, " gather_output=", gather);
-        ExpectAllOk(
-            RunInprocRanks(world,
-                           [&](int r, int n, std::shared_ptr<Communicator> comm) {
-                             return CatchErrors([&]() -> absl::Status {
-                               ColumnParallelLinear layer(
-                                   ColumnParallelLinearOptions(6, 12).bias(bias).gather_output(
-                                       gather),
-                                   comm);
-                               layer->load_full(w, bias ? b : at::Tensor());
-                               const at::Tensor xr = x.clone().requires_grad_(true);
-                               const at::Tensor out = layer(xr);
-                               const at::Tensor want = gather ? y : Slice(y, -1, r, n);
-                               (out * (gather ? l : Slice(l, -1, r, n))).sum().backward();
-                               FS_RETURN_IF_ERROR(Near(out, want, kTol, label + " output"));
-                               FS_RETURN_IF_ERROR(Near(xr.grad(), dx.grad(), kTol, label + " dX"));
-                               FS_RETURN_IF_ERROR(Near(layer->weight.grad(),
-                                                       Slice(dense->weight.grad(), 0, r, n), kTol,
-                                                       label + " dW"));
-                               if (bias) {
-                                 FS_RETURN_IF_ERROR(Near(layer->bias.grad(),
-                                                         Slice(dense->bias.grad(), 0, r, n), kTol,
-                                                         label + " db"));
-                               }
-                               FS_RETURN_IF_ERROR(Near(layer->full_weight(), w, 0, label + " full W"));
-                               return bias ? Near(layer->full_bias(), b, 0, label + " full b")
-                                           : absl::OkStatus();
-                             });
-                           }),
-            label);
+        ExpectAllOk(RunInprocRanks(
+                        world,
+                        [&](int r, int n, std::shared_ptr<Communicator> comm) {
+                          return CatchErrors([&]() -> absl::Status {
+                            ColumnParallelLinear layer(
+                                ColumnParallelLinearOptions(6, 12).bias(bias).gather_output(gather),
+                                comm);
+                            layer->load_full(w, bias ? b : at::Tensor());
+                            const at::Tensor xr = x.clone().requires_grad_(true);
+                            const at::Tensor out = layer(xr);
+                            const at::Tensor want = gather ? y : Slice(y, -1, r, n);
+                            (out * (gather ? l : Slice(l, -1, r, n))).sum().backward();
+                            FS_RETURN_IF_ERROR(Near(out, want, kTol, label + " output"));
+                            FS_RETURN_IF_ERROR(Near(xr.grad(), dx.grad(), kTol, label + " dX"));
+                            FS_RETURN_IF_ERROR(Near(layer->weight.grad(),
+                                                    Slice(dense->weight.grad(), 0, r, n), kTol,
+                                                    label + " dW"));
+                            if (bias) {
+                              FS_RETURN_IF_ERROR(Near(layer->bias.grad(),
+                                                      Slice(dense->bias.grad(), 0, r, n), kTol,
+                                                      label + " db"));
+                            }
+                            FS_RETURN_IF_ERROR(Near(layer->full_weight(), w, 0, label + " full W"));
+                            return bias ? Near(layer->full_bias(), b, 0, label + " full b")
+                                        : absl::OkStatus();
+                          });
+                        }),
+                    label);
       }
     }
   }
@@ -139,32 +138,32 @@ TEST(ModelParallel, RowParallelLinearEqualsDense) {
         const std::string label =
             absl::StrCat("row T=", world, " bias=", bias, " input_is_parallel=", parallel);
         ExpectAllOk(
-            RunInprocRanks(world,
-                           [&](int r, int n, std::shared_ptr<Communicator> comm) {
-                             return CatchErrors([&]() -> absl::Status {
-                               RowParallelLinear layer(
-                                   RowParallelLinearOptions(12, 5).bias(bias).input_is_parallel(
-                                       parallel),
-                                   comm);
-                               layer->load_full(w, bias ? b : at::Tensor());
-                               const at::Tensor xr =
-                                   (parallel ? Slice(x, -1, r, n) : x).clone().requires_grad_(true);
-                               const at::Tensor out = layer(xr);
-                               (out * l).sum().backward();
-                               FS_RETURN_IF_ERROR(Near(out, y, kTol, label + " output"));
-                               FS_RETURN_IF_ERROR(
-                                   Near(xr.grad(), parallel ? Slice(dx.grad(), -1, r, n) : dx.grad(),
-                                        kTol, label + " dX"));
-                               FS_RETURN_IF_ERROR(Near(layer->weight.grad(),
-                                                       Slice(dense->weight.grad(), 1, r, n), kTol,
-                                                       label + " dW"));
-                               if (bias) {
-                                 FS_RETURN_IF_ERROR(
-                                     Near(layer->bias.grad(), dense->bias.grad(), kTol, label + " db"));
-                               }
-                               return Near(layer->full_weight(), w, 0, label + " full W");
-                             });
-                           }),
+            RunInprocRanks(
+                world,
+                [&](int r, int n, std::shared_ptr<Communicator> comm) {
+                  return CatchErrors([&]() -> absl::Status {
+                    RowParallelLinear layer(
+                        RowParallelLinearOptions(12, 5).bias(bias).input_is_parallel(parallel),
+                        comm);
+                    layer->load_full(w, bias ? b : at::Tensor());
+                    const at::Tensor xr =
+                        (parallel ? Slice(x, -1, r, n) : x).clone().requires_grad_(true);
+                    const at::Tensor out = layer(xr);
+                    (out * l).sum().backward();
+                    FS_RETURN_IF_ERROR(Near(out, y, kTol, label + " output"));
+                    FS_RETURN_IF_ERROR(Near(xr.grad(),
+                                            parallel ? Slice(dx.grad(), -1, r, n) : dx.grad(), kTol,
+                                            label + " dX"));
+                    FS_RETURN_IF_ERROR(Near(layer->weight.grad(),
+                                            Slice(dense->weight.grad(), 1, r, n), kTol,
+                                            label + " dW"));
+                    if (bias) {
+                      FS_RETURN_IF_ERROR(
+                          Near(layer->bias.grad(), dense->bias.grad(), kTol, label + " db"));
+                    }
+                    return Near(layer->full_weight(), w, 0, label + " full W");
+                  });
+                }),
             label);
       }
     }
@@ -179,25 +178,25 @@ TEST(ModelParallel, VocabParallelEmbeddingEqualsDense) {
   (y * l).sum().backward();
   for (int world : {1, 2, 3, 4}) {
     const std::string label = absl::StrCat("embedding T=", world);
-    ExpectAllOk(RunInprocRanks(world,
-                               [&](int r, int n, std::shared_ptr<Communicator> comm) {
-                                 return CatchErrors([&]() -> absl::Status {
-                                   VocabParallelEmbedding layer(
-                                       VocabParallelEmbeddingOptions(12, 5), comm);
-                                   layer->load_full(w);
-                                   FS_RETURN_IF_ERROR(Check(layer->vocab_start() == r * 12 / n &&
-                                                                layer->vocab_end() == (r + 1) * 12 / n,
-                                                            label + " range"));
-                                   const at::Tensor out = layer(tokens);
-                                   (out * l).sum().backward();
-                                   FS_RETURN_IF_ERROR(Near(out, y, kTol, label + " output"));
-                                   FS_RETURN_IF_ERROR(Near(layer->weight.grad(),
-                                                           Slice(dense->weight.grad(), 0, r, n),
-                                                           kTol, label + " dW"));
-                                   return Near(layer->full_weight(), w, 0, label + " full W");
-                                 });
-                               }),
-                label);
+    ExpectAllOk(
+        RunInprocRanks(world,
+                       [&](int r, int n, std::shared_ptr<Communicator> comm) {
+                         return CatchErrors([&]() -> absl::Status {
+                           VocabParallelEmbedding layer(VocabParallelEmbeddingOptions(12, 5), comm);
+                           layer->load_full(w);
+                           FS_RETURN_IF_ERROR(Check(layer->vocab_start() == r * 12 / n &&
+                                                        layer->vocab_end() == (r + 1) * 12 / n,
+                                                    label + " range"));
+                           const at::Tensor out = layer(tokens);
+                           (out * l).sum().backward();
+                           FS_RETURN_IF_ERROR(Near(out, y, kTol, label + " output"));
+                           FS_RETURN_IF_ERROR(Near(layer->weight.grad(),
+                                                   Slice(dense->weight.grad(), 0, r, n), kTol,
+                                                   label + " dW"));
+                           return Near(layer->full_weight(), w, 0, label + " full W");
+                         });
+                       }),
+        label);
   }
 }
 
@@ -206,8 +205,8 @@ TEST(ModelParallel, VocabParallelCrossEntropyEqualsCrossEntropy) {
     const double tol = dtype == at::kFloat ? kTol : 1e-12;
     const at::Tensor logits = Data({2, 5, 12}, 31, dtype) * 3, targets = Tokens({2, 5}, 12, 32);
     const at::Tensor full = logits.clone().requires_grad_(true);
-    const at::Tensor want = torch::nn::functional::cross_entropy(full.reshape({-1, 12}),
-                                                                 targets.reshape({-1}));
+    const at::Tensor want =
+        torch::nn::functional::cross_entropy(full.reshape({-1, 12}), targets.reshape({-1}));
     (want * 0.7).backward();
     for (int world : {1, 2, 3, 4}) {
       const std::string label = absl::StrCat("cross-entropy ", c10::toString(dtype), " T=", world);
@@ -238,22 +237,22 @@ TEST(ModelParallel, VocabParallelCrossEntropyEqualsCrossEntropy) {
   for (int world : {1, 2, 3, 4}) {
     const std::string label = absl::StrCat("column + cross-entropy T=", world);
     ExpectAllOk(
-        RunInprocRanks(world,
-                       [&](int r, int n, std::shared_ptr<Communicator> comm) {
-                         return CatchErrors([&]() -> absl::Status {
-                           ColumnParallelLinear head(
-                               ColumnParallelLinearOptions(6, 12).bias(false).gather_output(false),
-                               comm);
-                           head->load_full(w);
-                           const at::Tensor xr = x.clone().requires_grad_(true);
-                           const at::Tensor loss = vocab_parallel_cross_entropy(head(xr), targets, *comm);
-                           loss.backward();
-                           FS_RETURN_IF_ERROR(Near(loss, want, kTol, label + " loss"));
-                           FS_RETURN_IF_ERROR(Near(xr.grad(), dx.grad(), kTol, label + " dX"));
-                           return Near(head->weight.grad(), Slice(dense->weight.grad(), 0, r, n),
-                                       kTol, label + " dW");
-                         });
-                       }),
+        RunInprocRanks(
+            world,
+            [&](int r, int n, std::shared_ptr<Communicator> comm) {
+              return CatchErrors([&]() -> absl::Status {
+                ColumnParallelLinear head(
+                    ColumnParallelLinearOptions(6, 12).bias(false).gather_output(false), comm);
+                head->load_full(w);
+                const at::Tensor xr = x.clone().requires_grad_(true);
+                const at::Tensor loss = vocab_parallel_cross_entropy(head(xr), targets, *comm);
+                loss.backward();
+                FS_RETURN_IF_ERROR(Near(loss, want, kTol, label + " loss"));
+                FS_RETURN_IF_ERROR(Near(xr.grad(), dx.grad(), kTol, label + " dX"));
+                return Near(head->weight.grad(), Slice(dense->weight.grad(), 0, r, n), kTol,
+                            label + " dW");
+              });
+            }),
         label);
   }
 }
@@ -271,9 +270,9 @@ TORCH_MODULE(DenseMlp);
 struct TpMlpImpl : torch::nn::Module {
   TpMlpImpl(const std::shared_ptr<Communicator>& comm, uint64_t seed = 0)
       : fc1(register_module(
-            "fc1", ColumnParallelLinear(
-                       ColumnParallelLinearOptions(8, 12).gather_output(false).init_seed(seed),
-                       comm))),
+            "fc1",
+            ColumnParallelLinear(
+                ColumnParallelLinearOptions(8, 12).gather_output(false).init_seed(seed), comm))),
         fc2(register_module(
             "fc2", RowParallelLinear(
                        RowParallelLinearOptions(12, 6).input_is_parallel(true).init_seed(seed + 1),
@@ -303,9 +302,9 @@ TensorDict DenseState(const DenseMlp& dense) {
 
 absl::Status SameState(const TensorDict& got, const TensorDict& want, double tol,
                        const std::string& what) {
-  FS_RETURN_IF_ERROR(Check(got.keys() == want.keys(),
-                           absl::StrCat(what, ": keys ", absl::StrJoin(got.keys(), ","), " != ",
-                                        absl::StrJoin(want.keys(), ","))));
+  FS_RETURN_IF_ERROR(
+      Check(got.keys() == want.keys(), absl::StrCat(what, ": keys ", absl::StrJoin(got.keys(), ","),
+                                                    " != ", absl::StrJoin(want.keys(), ","))));
   for (const auto& item : want) {
     FS_RETURN_IF_ERROR(Near(got[item.key()], item.value(), tol, what + " " + item.key()));
   }
@@ -321,33 +320,32 @@ TEST(ModelParallel, MlpEqualsDense) {
   (y * l).sum().backward();
   for (int world : {1, 2, 3, 4}) {
     const std::string label = absl::StrCat("mlp T=", world);
-    ExpectAllOk(RunInprocRanks(world,
-                               [&](int r, int n, std::shared_ptr<Communicator> comm) {
-                                 return CatchErrors([&]() -> absl::Status {
-                                   TpMlp tp(comm);
-                                   load_full_state_dict(*tp, state);
-                                   const at::Tensor xr = x.clone().requires_grad_(true);
-                                   const at::Tensor out = tp(xr);
-                                   (out * l).sum().backward();
-                                   FS_RETURN_IF_ERROR(Near(out, y, kTol, label + " output"));
-                                   FS_RETURN_IF_ERROR(Near(xr.grad(), dx.grad(), kTol, label + " dX"));
-                                   FS_RETURN_IF_ERROR(Near(tp->fc1->weight.grad(),
-                                                           Slice(dense->fc1->weight.grad(), 0, r, n),
-                                                           kTol, label + " dW1"));
-                                   FS_RETURN_IF_ERROR(Near(tp->fc1->bias.grad(),
-                                                           Slice(dense->fc1->bias.grad(), 0, r, n),
-                                                           kTol, label + " db1"));
-                                   FS_RETURN_IF_ERROR(Near(tp->fc2->weight.grad(),
-                                                           Slice(dense->fc2->weight.grad(), 1, r, n),
-                                                           kTol, label + " dW2"));
-                                   FS_RETURN_IF_ERROR(Near(tp->fc2->bias.grad(),
-                                                           dense->fc2->bias.grad(), kTol,
-                                                           label + " db2"));
-                                   return SameState(full_state_dict(*tp), state, 0,
-                                                    label + " full state");
-                                 });
-                               }),
-                label);
+    ExpectAllOk(
+        RunInprocRanks(world,
+                       [&](int r, int n, std::shared_ptr<Communicator> comm) {
+                         return CatchErrors([&]() -> absl::Status {
+                           TpMlp tp(comm);
+                           load_full_state_dict(*tp, state);
+                           const at::Tensor xr = x.clone().requires_grad_(true);
+                           const at::Tensor out = tp(xr);
+                           (out * l).sum().backward();
+                           FS_RETURN_IF_ERROR(Near(out, y, kTol, label + " output"));
+                           FS_RETURN_IF_ERROR(Near(xr.grad(), dx.grad(), kTol, label + " dX"));
+                           FS_RETURN_IF_ERROR(Near(tp->fc1->weight.grad(),
+                                                   Slice(dense->fc1->weight.grad(), 0, r, n), kTol,
+                                                   label + " dW1"));
+                           FS_RETURN_IF_ERROR(Near(tp->fc1->bias.grad(),
+                                                   Slice(dense->fc1->bias.grad(), 0, r, n), kTol,
+                                                   label + " db1"));
+                           FS_RETURN_IF_ERROR(Near(tp->fc2->weight.grad(),
+                                                   Slice(dense->fc2->weight.grad(), 1, r, n), kTol,
+                                                   label + " dW2"));
+                           FS_RETURN_IF_ERROR(Near(tp->fc2->bias.grad(), dense->fc2->bias.grad(),
+                                                   kTol, label + " db2"));
+                           return SameState(full_state_dict(*tp), state, 0, label + " full state");
+                         });
+                       }),
+        label);
   }
 }
 
@@ -370,33 +368,30 @@ TEST(ModelParallel, AdamStepsEqualDense) {
   for (int world : {1, 2, 3, 4}) {
     const std::string label = absl::StrCat("adam T=", world);
     ExpectAllOk(
-        RunInprocRanks(world,
-                       [&](int r, int n, std::shared_ptr<Communicator> comm) {
-                         return CatchErrors([&]() -> absl::Status {
-                           TpMlp tp(comm);
-                           load_full_state_dict(*tp, initial);
-                           torch::optim::Adam opt(tp->parameters(), torch::optim::AdamOptions(1e-2));
-                           for (int s = 0; s < kSteps; ++s) {
-                             opt.zero_grad();
-                             (tp(xs[s]) - targets[s]).pow(2).mean().backward();
-                             opt.step();
-                           }
-                           // Slice-wise: this rank's shards against the dense parameters' slices.
-                           FS_RETURN_IF_ERROR(Near(tp->fc1->weight,
-                                                   Slice(final_state["fc1.weight"], 0, r, n), kTol,
-                                                   label + " W1"));
-                           FS_RETURN_IF_ERROR(Near(tp->fc1->bias,
-                                                   Slice(final_state["fc1.bias"], 0, r, n), kTol,
-                                                   label + " b1"));
-                           FS_RETURN_IF_ERROR(Near(tp->fc2->weight,
-                                                   Slice(final_state["fc2.weight"], 1, r, n), kTol,
-                                                   label + " W2"));
-                           FS_RETURN_IF_ERROR(
-                               Near(tp->fc2->bias, final_state["fc2.bias"], kTol, label + " b2"));
-                           return SameState(full_state_dict(*tp), final_state, kTol,
-                                            label + " full state");
-                         });
-                       }),
+        RunInprocRanks(
+            world,
+            [&](int r, int n, std::shared_ptr<Communicator> comm) {
+              return CatchErrors([&]() -> absl::Status {
+                TpMlp tp(comm);
+                load_full_state_dict(*tp, initial);
+                torch::optim::Adam opt(tp->parameters(), torch::optim::AdamOptions(1e-2));
+                for (int s = 0; s < kSteps; ++s) {
+                  opt.zero_grad();
+                  (tp(xs[s]) - targets[s]).pow(2).mean().backward();
+                  opt.step();
+                }
+                // Slice-wise: this rank's shards against the dense parameters' slices.
+                FS_RETURN_IF_ERROR(Near(tp->fc1->weight, Slice(final_state["fc1.weight"], 0, r, n),
+                                        kTol, label + " W1"));
+                FS_RETURN_IF_ERROR(Near(tp->fc1->bias, Slice(final_state["fc1.bias"], 0, r, n),
+                                        kTol, label + " b1"));
+                FS_RETURN_IF_ERROR(Near(tp->fc2->weight, Slice(final_state["fc2.weight"], 1, r, n),
+                                        kTol, label + " W2"));
+                FS_RETURN_IF_ERROR(
+                    Near(tp->fc2->bias, final_state["fc2.bias"], kTol, label + " b2"));
+                return SameState(full_state_dict(*tp), final_state, kTol, label + " full state");
+              });
+            }),
         label);
   }
 }
@@ -455,60 +450,118 @@ TEST(ModelParallel, FullStateDictAcrossWorldSizes) {
               "save at T=2");
   for (int world : {1, 3, 4}) {
     const std::string label = absl::StrCat("load at T=", world);
-    ExpectAllOk(RunInprocRanks(world,
-                               [&](int, int, std::shared_ptr<Communicator> comm) {
-                                 return CatchErrors([&]() -> absl::Status {
-                                   TpMlp tp(comm, 99);
-                                   load_full_state_dict(*tp, saved);
-                                   FS_RETURN_IF_ERROR(Near(tp(x), saved_out, kTol, label + " output"));
-                                   return SameState(full_state_dict(*tp), saved, 0, label + " state");
-                                 });
-                               }),
-                label);
+    ExpectAllOk(
+        RunInprocRanks(world,
+                       [&](int, int, std::shared_ptr<Communicator> comm) {
+                         return CatchErrors([&]() -> absl::Status {
+                           TpMlp tp(comm, 99);
+                           load_full_state_dict(*tp, saved);
+                           FS_RETURN_IF_ERROR(Near(tp(x), saved_out, kTol, label + " output"));
+                           return SameState(full_state_dict(*tp), saved, 0, label + " state");
+                         });
+                       }),
+        label);
   }
 }
 
+TEST(ModelParallel, RngReplicatedAgreesParallelDiffers) {
+  // The replicated stream is the plain seed's; computed here, in the main thread.
+  at::Generator want_gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  const at::Tensor ones = at::ones({256});
+  const at::Tensor want_rep = dropout(ones, 0.5, true, want_gen);
+  for (int world : {1, 2, 3, 4}) {
+    std::vector<at::Tensor> rep(world), par(world), par_again(world);
+    ExpectAllOk(RunInprocRanks(world,
+                               [&](int r, int, std::shared_ptr<Communicator> comm) {
+                                 return CatchErrors([&]() -> absl::Status {
+                                   ModelParallelRng rng(5, *comm);
+                                   rep[r] = dropout(ones, 0.5, true, rng.replicated());
+                                   par[r] = dropout(ones, 0.5, true, rng.parallel());
+                                   ModelParallelRng again(5, *comm);
+                                   par_again[r] = dropout(ones, 0.5, true, again.parallel());
+                                   return absl::OkStatus();
+                                 });
+                               }),
+                absl::StrCat("rng T=", world));
+    for (int r = 0; r < world; ++r) {
+      EXPECT_TRUE(at::equal(rep[r], want_rep)) << "replicated differs on rank " << r;
+      EXPECT_TRUE(at::equal(par[r], par_again[r])) << "parallel not reproducible, rank " << r;
+      EXPECT_FALSE(at::equal(par[r], want_rep)) << "parallel equals replicated, rank " << r;
+      for (int q = 0; q < r; ++q) {
+        EXPECT_FALSE(at::equal(par[r], par[q]))
+            << "parallel masks equal on ranks " << q << ", " << r;
+      }
+      // Inverted dropout: kept elements scaled by 1 / (1 - p), about half kept.
+      EXPECT_TRUE(at::logical_or(par[r] == 0, par[r] == 2).all().item<bool>());
+      const double kept = (par[r] != 0).sum().item<double>() / 256;
+      EXPECT_GT(kept, 0.35);
+      EXPECT_LT(kept, 0.65);
+    }
+  }
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  EXPECT_TRUE(at::equal(dropout(ones, 0.5, false, gen), ones));
+  EXPECT_TRUE(at::equal(dropout(ones, 1.0, true, gen), at::zeros({256})));
+  EXPECT_NE(fairscale::testing::ErrorOf([&] { dropout(ones, 1.5, true, gen); }).find("p = 1.5"),
+            std::string::npos);
+}
+
 TEST(ModelParallel, BadInputIsAClearError) {
-  ExpectAllOk(RunInprocRanks(4, [](int, int, std::shared_ptr<Communicator> comm) {
-    FS_RETURN_IF_ERROR(ExpectError(
-        [&] { ColumnParallelLinear(ColumnParallelLinearOptions(6, 10), comm); },
-        {"model_parallel::ColumnParallelLinear", "INVALID_ARGUMENT", "out_features = 10",
-         "tensor-parallel size 4"}));
-    FS_RETURN_IF_ERROR(ExpectError(
-        [&] { RowParallelLinear(RowParallelLinearOptions(10, 6), comm); },
-        {"model_parallel::RowParallelLinear", "in_features = 10", "tensor-parallel size 4"}));
-    FS_RETURN_IF_ERROR(ExpectError(
-        [&] { VocabParallelEmbedding(VocabParallelEmbeddingOptions(10, 3), comm); },
-        {"model_parallel::VocabParallelEmbedding", "num_embeddings = 10",
-         "tensor-parallel size 4"}));
-    FS_RETURN_IF_ERROR(ExpectError(
-        [&] { ColumnParallelLinear(ColumnParallelLinearOptions(0, 8), comm); },
-        {"in_features = 0", "positive"}));
-    FS_RETURN_IF_ERROR(ExpectError(
-        [&] { ColumnParallelLinear(ColumnParallelLinearOptions(6, 8), nullptr); }, {"null"}));
-    ColumnParallelLinear column(ColumnParallelLinearOptions(6, 8), comm);
-    FS_RETURN_IF_ERROR(ExpectError([&] { column->load_full(at::zeros({8, 5}), at::zeros({8})); },
-                                   {"load_full", "full weight has shape [8, 5], want [8, 6]"}));
-    FS_RETURN_IF_ERROR(ExpectError([&] { column->load_full(at::zeros({8, 6})); },
-                                   {"full bias has shape (undefined)"}));
-    TensorDict extra;
-    extra.insert("weight", at::zeros({8, 6}));
-    extra.insert("bias", at::zeros({8}));
-    extra.insert("scale", at::zeros({8}));
-    FS_RETURN_IF_ERROR(
-        ExpectError([&] { load_full_state_dict(*column, extra); }, {"unexpected key 'scale'"}));
-    TensorDict missing;
-    missing.insert("fc1.weight", at::zeros({12, 8}));
-    TpMlp tp(comm);
-    FS_RETURN_IF_ERROR(ExpectError([&] { load_full_state_dict(*tp, missing); },
-                                   {"layer 'fc1'", "no 'bias'"}));
-    FS_RETURN_IF_ERROR(ExpectError(
-        [&] { vocab_parallel_cross_entropy(at::zeros({4, 3}), at::zeros({5}, at::kLong), *comm); },
-        {"vocab_parallel_cross_entropy", "targets must be int64", "[4, 3]", "[5]"}));
-    return ExpectError(
-        [&] { vocab_parallel_cross_entropy(at::zeros({4, 3}), at::zeros({4}), *comm); },
-        {"targets must be int64", "Float"});
-  }), "bad input");
+  ExpectAllOk(
+      RunInprocRanks(
+          4,
+          [](int, int, std::shared_ptr<Communicator> comm) {
+            FS_RETURN_IF_ERROR(
+                ExpectError([&] { ColumnParallelLinear(ColumnParallelLinearOptions(6, 10), comm); },
+                            {"model_parallel::ColumnParallelLinear", "INVALID_ARGUMENT",
+                             "out_features = 10", "tensor-parallel size 4"}));
+            FS_RETURN_IF_ERROR(
+                ExpectError([&] { RowParallelLinear(RowParallelLinearOptions(10, 6), comm); },
+                            {"model_parallel::RowParallelLinear", "in_features = 10",
+                             "tensor-parallel size 4"}));
+            FS_RETURN_IF_ERROR(ExpectError(
+                [&] { VocabParallelEmbedding(VocabParallelEmbeddingOptions(10, 3), comm); },
+                {"model_parallel::VocabParallelEmbedding", "num_embeddings = 10",
+                 "tensor-parallel size 4"}));
+            FS_RETURN_IF_ERROR(
+                ExpectError([&] { ColumnParallelLinear(ColumnParallelLinearOptions(0, 8), comm); },
+                            {"in_features = 0", "positive"}));
+            FS_RETURN_IF_ERROR(ExpectError(
+                [&] { ColumnParallelLinear(ColumnParallelLinearOptions(6, 8), nullptr); },
+                {"null"}));
+            ColumnParallelLinear column(ColumnParallelLinearOptions(6, 8), comm);
+            FS_RETURN_IF_ERROR(ExpectError(
+                [&] {
+                  column->load_full(at::zeros({8, 5}), at::zeros({8}));
+                },
+                {"load_full", "full weight has shape [8, 5], want [8, 6]"}));
+            FS_RETURN_IF_ERROR(ExpectError(
+                [&] {
+                  column->load_full(at::zeros({8, 6}));
+                },
+                {"full bias has shape (undefined)"}));
+            TensorDict extra;
+            extra.insert("weight", at::zeros({8, 6}));
+            extra.insert("bias", at::zeros({8}));
+            extra.insert("scale", at::zeros({8}));
+            FS_RETURN_IF_ERROR(ExpectError([&] { load_full_state_dict(*column, extra); },
+                                           {"unexpected key 'scale'"}));
+            TensorDict missing;
+            missing.insert("fc1.weight", at::zeros({12, 8}));
+            TpMlp tp(comm);
+            FS_RETURN_IF_ERROR(ExpectError([&] { load_full_state_dict(*tp, missing); },
+                                           {"layer 'fc1'", "no 'bias'"}));
+            FS_RETURN_IF_ERROR(ExpectError(
+                [&] {
+                  vocab_parallel_cross_entropy(at::zeros({4, 3}), at::zeros({5}, at::kLong), *comm);
+                },
+                {"vocab_parallel_cross_entropy", "targets must be int64", "[4, 3]", "[5]"}));
+            return ExpectError(
+                [&] {
+                  vocab_parallel_cross_entropy(at::zeros({4, 3}), at::zeros({4}), *comm);
+                },
+                {"targets must be int64", "Float"});
+          }),
+      "bad input");
 }
 
 }  // namespace
