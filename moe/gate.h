@@ -9,8 +9,9 @@
 //   computed in f32 for f16/bf16 inputs (as FairScale's dtype=torch.float), else in x's dtype.
 //   Top-1 choice: e1 = argmax(gates). mask1 = one_hot(e1).
 //   Top2 only, second choice: e2 = argmax(logits + noise, with e1 masked to -inf), where noise is
-//     Gumbel(0, 1) = -log(-log(u)), u = at::rand({S, E}, generator) clamped to [eps, 1 - eps] (f32
-//     eps), drawn only when the module is training and options.second_expert_noise() is true
+//     Gumbel(0, 1) = -log(-log(u)), u = at::rand({S, E}, generator) in the gates' dtype, clamped
+//     to [eps, 1 - eps] (f32 eps); one draw per forward, only when the module is training and
+//     options.second_expert_noise() is true
 //     (FairScale always adds it; fairseq/DeepSpeed only while training, as here). Without a
 //     generator in the options the default CPU generator is used; tests pass their own.
 //   Capacity: Top2: C = ceil(2 * S / E * capacity_factor); Top1: C = ceil(S / E * capacity_factor);

@@ -29,6 +29,7 @@ FEATURE_LIBRARIES = [
     "//deterministic",  # deterministic mode: the micro-batch tree, tree-order reductions, exact norms
     "//pipe:fsdp_stage",  # FSDP inside each pipeline stage
     "//autograd_comm",  # differentiable collectives: tensor / sequence parallel mappings, all_to_all
+    "//moe",  # MOELayer, Top1Gate, Top2Gate: mixture of experts over an expert-parallel group
     "//trace",  # Chrome traces, TracingCommunicator, the compute/communication profile
     "//launch:launcher",  # what fs_launch does, as a library (a job that launches itself)
     "//train_state",  # CheckpointManager, TrainState, the built-in items (sync and async saves)
