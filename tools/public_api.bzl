@@ -30,6 +30,7 @@ FEATURE_LIBRARIES = [
     "//pipe:fsdp_stage",  # FSDP inside each pipeline stage
     "//autograd_comm",  # differentiable collectives: tensor / sequence parallel mappings, all_to_all
     "//model_parallel",  # tensor-parallel layers: Column/RowParallelLinear, VocabParallelEmbedding, vocab-parallel cross-entropy
+    "//moe",  # MOELayer, Top1Gate, Top2Gate: mixture of experts over an expert-parallel group
     "//trace",  # Chrome traces, TracingCommunicator, the compute/communication profile
     "//launch:launcher",  # what fs_launch does, as a library (a job that launches itself)
     "//train_state",  # CheckpointManager, TrainState, the built-in items (sync and async saves)
