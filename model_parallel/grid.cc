@@ -34,9 +34,9 @@ std::vector<int64_t> ParallelGrid::data_ranks() const {
 
 std::string ParallelGrid::describe() const {
   const int64_t rank = replica * pipeline * tensor + stage * tensor + tensor_rank;
-  return absl::StrCat("rank ", rank, "/", tensor * pipeline * data, ": tensor ", tensor_rank,
-                      "/", tensor, " (ranks ", absl::StrJoin(tensor_ranks(), ","), "), stage ",
-                      stage, "/", pipeline, " (ranks ", absl::StrJoin(pipeline_ranks(), ","),
+  return absl::StrCat("rank ", rank, "/", tensor * pipeline * data, ": tensor ", tensor_rank, "/",
+                      tensor, " (ranks ", absl::StrJoin(tensor_ranks(), ","), "), stage ", stage,
+                      "/", pipeline, " (ranks ", absl::StrJoin(pipeline_ranks(), ","),
                       "), replica ", replica, "/", data, " (ranks ",
                       absl::StrJoin(data_ranks(), ","), ")");
 }
@@ -51,17 +51,16 @@ ParallelGrid MakeParallelGrid(std::shared_ptr<comm::Communicator> world, int64_t
   const std::string where =
       absl::StrCat("model_parallel::MakeParallelGrid (rank ", world->rank(), "/", size, ")");
   if (tensor < 1 || pipeline < 1) {
-    base::ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
-                           "tensor = ", tensor, " and pipeline = ", pipeline,
-                           " must both be >= 1 (world size ", size, ")")),
-                       where);
+    base::ThrowIfError(
+        absl::InvalidArgumentError(absl::StrCat("tensor = ", tensor, " and pipeline = ", pipeline,
+                                                " must both be >= 1 (world size ", size, ")")),
+        where);
   }
   if (size % (tensor * pipeline) != 0) {
-    base::ThrowIfError(
-        absl::InvalidArgumentError(absl::StrCat(
-            "tensor * pipeline = ", tensor, " * ", pipeline, " = ", tensor * pipeline,
-            " does not divide the world size ", size)),
-        where);
+    base::ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
+                           "tensor * pipeline = ", tensor, " * ", pipeline, " = ",
+                           tensor * pipeline, " does not divide the world size ", size)),
+                       where);
   }
   ParallelGrid grid;
   grid.tensor = tensor;
@@ -73,18 +72,18 @@ ParallelGrid MakeParallelGrid(std::shared_ptr<comm::Communicator> world, int64_t
   grid.replica = rank / (tensor * pipeline);
   // Color: the flat index of the other two coordinates; key: the index along this dimension
   // (Split orders a group by key, so group rank == that index).
-  grid.tensor_group = base::ValueOrThrow(
-      world->Split(static_cast<int>(grid.replica * pipeline + grid.stage),
-                   static_cast<int>(grid.tensor_rank)),
-      absl::StrCat(where, " tensor group"));
-  grid.pipeline_group = base::ValueOrThrow(
-      world->Split(static_cast<int>(grid.replica * tensor + grid.tensor_rank),
-                   static_cast<int>(grid.stage)),
-      absl::StrCat(where, " pipeline group"));
-  grid.data_group = base::ValueOrThrow(
-      world->Split(static_cast<int>(grid.stage * tensor + grid.tensor_rank),
-                   static_cast<int>(grid.replica)),
-      absl::StrCat(where, " data group"));
+  grid.tensor_group =
+      base::ValueOrThrow(world->Split(static_cast<int>(grid.replica * pipeline + grid.stage),
+                                      static_cast<int>(grid.tensor_rank)),
+                         absl::StrCat(where, " tensor group"));
+  grid.pipeline_group =
+      base::ValueOrThrow(world->Split(static_cast<int>(grid.replica * tensor + grid.tensor_rank),
+                                      static_cast<int>(grid.stage)),
+                         absl::StrCat(where, " pipeline group"));
+  grid.data_group =
+      base::ValueOrThrow(world->Split(static_cast<int>(grid.stage * tensor + grid.tensor_rank),
+                                      static_cast<int>(grid.replica)),
+                         absl::StrCat(where, " data group"));
   grid.world = std::move(world);
   return grid;
 }

@@ -72,7 +72,9 @@ struct ParallelGrid {
 // along that dimension. Raises c10::Error (base/torch_error.h) "model_parallel::MakeParallelGrid
 // (rank r/n): INVALID_ARGUMENT: ..." naming the sizes and the world size if `world` is null,
 // tensor < 1, pipeline < 1, or tensor * pipeline does not divide the world size; and the Split's
-// error if one fails.
+// error if one fails. As with any Split, a rank must not destroy a group before every member
+// has returned from MakeParallelGrid (the inproc backend then fails their Split with "domain
+// ... is gone"): use the groups, or Barrier on `world`, before dropping the grid.
 ParallelGrid MakeParallelGrid(std::shared_ptr<comm::Communicator> world, int64_t tensor,
                               int64_t pipeline);
 
