@@ -31,6 +31,7 @@
 #include "comm/types.h"
 #include "model_parallel/layers.h"
 #include "model_parallel/pipe_grid.h"
+#include "pipe/fsdp_stage.h"
 #include "pipe/grid.h"
 #include "pipe/pipe.h"
 #include "testing/c10_error.h"
@@ -250,6 +251,57 @@ TEST(ParallelGrid, PipeOfTensorParallelStagesWithDataParallelEqualsDense) {
                               what + " dW"));
       return Near(mine->bias.grad(), dense->bias.grad().narrow(0, g.tensor_rank * rows, rows),
                   what + " db");
+    });
+  }));
+}
+
+// FSDP over grid.data_group, world 8 = 2 x 2 x 2: the same pipe with each stage wrapped in
+// FSDP (pipe::fsdp_stage) over the data group instead of all_reduce_gradients; one SGD step
+// (lr 0.1) on the shards, then the second step's loss on every rank equals the dense model's
+// loss on the replica's rows after one dense SGD step on the whole batch.
+TEST(ParallelGrid, FsdpOnDataGroupEqualsDense) {
+  const at::Tensor w0 = Data({8, 4}, 21), b0 = Data({8}, 22), w1 = Data({6, 8}, 23),
+                   b1 = Data({6}, 24), x = Data({8, 4}, 25), y = Data({8, 6}, 26);
+  torch::nn::Linear d0(torch::nn::LinearOptions(4, 8)), d1(torch::nn::LinearOptions(8, 6));
+  {
+    torch::NoGradGuard no_grad;
+    d0->weight.copy_(w0);
+    d0->bias.copy_(b0);
+    d1->weight.copy_(w1);
+    d1->bias.copy_(b1);
+  }
+  torch::optim::SGD dense_opt(std::vector<at::Tensor>{d0->weight, d0->bias, d1->weight, d1->bias},
+                              torch::optim::SGDOptions(0.1));
+  torch::mse_loss(d1(d0(x)), y).backward();
+  dense_opt.step();
+  std::vector<at::Tensor> replica_loss;
+  for (int64_t d = 0; d < 2; ++d) {
+    torch::NoGradGuard no_grad;
+    replica_loss.push_back(torch::mse_loss(d1(d0(x.narrow(0, 4 * d, 4))), y.narrow(0, 4 * d, 4)));
+  }
+  ExpectAllOk(RunInprocRanks(8, [&](int, int, std::shared_ptr<Communicator> comm) {
+    return CatchErrors([&]() -> absl::Status {
+      const ParallelGrid g = MakeParallelGrid(comm, /*tensor=*/2, /*pipeline=*/2);
+      ColumnParallelLinear l0(ColumnParallelLinearOptions(4, 8), g.tensor_group);
+      ColumnParallelLinear l1(ColumnParallelLinearOptions(8, 6), g.tensor_group);
+      l0->load_full(w0, b0);
+      l1->load_full(w1, b1);
+      torch::nn::Sequential model;
+      model->push_back("fc0", l0);
+      model->push_back("fc1", l1);
+      auto pipe = pipe::Pipe::Create(
+          model, g.pipeline_group,
+          pipe::PipeOptions().chunks(2).wrap_stage(pipe::fsdp_stage(g.data_group)));
+      torch::optim::SGD opt(pipe->parameters(), torch::optim::SGDOptions(0.1));
+      const pipe::LossFn mse = [](const at::Tensor& out, const at::Tensor& t) {
+        return torch::mse_loss(out, t);
+      };
+      const at::Tensor xr = x.narrow(0, 4 * g.replica, 4), yr = y.narrow(0, 4 * g.replica, 4);
+      opt.zero_grad();
+      pipe->train_step(xr, yr, mse);
+      opt.step();
+      const at::Tensor loss = pipe->eval_step(xr, yr, mse);
+      return Near(loss, replica_loss[g.replica], g.describe() + " loss after one SGD step");
     });
   }));
 }
