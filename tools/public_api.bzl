@@ -29,7 +29,8 @@ FEATURE_LIBRARIES = [
     "//deterministic",  # deterministic mode: the micro-batch tree, tree-order reductions, exact norms
     "//pipe:fsdp_stage",  # FSDP inside each pipeline stage
     "//autograd_comm",  # differentiable collectives: tensor / sequence parallel mappings, all_to_all
-    "//model_parallel",  # tensor-parallel layers: Column/RowParallelLinear, VocabParallelEmbedding, vocab-parallel cross-entropy
+    "//model_parallel",  # tensor-parallel layers: Column/RowParallelLinear, VocabParallelEmbedding, vocab-parallel cross-entropy, the tensor x pipeline x data grid
+    "//model_parallel:pipe_grid",  # ToPipeGrid: the pipe::PipeGrid view of a ParallelGrid
     "//moe",  # MOELayer, Top1Gate, Top2Gate: mixture of experts over an expert-parallel group
     "//trace",  # Chrome traces, TracingCommunicator, the compute/communication profile
     "//launch:launcher",  # what fs_launch does, as a library (a job that launches itself)
