@@ -50,8 +50,8 @@ bool IsQkv(const std::string& key) {
 
 at::Tensor qkv_to_rank_major(const at::Tensor& dense, int64_t tp_size) {
   TORCH_CHECK(dense.dim() >= 1 && dense.size(0) % (3 * tp_size) == 0, "qkv_to_rank_major: dim 0 (",
-              dense.dim() >= 1 ? dense.size(0) : 0, ") is not 3 * C with C divisible by T = ",
-              tp_size);
+              dense.dim() >= 1 ? dense.size(0) : 0,
+              ") is not 3 * C with C divisible by T = ", tp_size);
   std::vector<int64_t> shape = {3, tp_size, dense.size(0) / (3 * tp_size)};
   for (int64_t i = 1; i < dense.dim(); ++i) shape.push_back(dense.size(i));
   return dense.reshape(shape).transpose(0, 1).reshape(dense.sizes());
@@ -72,27 +72,25 @@ TpTransformerBlockImpl::TpTransformerBlockImpl(int64_t width, int64_t heads,
   const int64_t t = comm->size();
   local_heads_ = heads / t;
   ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
-  qkv_ = register_module(
-      "qkv", mp::ColumnParallelLinear(mp::ColumnParallelLinearOptions(width, 3 * width)
-                                          .gather_output(false)
-                                          .init_seed(LayerSeed(init_seed, 0)),
-                                      comm));
-  proj_ = register_module(
-      "proj", mp::RowParallelLinear(mp::RowParallelLinearOptions(width, width)
-                                        .input_is_parallel(true)
-                                        .init_seed(LayerSeed(init_seed, 1)),
-                                    comm));
+  qkv_ = register_module("qkv",
+                         mp::ColumnParallelLinear(mp::ColumnParallelLinearOptions(width, 3 * width)
+                                                      .gather_output(false)
+                                                      .init_seed(LayerSeed(init_seed, 0)),
+                                                  comm));
+  proj_ = register_module("proj", mp::RowParallelLinear(mp::RowParallelLinearOptions(width, width)
+                                                            .input_is_parallel(true)
+                                                            .init_seed(LayerSeed(init_seed, 1)),
+                                                        comm));
   ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
-  fc1_ = register_module(
-      "fc1", mp::ColumnParallelLinear(mp::ColumnParallelLinearOptions(width, 4 * width)
-                                          .gather_output(false)
-                                          .init_seed(LayerSeed(init_seed, 2)),
-                                      comm));
-  fc2_ = register_module(
-      "fc2", mp::RowParallelLinear(mp::RowParallelLinearOptions(4 * width, width)
-                                       .input_is_parallel(true)
-                                       .init_seed(LayerSeed(init_seed, 3)),
-                                   comm));
+  fc1_ = register_module("fc1",
+                         mp::ColumnParallelLinear(mp::ColumnParallelLinearOptions(width, 4 * width)
+                                                      .gather_output(false)
+                                                      .init_seed(LayerSeed(init_seed, 2)),
+                                                  comm));
+  fc2_ = register_module("fc2", mp::RowParallelLinear(mp::RowParallelLinearOptions(4 * width, width)
+                                                          .input_is_parallel(true)
+                                                          .init_seed(LayerSeed(init_seed, 3)),
+                                                      comm));
   // The qkv master is drawn here in the dense layout (as torch::nn::Linear: uniform
   // +-1/sqrt(in), from a private generator) and reordered, so that the full model does not
   // depend on T; the layer's own seeded draw is replaced. Local: no collective.
@@ -128,10 +126,10 @@ TpGptImpl::TpGptImpl(const GptConfig& config, std::shared_ptr<comm::Communicator
   const int64_t tp = comm_->size();
   if (config.vocab() <= 0 || config.seq() <= 0 || config.blocks() < 0 || config.heads() <= 0 ||
       config.width() % config.heads() != 0) {
-    Fail(context, absl::StrCat("bad config: vocab = ", config.vocab(), ", seq = ", config.seq(),
-                               ", blocks = ", config.blocks(), ", width = ", config.width(),
-                               ", heads = ", config.heads(),
-                               " (positive, width divisible by heads)"));
+    Fail(context,
+         absl::StrCat("bad config: vocab = ", config.vocab(), ", seq = ", config.seq(),
+                      ", blocks = ", config.blocks(), ", width = ", config.width(),
+                      ", heads = ", config.heads(), " (positive, width divisible by heads)"));
   }
   if (config.vocab() % tp != 0) {
     Fail(context, absl::StrCat("vocab = ", config.vocab(),
@@ -149,23 +147,23 @@ TpGptImpl::TpGptImpl(const GptConfig& config, std::shared_ptr<comm::Communicator
   // Containers named like Gpt's Embeddings and LmHead, so the parameter names match.
   auto embed = register_module("embed", std::make_shared<torch::nn::Module>());
   tok_ = embed->register_module(
-      "tok", mp::VocabParallelEmbedding(
-                 mp::VocabParallelEmbeddingOptions(config.vocab(), c).init_seed(
-                     LayerSeed(init_seed, 0)),
-                 comm_));
+      "tok",
+      mp::VocabParallelEmbedding(
+          mp::VocabParallelEmbeddingOptions(config.vocab(), c).init_seed(LayerSeed(init_seed, 0)),
+          comm_));
   // Replicated: drawn from a private generator (torch::nn::Embedding would use the global one).
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(LayerSeed(init_seed, 1));
   pos_ = embed->register_module(
-      "pos", torch::nn::Embedding(torch::nn::EmbeddingOptions(config.seq(), c)
-                                      ._weight(at::randn({config.seq(), c}, gen))));
+      "pos",
+      torch::nn::Embedding(
+          torch::nn::EmbeddingOptions(config.seq(), c)._weight(at::randn({config.seq(), c}, gen))));
   for (int64_t i = 0; i < config.blocks(); ++i) {
-    blocks_.push_back(TpTransformerBlock(c, config.heads(), comm_,
-                                         LayerSeed(init_seed, 100 * (i + 1))));
+    blocks_.push_back(
+        TpTransformerBlock(c, config.heads(), comm_, LayerSeed(init_seed, 100 * (i + 1))));
     register_module("block" + std::to_string(i), blocks_.back());
   }
   auto lm_head = register_module("lm_head", std::make_shared<torch::nn::Module>());
-  ln_f_ = lm_head->register_module("ln_f",
-                                   torch::nn::LayerNorm(torch::nn::LayerNormOptions({c})));
+  ln_f_ = lm_head->register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c})));
   head_ = lm_head->register_module(
       "head", mp::ColumnParallelLinear(mp::ColumnParallelLinearOptions(c, config.vocab())
                                            .gather_output(false)
@@ -193,9 +191,8 @@ torch::Tensor TpGptImpl::loss(torch::Tensor tokens, torch::Tensor targets) {
 void TpGptImpl::load_dense_state_dict(const mp::TensorDict& dense) {
   mp::TensorDict reordered;
   for (const auto& item : dense) {
-    reordered.insert(item.key(), IsQkv(item.key())
-                                     ? qkv_to_rank_major(item.value(), comm_->size())
-                                     : item.value());
+    reordered.insert(item.key(), IsQkv(item.key()) ? qkv_to_rank_major(item.value(), comm_->size())
+                                                   : item.value());
   }
   mp::load_full_state_dict(*this, reordered);
 }

@@ -85,8 +85,7 @@ absl::Status NearDicts(const TensorDict& got, const TensorDict& want, double tol
 // is round-off (checked to be below 1e-6 in MaxKeyBiasGrad); Adam divides a gradient by its own
 // magnitude, so it turns that round-off into steps of about lr whose sign depends on the
 // summation order. After Adam, compare everything but that third at 1e-5.
-absl::Status NearAfterAdam(const TensorDict& got, const TensorDict& want,
-                           const std::string& what) {
+absl::Status NearAfterAdam(const TensorDict& got, const TensorDict& want, const std::string& what) {
   TensorDict got_cut, want_cut;
   for (const auto& item : want) {
     const at::Tensor* g = got.find(item.key());
@@ -196,47 +195,43 @@ TEST(TpGpt, EqualsDenseGpt) {
   EXPECT_LT(MaxKeyBiasGrad(ref.grads), 1e-6);  // see NearAfterAdam
   for (int t : {1, 2, 4}) {
     ExpectAllOk(
-        RunInprocRanks(t,
-                       [&](int rank, int world, std::shared_ptr<Communicator> comm) {
-                         return CatchErrors([&]() -> absl::Status {
-                           const std::string at = absl::StrCat("T=", world, " rank ", rank, ": ");
-                           TpGpt model(config, comm, /*init_seed=*/3);
-                           model->load_dense_state_dict(ref.initial);
-                           // Names are the dense model's; each shard is its slice.
-                           FS_RETURN_IF_ERROR(Check(
-                               model->named_parameters().size() == ref.initial.size(),
-                               at + "parameter count"));
-                           for (const auto& p : model->named_parameters()) {
-                             const at::Tensor* full = ref.initial.find(p.key());
-                             FS_RETURN_IF_ERROR(Check(full != nullptr, at + "no dense " + p.key()));
-                             FS_RETURN_IF_ERROR(Near(p.value(), RankSlice(p.key(), *full, rank, world),
-                                                     0, at + "loaded " + p.key()));
-                           }
-                           FS_RETURN_IF_ERROR(
-                               Near(model(ref.tokens), ref.logits, kTol, at + "logits"));
-                           at::Tensor loss = model->loss(ref.tokens, ref.targets);
-                           FS_RETURN_IF_ERROR(Near(loss, ref.loss, kTol, at + "loss"));
-                           loss.backward();
-                           for (const auto& p : model->named_parameters()) {
-                             FS_RETURN_IF_ERROR(Near(
-                                 p.value().grad(),
-                                 RankSlice(p.key(), ref.grads[p.key()], rank, world), kTol,
-                                 at + "grad " + p.key()));
-                           }
-                           torch::optim::Adam adam(model->parameters(),
-                                                   AdamOpts());
-                           for (int s = 0; s < kAdamSteps; ++s) {
-                             adam.zero_grad();
-                             at::Tensor l = model->loss(ref.tokens, ref.targets);
-                             l.backward();
-                             adam.step();
-                             FS_RETURN_IF_ERROR(Near(l, torch::tensor(ref.adam_losses[s]), kTol,
-                                                     at + absl::StrCat("adam loss ", s)));
-                           }
-                           return NearAfterAdam(model->full_state_dict(), ref.final_params,
-                                                at + "after Adam");
-                         });
-                       }),
+        RunInprocRanks(
+            t,
+            [&](int rank, int world, std::shared_ptr<Communicator> comm) {
+              return CatchErrors([&]() -> absl::Status {
+                const std::string at = absl::StrCat("T=", world, " rank ", rank, ": ");
+                TpGpt model(config, comm, /*init_seed=*/3);
+                model->load_dense_state_dict(ref.initial);
+                // Names are the dense model's; each shard is its slice.
+                FS_RETURN_IF_ERROR(Check(model->named_parameters().size() == ref.initial.size(),
+                                         at + "parameter count"));
+                for (const auto& p : model->named_parameters()) {
+                  const at::Tensor* full = ref.initial.find(p.key());
+                  FS_RETURN_IF_ERROR(Check(full != nullptr, at + "no dense " + p.key()));
+                  FS_RETURN_IF_ERROR(Near(p.value(), RankSlice(p.key(), *full, rank, world), 0,
+                                          at + "loaded " + p.key()));
+                }
+                FS_RETURN_IF_ERROR(Near(model(ref.tokens), ref.logits, kTol, at + "logits"));
+                at::Tensor loss = model->loss(ref.tokens, ref.targets);
+                FS_RETURN_IF_ERROR(Near(loss, ref.loss, kTol, at + "loss"));
+                loss.backward();
+                for (const auto& p : model->named_parameters()) {
+                  FS_RETURN_IF_ERROR(Near(p.value().grad(),
+                                          RankSlice(p.key(), ref.grads[p.key()], rank, world), kTol,
+                                          at + "grad " + p.key()));
+                }
+                torch::optim::Adam adam(model->parameters(), AdamOpts());
+                for (int s = 0; s < kAdamSteps; ++s) {
+                  adam.zero_grad();
+                  at::Tensor l = model->loss(ref.tokens, ref.targets);
+                  l.backward();
+                  adam.step();
+                  FS_RETURN_IF_ERROR(Near(l, torch::tensor(ref.adam_losses[s]), kTol,
+                                          at + absl::StrCat("adam loss ", s)));
+                }
+                return NearAfterAdam(model->full_state_dict(), ref.final_params, at + "after Adam");
+              });
+            }),
         absl::StrCat("T=", t));
   }
 }
@@ -281,31 +276,43 @@ TEST(TpGpt, QkvLayoutMapping) {
   // C = 4, T = 2: dense rows Q0 Q1 Q2 Q3 K0 .. V3 (0..11); rank 0 owns Q0 Q1 K0 K1 V0 V1.
   const at::Tensor dense = at::arange(12, at::kFloat).view({12, 1}).repeat({1, 3});
   const at::Tensor major = qkv_to_rank_major(dense, 2);
-  const at::Tensor want =
-      torch::tensor({0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11}, at::kFloat).view({12, 1}).repeat({1, 3});
+  const at::Tensor want = torch::tensor({0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11}, at::kFloat)
+                              .view({12, 1})
+                              .repeat({1, 3});
   EXPECT_TRUE(major.equal(want)) << major;
   EXPECT_TRUE(qkv_to_dense(major, 2).equal(dense));
   const at::Tensor bias = at::arange(24, at::kFloat);
-  for (int64_t t : {1, 2, 4, 8}) EXPECT_TRUE(qkv_to_dense(qkv_to_rank_major(bias, t), t).equal(bias));
+  for (int64_t t : {1, 2, 4, 8})
+    EXPECT_TRUE(qkv_to_dense(qkv_to_rank_major(bias, t), t).equal(bias));
   EXPECT_TRUE(qkv_to_rank_major(bias, 1).equal(bias));
 }
 
 TEST(TpGpt, BadSizesAreClearErrors) {
   ExpectAllOk(
-      RunInprocRanks(2,
-                     [&](int, int, std::shared_ptr<Communicator> comm) -> absl::Status {
-                       FS_RETURN_IF_ERROR(ExpectError(
-                           [&] { TpGpt(SmallConfig().width(24).heads(3), comm); },
-                           {"TpGpt", "heads = 3", "tensor-parallel size 2"}));
-                       FS_RETURN_IF_ERROR(ExpectError([&] { TpGpt(SmallConfig().vocab(65), comm); },
-                                                      {"TpGpt", "vocab = 65",
-                                                       "tensor-parallel size 2"}));
-                       FS_RETURN_IF_ERROR(
-                           ExpectError([&] { TpGpt(SmallConfig().checkpoint_every_k(1), comm); },
-                                       {"checkpoint_every_k = 1"}));
-                       return ExpectError([&] { TpGpt(SmallConfig(), nullptr); },
-                                          {"communicator is null"});
-                     }),
+      RunInprocRanks(
+          2,
+          [&](int, int, std::shared_ptr<Communicator> comm) -> absl::Status {
+            FS_RETURN_IF_ERROR(ExpectError([&] { TpGpt(SmallConfig().width(24).heads(3), comm); },
+                                           {"TpGpt", "heads = 3", "tensor-parallel size 2"}));
+            FS_RETURN_IF_ERROR(ExpectError([&] { TpGpt(SmallConfig().vocab(65), comm); },
+                                           {"TpGpt", "vocab = 65", "tensor-parallel size 2"}));
+            FS_RETURN_IF_ERROR(
+                ExpectError([&] { TpGpt(SmallConfig().checkpoint_every_k(1), comm); },
+                            {"checkpoint_every_k = 1"}));
+            // A dense dict with a key missing, or from another config.
+            TpGpt model(SmallConfig(), comm);
+            TensorDict dense = model->full_state_dict();
+            TensorDict missing;
+            for (const auto& item : dense) {
+              if (item.key() != "lm_head.ln_f.weight") missing.insert(item.key(), item.value());
+            }
+            FS_RETURN_IF_ERROR(ExpectError([&] { model->load_dense_state_dict(missing); },
+                                           {"lm_head.ln_f.weight"}));
+            TensorDict wider = TpGpt(SmallConfig().width(64), comm)->full_state_dict();
+            FS_RETURN_IF_ERROR(
+                ExpectError([&] { model->load_dense_state_dict(wider); }, {"shape"}));
+            return ExpectError([&] { TpGpt(SmallConfig(), nullptr); }, {"communicator is null"});
+          }),
       "bad sizes");
 }
 
