@@ -43,8 +43,7 @@ double ExpectSameLosses(const JobOutput& got, const JobOutput& ref, const std::s
 
 // The vocabulary (the corpus's characters) must split over T = 2.
 TEST(TensorParallelJobTest, VocabularySplitsOverTwo) {
-  EXPECT_EQ(CharTokenizer(Corpus()).vocab_size() % 2, 0)
-      << CharTokenizer(Corpus()).vocab_size();
+  EXPECT_EQ(CharTokenizer(Corpus()).vocab_size() % 2, 0) << CharTokenizer(Corpus()).vocab_size();
 }
 
 // T = 2 at 2 ranks (1 replica) gives the dense job's losses at 1 rank; T = 2 at 4 ranks
@@ -64,10 +63,11 @@ TEST(TensorParallelJobTest, MatchesTheDenseJob) {
   ASSERT_EQ(ref2.losses.size(), 8u);
   const double max_diff = std::max(ExpectSameLosses(tp2, ref1, "T = 2 x 1 replica"),
                                    ExpectSameLosses(tp4, ref2, "T = 2 x 2 replicas"));
-  std::printf("tensor parallel vs dense: max |loss difference| %.3g over %zu steps; 2x1 loss "
-              "%.4f -> %.4f, 2x2 %.4f -> %.4f\n",
-              max_diff, ref1.losses.size(), tp2.losses.front(), tp2.losses.back(),
-              tp4.losses.front(), tp4.losses.back());
+  std::printf(
+      "tensor parallel vs dense: max |loss difference| %.3g over %zu steps; 2x1 loss "
+      "%.4f -> %.4f, 2x2 %.4f -> %.4f\n",
+      max_diff, ref1.losses.size(), tp2.losses.front(), tp2.losses.back(), tp4.losses.front(),
+      tp4.losses.back());
   EXPECT_LT(tp2.losses.back(), tp2.losses.front() - 0.3);
   EXPECT_LT(tp4.losses.back(), tp4.losses.front() - 0.3);
 }
@@ -76,21 +76,21 @@ TEST(TensorParallelJobTest, RejectsBadConfigurations) {
   TrainConfig c = TinyConfig();
   c.tensor_parallel = 2;
   EXPECT_OK(c.Validate());
-  EXPECT_THAT(CheckBeforeLaunch(c, 3), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                AllOf(HasSubstr("tensor_parallel 2"),
-                                                      HasSubstr("rank count 3"))));
+  EXPECT_THAT(CheckBeforeLaunch(c, 3),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tensor_parallel 2"), HasSubstr("rank count 3"))));
   TrainConfig bad = c;
   bad.strategy = "full_shard";
-  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
-                                       HasSubstr("strategy no_shard")));
+  EXPECT_THAT(bad.Validate(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("strategy no_shard")));
   bad = c;
   bad.precision = "bf16";
-  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
-                                       HasSubstr("precision must be fp32")));
+  EXPECT_THAT(bad.Validate(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("precision must be fp32")));
   bad = c;
   bad.data_parallel = "sdp";
-  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
-                                       HasSubstr("data_parallel fsdp")));
+  EXPECT_THAT(bad.Validate(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("data_parallel fsdp")));
   bad = c;
   bad.checkpoint_dir = "/tmp/x";
   EXPECT_THAT(bad.Validate(),
@@ -98,16 +98,16 @@ TEST(TensorParallelJobTest, RejectsBadConfigurations) {
                        HasSubstr("checkpoints with --tensor_parallel are not supported yet")));
   bad = c;
   bad.pipeline_stages = 2;
-  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
-                                       HasSubstr("pipeline_stages must be 1")));
+  EXPECT_THAT(bad.Validate(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pipeline_stages must be 1")));
   bad = c;
   bad.tensor_parallel = 0;
   EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
                                        HasSubstr("tensor_parallel must be >= 1")));
   bad = c;
   bad.tensor_parallel = 4;  // heads 2
-  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
-                                       HasSubstr("does not divide heads 2")));
+  EXPECT_THAT(bad.Validate(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("does not divide heads 2")));
 }
 
 }  // namespace

@@ -105,13 +105,14 @@ class TpParallelModel final : public ParallelModel {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ParallelModel>> MakeTpModel(
-    const TrainConfig& config, const GptConfig& model_config,
-    std::shared_ptr<comm::Communicator> comm, const torch::optim::AdamOptions& adam) {
+absl::StatusOr<std::unique_ptr<ParallelModel>> MakeTpModel(const TrainConfig& config,
+                                                           const GptConfig& model_config,
+                                                           std::shared_ptr<comm::Communicator> comm,
+                                                           const torch::optim::AdamOptions& adam) {
   const int64_t t = config.tensor_parallel;
   if (comm->size() % t != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor_parallel ", t, " does not divide the world size ", comm->size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor_parallel ", t, " does not divide the world size ", comm->size()));
   }
   // The same Gpt (so the same initial weights, from torch's seeded global generator) as the
   // other modes; the TpGpt takes its slices.
