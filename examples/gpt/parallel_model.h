@@ -47,9 +47,9 @@ class ParallelModel {
   // throws, the tensor-parallel one gathers the logits on the tensor group): tokens [batch, t] and
   // targets [batch, t] -> the mean cross-entropy over the batch (detached, 0-dim f32, the same on
   // every stage of the pipe / rank of the tensor group). With grad enabled it is a training step
-  // whose backward is done:
-  // the gradients are accumulated in this rank's parameters and averaged over the replicas (do
-  // not call backward()); under NoGradGuard an evaluation. Collective in both cases.
+  // whose backward is done: the gradients are accumulated in this rank's parameters and averaged
+  // over the replicas (do not call backward()); under NoGradGuard an evaluation. Collective in
+  // both cases.
   virtual bool computes_loss() const { return false; }
   virtual at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
   // Which rank's batch (TokenData::Batch) this rank trains on, and how many distinct batches a
