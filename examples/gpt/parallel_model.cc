@@ -316,6 +316,9 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
   if (config.pipeline_stages > 1) {
     return internal::MakePipeModel(config, model_config, std::move(comm), adam);
   }
+  if (config.tensor_parallel > 1) {
+    return internal::MakeTpModel(config, model_config, std::move(comm), adam);
+  }
   if (config.data_parallel == "sdp") {
     FS_ASSIGN_OR_RETURN(oss::PartitionMode partition, ParsePartition(config.oss_partition));
     Gpt plain(model_config);
@@ -409,6 +412,43 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
   if (config.pipeline_stages < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "pipeline_stages must be >= 1 (1: no pipeline), got ", config.pipeline_stages));
+  }
+  if (config.tensor_parallel < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor_parallel must be >= 1 (1: no tensor parallelism), got ", config.tensor_parallel));
+  }
+  if (config.tensor_parallel > 1) {
+    const std::string p = absl::StrCat("tensor_parallel ", config.tensor_parallel, ": ");
+    if (config.data_parallel != "fsdp" || strategy != fsdp::ShardingStrategy::kNoShard) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "the replicas all-reduce their gradients: needs data_parallel fsdp with strategy "
+          "no_shard (FSDP over the data dimension is not supported yet), got data_parallel ",
+          config.data_parallel, ", strategy ", config.strategy));
+    }
+    if (config.precision != "fp32") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(p, "precision must be fp32, got ", config.precision));
+    }
+    if (config.pipeline_stages != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "pipeline_stages must be 1 (tensor x pipeline is not wired into the job yet), got ",
+          config.pipeline_stages));
+    }
+    if (config.deterministic || config.loss_scale || config.optimizer_offload != "none" ||
+        config.checkpoint_activations != "none") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "--deterministic, --loss_scale, --optimizer_offload and --checkpoint_activations "
+          "are not supported with tensor parallelism yet"));
+    }
+    if (!config.checkpoint_dir.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "checkpoints with --tensor_parallel are not supported yet (pass "
+          "--checkpoint_dir=none)"));
+    }
+    if (config.heads % config.tensor_parallel != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "does not divide heads ", config.heads, " (each rank holds heads / T heads)"));
+    }
   }
   if (config.deterministic && config.data_parallel == "sdp" && config.oss_partition != "greedy") {
     return absl::InvalidArgumentError(absl::StrCat(

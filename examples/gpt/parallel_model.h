@@ -8,7 +8,10 @@
 // rank, world / stages replicas (pipe::MakePipeGrid) sharding each stage with FSDP
 // (pipe::fsdp_stage; fp32 or bf16 over f32 masters) or averaging its gradients (no_shard, fp32),
 // an Adam per stage. The pipe mode computes the loss itself (computes_loss()), since no rank holds the
-// logits of the whole model. Each mode also says which //train_state items checkpoint it
+// logits of the whole model. With TrainConfig::tensor_parallel T > 1, "tensor parallel"
+// (tp_parallel_model.cc): a TpGpt (tp_model.h) per group of T consecutive ranks, loaded from the
+// dense Gpt, world / T replicas all-reducing their gradients; it also computes the loss itself
+// (vocab-parallel cross-entropy). Each mode also says which //train_state items checkpoint it
 // (add_state) and what its parameter hashes cover. Used by the trainer only.
 #pragma once
 
@@ -40,11 +43,13 @@ class ParallelModel {
   // the local replica without collectives; FSDP's forward is collective either way, so every rank
   // must call it in lockstep).
   virtual at::Tensor forward(const at::Tensor& tokens) = 0;
-  // Pipeline mode only (computes_loss() true; forward() then throws): tokens [batch, t] and
+  // Pipeline and tensor-parallel modes (computes_loss() true; the pipeline's forward() then
+  // throws, the tensor-parallel one gathers the logits on the tensor group): tokens [batch, t] and
   // targets [batch, t] -> the mean cross-entropy over the batch (detached, 0-dim f32, the same on
-  // every stage of the pipe). With grad enabled it is a training step whose backward is done:
-  // the gradients are accumulated in this stage's parameters and averaged over the replicas (do
-  // not call backward()); under NoGradGuard an evaluation. Collective in both cases.
+  // every stage of the pipe / rank of the tensor group). With grad enabled it is a training step
+  // whose backward is done: the gradients are accumulated in this rank's parameters and averaged
+  // over the replicas (do not call backward()); under NoGradGuard an evaluation. Collective in
+  // both cases.
   virtual bool computes_loss() const { return false; }
   virtual at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
   // Which rank's batch (TokenData::Batch) this rank trains on, and how many distinct batches a

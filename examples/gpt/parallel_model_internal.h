@@ -47,4 +47,9 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
     const TrainConfig& config, const GptConfig& model_config,
     std::shared_ptr<comm::Communicator> comm, const torch::optim::AdamOptions& adam);
 
+// The tensor-parallel mode (config.tensor_parallel > 1): tp_parallel_model.cc.
+absl::StatusOr<std::unique_ptr<ParallelModel>> MakeTpModel(
+    const TrainConfig& config, const GptConfig& model_config,
+    std::shared_ptr<comm::Communicator> comm, const torch::optim::AdamOptions& adam);
+
 }  // namespace fairscale::examples::gpt::internal

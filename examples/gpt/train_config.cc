@@ -130,6 +130,7 @@ nlohmann::json TrainConfig::ToJson() const {
   if (pipeline_stages > 1) j["pipeline_stages"] = pipeline_stages;
   if (pipeline_stages > 1 && pipeline_balance != "even") j["pipeline_balance"] = pipeline_balance;
   if (pipeline_virtual_stages > 1) j["pipeline_virtual_stages"] = pipeline_virtual_stages;
+  if (tensor_parallel > 1) j["tensor_parallel"] = tensor_parallel;
   if (deterministic) {
     j["deterministic"] = true;
     j["micro_batches"] = micro_batches;
@@ -224,6 +225,13 @@ absl::Status CheckBeforeLaunch(const TrainConfig& config, int world_size) {
         "pipeline_stages ", config.pipeline_stages, " does not divide the rank count ",
         world_size, " (each of ranks / pipeline_stages replicas runs the whole pipeline); use "
         "--nproc_per_node=", config.pipeline_stages, " or a multiple of it"));
+  }
+  if (config.tensor_parallel > 1 && world_size % config.tensor_parallel != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor_parallel ", config.tensor_parallel, " does not divide the rank count ",
+        world_size, " (each of ranks / tensor_parallel replicas is a tensor-parallel group of ",
+        config.tensor_parallel, " ranks); use --nproc_per_node=", config.tensor_parallel,
+        " or a multiple of it"));
   }
   if (config.deterministic && config.micro_batches % world_size != 0) {
     std::string ok;

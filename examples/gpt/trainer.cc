@@ -462,7 +462,8 @@ class Trainer {
 
     if (config_.sample_tokens > 0 && model_->computes_loss()) {
       if (rank_ == 0 && config_.progress) {
-        std::printf("train_gpt: no sample in pipeline mode (no rank holds the whole model)\n");
+        std::printf("train_gpt: no sample in %s mode (not wired for a model that computes its own loss)\n",
+                    config_.tensor_parallel > 1 ? "tensor parallel" : "pipeline");
       }
     } else if (config_.sample_tokens > 0) {
       std::vector<int64_t> ids = generate(

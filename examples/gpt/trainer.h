@@ -114,6 +114,18 @@ struct TrainConfig {
   std::string pipeline_schedule = "1f1b";
   std::string pipeline_balance = "even";
   int64_t pipeline_virtual_stages = 1;
+  // Tensor parallelism (//model_parallel, examples/gpt/tp_model.h): with tensor_parallel T > 1
+  // the ranks form a T x (world / T) grid (model_parallel::MakeParallelGrid(world, T, 1)): each
+  // group of T consecutive ranks holds one TpGpt (heads, MLP columns and the vocabulary split T
+  // ways) loaded from the dense Gpt of the job's seed, so the job trains the dense job's model;
+  // replica k (ranks kT .. kT + T - 1) reads rank k's batch, the loss is the vocab-parallel
+  // cross-entropy, the replicas average their gradients (all-reduce), clipping uses the norm over
+  // the whole model, and Adam steps each rank's slices. T must divide the world size, heads and
+  // the vocabulary. Needs data_parallel fsdp with strategy no_shard and precision fp32; not
+  // supported yet (rejected by Validate): pipeline_stages > 1, deterministic, loss_scale,
+  // optimizer_offload, checkpoint_activations, checkpoint_dir. No sample is drawn at the end.
+  // In ToJson() when > 1.
+  int64_t tensor_parallel = 1;
   // Deterministic mode (//deterministic): bitwise the same losses, parameters and parameter hash
   // at any world size that divides `micro_batches`. A step's global batch is `micro_batches`
   // (M) micro-batches of `batch` sequences each (so `batch` is per micro-batch, not per rank):

@@ -1,0 +1,114 @@
+// --tensor_parallel: the main job with its GPT split over tensor-parallel groups (TpGpt) against
+// the dense job (processes over tcp): the same per-step losses; bad configurations.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "base/status_matchers.h"
+#include "comm/testing/rank_runner.h"
+#include "examples/gpt/data.h"
+#include "examples/gpt/job_testing.h"
+#include "examples/gpt/trainer.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace fairscale::examples::gpt {
+namespace {
+
+using ::fairscale::base::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+// trainer_test.cc's TinyConfig with the replicas all-reducing (strategy no_shard).
+TrainConfig TinyConfig() {
+  TrainConfig c;
+  c.steps = 8, c.batch = 4, c.seq = 16, c.width = 32, c.blocks = 2, c.heads = 2;
+  c.lr = 1e-2, c.warmup_steps = 2, c.grad_clip = 0.5;
+  c.precision = "fp32", c.strategy = "no_shard";
+  c.eval_every = 0, c.eval_batches = 1, c.sample_tokens = 0, c.progress = false;
+  c.threads = 1;
+  return c;
+}
+
+double ExpectSameLosses(const JobOutput& got, const JobOutput& ref, const std::string& what) {
+  EXPECT_EQ(got.losses.size(), ref.losses.size()) << what;
+  double max_diff = 0;
+  for (size_t i = 0; i < std::min(got.losses.size(), ref.losses.size()); ++i) {
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << what << ", step " << i + 1;
+    max_diff = std::max(max_diff, std::abs(got.losses[i] - ref.losses[i]));
+  }
+  return max_diff;
+}
+
+// The vocabulary (the corpus's characters) must split over T = 2.
+TEST(TensorParallelJobTest, VocabularySplitsOverTwo) {
+  EXPECT_EQ(CharTokenizer(Corpus()).vocab_size() % 2, 0) << CharTokenizer(Corpus()).vocab_size();
+}
+
+// T = 2 at 2 ranks (1 replica) gives the dense job's losses at 1 rank; T = 2 at 4 ranks
+// (2 replicas, replica k reading rank k's batch) those of the dense job at 2 ranks: the TpGpt is
+// loaded from the dense Gpt of the seed, its loss is the dense cross-entropy, the replicas'
+// averaged gradients the 2-rank average, and the clipping norm the whole model's.
+TEST(TensorParallelJobTest, MatchesTheDenseJob) {
+  const TrainConfig dense = TinyConfig();
+  TrainConfig tp = dense;
+  tp.tensor_parallel = 2;
+  const JobOutput ref1 = RunJob(dense, 1, "tp_ref1");
+  const JobOutput tp2 = RunJob(tp, 2, "tp_2x1");
+  const JobOutput ref2 = RunJob(dense, 2, "tp_ref2");
+  const JobOutput tp4 = RunJob(tp, 4, "tp_2x2");
+  if (comm::testing::IsRankProcess()) return;
+  ASSERT_EQ(ref1.losses.size(), 8u);
+  ASSERT_EQ(ref2.losses.size(), 8u);
+  const double max_diff = std::max(ExpectSameLosses(tp2, ref1, "T = 2 x 1 replica"),
+                                   ExpectSameLosses(tp4, ref2, "T = 2 x 2 replicas"));
+  std::printf(
+      "tensor parallel vs dense: max |loss difference| %.3g over %zu steps; 2x1 loss "
+      "%.4f -> %.4f, 2x2 %.4f -> %.4f\n",
+      max_diff, ref1.losses.size(), tp2.losses.front(), tp2.losses.back(), tp4.losses.front(),
+      tp4.losses.back());
+  EXPECT_LT(tp2.losses.back(), tp2.losses.front() - 0.3);
+  EXPECT_LT(tp4.losses.back(), tp4.losses.front() - 0.3);
+}
+
+TEST(TensorParallelJobTest, RejectsBadConfigurations) {
+  TrainConfig c = TinyConfig();
+  c.tensor_parallel = 2;
+  EXPECT_OK(c.Validate());
+  EXPECT_THAT(CheckBeforeLaunch(c, 3),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tensor_parallel 2"), HasSubstr("rank count 3"))));
+  TrainConfig bad = c;
+  bad.strategy = "full_shard";
+  EXPECT_THAT(bad.Validate(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("strategy no_shard")));
+  bad = c;
+  bad.precision = "bf16";
+  EXPECT_THAT(bad.Validate(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("precision must be fp32")));
+  bad = c;
+  bad.data_parallel = "sdp";
+  EXPECT_THAT(bad.Validate(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("data_parallel fsdp")));
+  bad = c;
+  bad.checkpoint_dir = "/tmp/x";
+  EXPECT_THAT(bad.Validate(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("checkpoints with --tensor_parallel are not supported yet")));
+  bad = c;
+  bad.pipeline_stages = 2;
+  EXPECT_THAT(bad.Validate(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pipeline_stages must be 1")));
+  bad = c;
+  bad.tensor_parallel = 0;
+  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("tensor_parallel must be >= 1")));
+  bad = c;
+  bad.tensor_parallel = 4;  // heads 2
+  EXPECT_THAT(bad.Validate(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("does not divide heads 2")));
+}
+
+}  // namespace
+}  // namespace fairscale::examples::gpt
