@@ -84,8 +84,9 @@ ABSL_FLAG(int64_t, pipeline_stages, 1,
 ABSL_FLAG(int64_t, tensor_parallel, 1,
           "tensor parallelism (//model_parallel): split heads, MLP and vocabulary over T "
           "consecutive ranks (1: off); the rank count must be a multiple of T (world / T "
-          "replicas averaging their gradients); needs --strategy=no_shard --precision=fp32; no "
-          "checkpoints yet (the default --checkpoint_dir is off), no sample");
+          "replicas; FSDP shards each rank's slices over the replicas with --strategy=full_shard|"
+          "shard_grad_op, or they all-reduce the gradients under no_shard); --precision=fp32; "
+          "checkpoints per tensor rank (resumable with another replica count, the same T)");
 ABSL_FLAG(int64_t, pipeline_chunks, 4, "--pipeline_stages > 1: micro-batches per step (<= --batch)");
 ABSL_FLAG(std::string, pipeline_schedule, "1f1b",
           "--pipeline_stages > 1: 1f1b | gpipe | interleaved (with --pipeline_virtual_stages)");
@@ -222,9 +223,7 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.pipeline_virtual_stages = absl::GetFlag(FLAGS_pipeline_virtual_stages);
   c.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
-  // Tensor parallelism has no checkpoints yet: off by default there (an explicit
-  // --checkpoint_dir is rejected by Validate).
-  if (c.checkpoint_dir.empty() && c.tensor_parallel == 1) c.checkpoint_dir = out + "/checkpoints";
+  if (c.checkpoint_dir.empty()) c.checkpoint_dir = out + "/checkpoints";
   if (c.checkpoint_dir == "none") c.checkpoint_dir.clear();
   c.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);

@@ -419,11 +419,11 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
   }
   if (config.tensor_parallel > 1) {
     const std::string p = absl::StrCat("tensor_parallel ", config.tensor_parallel, ": ");
-    if (config.data_parallel != "fsdp" || strategy != fsdp::ShardingStrategy::kNoShard) {
+    if (config.data_parallel != "fsdp" || fsdp::IsHybrid(strategy)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          p, "the replicas all-reduce their gradients: needs data_parallel fsdp with strategy "
-          "no_shard (FSDP over the data dimension is not supported yet), got data_parallel ",
-          config.data_parallel, ", strategy ", config.strategy));
+          p, "FSDP shards the slices over the replicas: needs data_parallel fsdp with strategy "
+          "full_shard, shard_grad_op or no_shard, got data_parallel ", config.data_parallel,
+          ", strategy ", config.strategy));
     }
     if (config.precision != "fp32") {
       return absl::InvalidArgumentError(
@@ -439,11 +439,6 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
       return absl::InvalidArgumentError(absl::StrCat(
           p, "--deterministic, --loss_scale, --optimizer_offload and --checkpoint_activations "
           "are not supported with tensor parallelism yet"));
-    }
-    if (!config.checkpoint_dir.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          p, "checkpoints with --tensor_parallel are not supported yet (pass "
-          "--checkpoint_dir=none)"));
     }
     if (config.heads % config.tensor_parallel != 0) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <map>
 #include <string>
 
 #include "base/status_matchers.h"
@@ -12,6 +14,7 @@
 #include "examples/gpt/trainer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/tmp.h"
 
 namespace fairscale::examples::gpt {
 namespace {
@@ -47,29 +50,80 @@ TEST(TensorParallelJobTest, VocabularySplitsOverTwo) {
 }
 
 // T = 2 at 2 ranks (1 replica) gives the dense job's losses at 1 rank; T = 2 at 4 ranks
-// (2 replicas, replica k reading rank k's batch) those of the dense job at 2 ranks: the TpGpt is
-// loaded from the dense Gpt of the seed, its loss is the dense cross-entropy, the replicas'
-// averaged gradients the 2-rank average, and the clipping norm the whole model's.
+// (2 replicas, replica k reading rank k's batch) those of the dense job at 2 ranks, with FSDP
+// sharding each rank's slices over the replicas (full_shard) or the replicas all-reducing their
+// gradients (no_shard): the TpGpt is loaded from the dense Gpt of the seed, its loss is the dense
+// cross-entropy, the replicas' averaged gradients the 2-rank average, and the clipping norm the
+// whole model's (grad_clip 0.5 clips here).
 TEST(TensorParallelJobTest, MatchesTheDenseJob) {
   const TrainConfig dense = TinyConfig();
   TrainConfig tp = dense;
   tp.tensor_parallel = 2;
+  TrainConfig tp_fsdp = tp;
+  tp_fsdp.strategy = "full_shard";
   const JobOutput ref1 = RunJob(dense, 1, "tp_ref1");
   const JobOutput tp2 = RunJob(tp, 2, "tp_2x1");
   const JobOutput ref2 = RunJob(dense, 2, "tp_ref2");
   const JobOutput tp4 = RunJob(tp, 4, "tp_2x2");
+  const JobOutput tp4_fsdp = RunJob(tp_fsdp, 4, "tp_2x2_fsdp");
   if (comm::testing::IsRankProcess()) return;
   ASSERT_EQ(ref1.losses.size(), 8u);
   ASSERT_EQ(ref2.losses.size(), 8u);
-  const double max_diff = std::max(ExpectSameLosses(tp2, ref1, "T = 2 x 1 replica"),
-                                   ExpectSameLosses(tp4, ref2, "T = 2 x 2 replicas"));
+  const double max_diff =
+      std::max({ExpectSameLosses(tp2, ref1, "T = 2 x 1 replica"),
+                ExpectSameLosses(tp4, ref2, "T = 2 x 2 replicas, no_shard"),
+                ExpectSameLosses(tp4_fsdp, ref2, "T = 2 x FSDP 2 (full_shard)")});
   std::printf(
       "tensor parallel vs dense: max |loss difference| %.3g over %zu steps; 2x1 loss "
-      "%.4f -> %.4f, 2x2 %.4f -> %.4f\n",
+      "%.4f -> %.4f, 2x2 %.4f -> %.4f, 2 x FSDP 2 %.4f -> %.4f\n",
       max_diff, ref1.losses.size(), tp2.losses.front(), tp2.losses.back(), tp4.losses.front(),
-      tp4.losses.back());
-  EXPECT_LT(tp2.losses.back(), tp2.losses.front() - 0.3);
-  EXPECT_LT(tp4.losses.back(), tp4.losses.front() - 0.3);
+      tp4.losses.back(), tp4_fsdp.losses.front(), tp4_fsdp.losses.back());
+  for (const JobOutput* out : {&tp2, &tp4, &tp4_fsdp}) {
+    EXPECT_LT(out->losses.back(), out->losses.front() - 0.3);
+  }
+}
+
+// A TP = 2 x FSDP 2 run stopped after step 4 and resumed at 2 ranks (T = 2, 1 replica) continues
+// as the dense job stopped at 2 ranks and resumed at 1: one FSDP checkpoint per tensor rank
+// ("model/stage<r>/"), resharded over the replicas; the full-parameter hash recorded at the
+// save is the one found after loading.
+TEST(TensorParallelJobTest, ResumesWithAnotherReplicaCount) {
+  namespace fs = std::filesystem;
+  const std::string tmp = fairscale::testing::TmpPath("tp_job_test_resume");
+  JobOutput runs[2][2];  // [dense, tp][first, resumed]
+  for (int v = 0; v < 2; ++v) {
+    TrainConfig first = TinyConfig();
+    first.strategy = "full_shard";
+    first.tensor_parallel = v == 0 ? 1 : 2;
+    first.checkpoint_every = 4, first.stop_after = 4;
+    first.checkpoint_dir = absl::StrCat(tmp, "/ck", v);
+    if (!comm::testing::IsRankProcess()) fs::remove_all(first.checkpoint_dir);
+    const std::string name = absl::StrCat("tp_resume", v);
+    runs[v][0] = RunJob(first, 2 * static_cast<int>(first.tensor_parallel), name);
+    TrainConfig second = first;
+    second.stop_after = 0, second.resume = ResumeMode::kRequired;
+    runs[v][1] = RunJob(second, static_cast<int>(first.tensor_parallel), name);
+  }
+  if (comm::testing::IsRankProcess()) return;
+  const JobOutput& ref = runs[0][1];
+  const JobOutput& saved = runs[1][0];
+  const JobOutput& got = runs[1][1];
+  ASSERT_EQ(ref.losses.size(), 8u);
+  ASSERT_EQ(got.losses.size(), 8u);
+  ExpectSameLosses(got, ref, "TP 2 x FSDP 2 -> TP 2 x 1");
+  ASSERT_EQ(saved.checkpoints.size(), 1u);
+  using Kinds = std::map<std::string, std::string>;
+  EXPECT_EQ(saved.checkpoints[0]["items"].get<Kinds>(),
+            (Kinds{{"model", "stages/fsdp_sharded"}, {"trainer", "json"}}));
+  ASSERT_EQ(got.resumes.size(), 1u);
+  EXPECT_EQ(got.resumes[0]["from_world_size"], 4);
+  EXPECT_EQ(got.resumes[0]["world_size"], 2);
+  EXPECT_EQ(got.resumes[0]["full_param_fnv1a64"], saved.checkpoints[0]["full_param_fnv1a64"]);
+  for (int r = 0; r < 2; ++r) {
+    const std::string dir = absl::StrCat(tmp, "/ck1/step_00000008/model/stage", r);
+    EXPECT_TRUE(fs::exists(dir + "/manifest.json")) << dir;
+    EXPECT_TRUE(fs::exists(dir + "/rank00000.shard")) << dir;
+  }
 }
 
 TEST(TensorParallelJobTest, RejectsBadConfigurations) {
@@ -80,9 +134,9 @@ TEST(TensorParallelJobTest, RejectsBadConfigurations) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("tensor_parallel 2"), HasSubstr("rank count 3"))));
   TrainConfig bad = c;
-  bad.strategy = "full_shard";
-  EXPECT_THAT(bad.Validate(),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("strategy no_shard")));
+  bad.strategy = "hybrid_shard";
+  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("full_shard, shard_grad_op or no_shard")));
   bad = c;
   bad.precision = "bf16";
   EXPECT_THAT(bad.Validate(),
@@ -91,11 +145,6 @@ TEST(TensorParallelJobTest, RejectsBadConfigurations) {
   bad.data_parallel = "sdp";
   EXPECT_THAT(bad.Validate(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("data_parallel fsdp")));
-  bad = c;
-  bad.checkpoint_dir = "/tmp/x";
-  EXPECT_THAT(bad.Validate(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("checkpoints with --tensor_parallel are not supported yet")));
   bad = c;
   bad.pipeline_stages = 2;
   EXPECT_THAT(bad.Validate(),

@@ -158,9 +158,9 @@ TpGptImpl::TpGptImpl(const GptConfig& config, std::shared_ptr<comm::Communicator
       torch::nn::Embedding(
           torch::nn::EmbeddingOptions(config.seq(), c)._weight(at::randn({config.seq(), c}, gen))));
   for (int64_t i = 0; i < config.blocks(); ++i) {
-    blocks_.push_back(
-        TpTransformerBlock(c, config.heads(), comm_, LayerSeed(init_seed, 100 * (i + 1))));
-    register_module("block" + std::to_string(i), blocks_.back());
+    blocks_.push_back(fsdp::wrap(
+        TpTransformerBlock(c, config.heads(), comm_, LayerSeed(init_seed, 100 * (i + 1)))));
+    register_module("block" + std::to_string(i), blocks_.back().ptr());
   }
   auto lm_head = register_module("lm_head", std::make_shared<torch::nn::Module>());
   ln_f_ = lm_head->register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c})));
@@ -186,6 +186,19 @@ torch::Tensor TpGptImpl::forward(torch::Tensor tokens) {
 
 torch::Tensor TpGptImpl::loss(torch::Tensor tokens, torch::Tensor targets) {
   return mp::vocab_parallel_cross_entropy(parallel_logits(tokens), targets, *comm_);
+}
+
+bool TpGptImpl::is_split(const std::string& name) {
+  static const char* const kSplit[] = {"tok.weight", "qkv.weight", "qkv.bias",  "fc1.weight",
+                                       "fc1.bias",   "proj.weight", "fc2.weight", "head.weight",
+                                       "head.bias"};
+  for (const char* suffix : kSplit) {
+    const std::string s = std::string(".") + suffix;
+    if (name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0) {
+      return true;
+    }
+  }
+  return false;
 }
 
 void TpGptImpl::load_dense_state_dict(const mp::TensorDict& dense) {

@@ -34,8 +34,12 @@
 //   dense Gpt's initialization: load a dense state dict to get a dense twin.
 // * forward(tokens), loss(tokens, targets), full_state_dict() are collectives on the group (every
 //   rank calls them in the same order with the same tokens); load_dense_state_dict is local.
+// * FSDP over the data dimension: build the TpGpt inside an fsdp::EnableWrap scope over the
+//   data-parallel group (see the constructor) and wrap it in a FullyShardedDataParallel over the
+//   same group; full_state_dict() then needs the FSDP parameters summoned
+//   (summon_full_params) around it.
 // * Missing: dropout (Gpt has none), sequence parallelism, activation checkpointing, vocab
-//   padding (an indivisible vocab is an error), FSDP / data parallelism composed with it.
+//   padding (an indivisible vocab is an error).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -46,10 +50,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
 #include "examples/gpt/model.h"
+#include "fsdp/wrap.h"
 #include "model_parallel/layers.h"
 
 namespace fairscale::examples::gpt {
@@ -72,6 +78,9 @@ TORCH_MODULE(TpTransformerBlock);
 // Submodule and parameter names are Gpt's: embed (tok, pos), block0.., lm_head (ln_f, head).
 class TpGptImpl : public torch::nn::Module {
  public:
+  // Each block goes through fsdp::wrap() (as Gpt's do): inside an fsdp::EnableWrap scope with
+  // module_type_auto_wrap_policy<TpTransformerBlockImpl>() every block becomes its own FSDP unit
+  // over the scope's (data-parallel) communicator; outside one the blocks are plain.
   TpGptImpl(const GptConfig& config, std::shared_ptr<comm::Communicator> comm,
             uint64_t init_seed = 0);
   // int64 tokens [batch, t], t <= seq -> full logits [batch, t, vocab] on every rank (gathered;
@@ -94,12 +103,17 @@ class TpGptImpl : public torch::nn::Module {
   const GptConfig& config() const { return config_; }
   comm::Communicator& communicator() const { return *comm_; }
 
+  // Whether the parameter `name` (a TpGpt name, with any prefix in front: "gpt.block0.qkv.weight")
+  // holds a slice of its dense twin (embed.tok, qkv, fc1, head weights and biases; proj and fc2
+  // weights) rather than a replicated copy (positions, LayerNorms, proj and fc2 biases).
+  static bool is_split(const std::string& name);
+
  private:
   GptConfig config_;
   std::shared_ptr<comm::Communicator> comm_;
   model_parallel::VocabParallelEmbedding tok_{nullptr};
   torch::nn::Embedding pos_{nullptr};
-  std::vector<TpTransformerBlock> blocks_;
+  std::vector<fsdp::Wrapped> blocks_;
   torch::nn::LayerNorm ln_f_{nullptr};
   model_parallel::ColumnParallelLinear head_{nullptr};
 };

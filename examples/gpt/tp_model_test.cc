@@ -208,6 +208,13 @@ TEST(TpGpt, EqualsDenseGpt) {
                 for (const auto& p : model->named_parameters()) {
                   const at::Tensor* full = ref.initial.find(p.key());
                   FS_RETURN_IF_ERROR(Check(full != nullptr, at + "no dense " + p.key()));
+                  // is_split() names exactly the parameters that are slices (at T = 1 a
+                  // "slice" is the whole tensor).
+                  if (world > 1) {
+                    FS_RETURN_IF_ERROR(Check(
+                        TpGptImpl::is_split("prefix." + p.key()) != p.value().sizes().equals(full->sizes()),
+                        at + "is_split(" + p.key() + ")"));
+                  }
                   FS_RETURN_IF_ERROR(Near(p.value(), RankSlice(p.key(), *full, rank, world), 0,
                                           at + "loaded " + p.key()));
                 }

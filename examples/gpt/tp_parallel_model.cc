@@ -1,51 +1,74 @@
 // The trainer's tensor-parallel mode (--tensor_parallel=T > 1): TpParallelModel behind
 // ParallelModel. A T x (world / T) grid (model_parallel::MakeParallelGrid(world, T, 1)): each
 // tensor group holds one TpGpt loaded from the job's dense Gpt (so the job trains the dense
-// job's model), every rank of a group reads its replica's batch, and the replicas average their
-// gradients over grid.data_group (a plain all-reduce: strategy no_shard; FSDP over the data
-// dimension is a later step).
+// job's model), every rank of a tensor group reads its replica's batch, and FSDP shards each
+// rank's TP slices over the data group (the ranks holding the same slices: one per replica) with
+// the job's strategy (no_shard: the replicas all-reduce their gradients). FSDP runs per parameter
+// (flatten_parameters(false)), so each shard keeps its parameter's name, which the clipping norm
+// needs (TpGptImpl::is_split).
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
 #include <torch/optim/adam.h>
 
 #include <cmath>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "examples/gpt/parallel_model_internal.h"
 #include "examples/gpt/tp_model.h"
+#include "fsdp/fully_sharded_data_parallel.h"
+#include "fsdp/wrap.h"
 #include "model_parallel/grid.h"
-#include "pipe/grid.h"
+#include "train_state/fsdp_item.h"
+#include "train_state/items.h"
 
 namespace fairscale::examples::gpt::internal {
 namespace {
 
+// The FSDP root's module: forward(tokens, targets) is TpGpt's vocab-parallel loss, so that the
+// root's forward (which gathers the parameters and hooks the gradient reduction) runs it.
+class TpLossImpl : public torch::nn::Module {
+ public:
+  explicit TpLossImpl(TpGpt gpt) : gpt_(register_module("gpt", std::move(gpt))) {}
+  torch::Tensor forward(torch::Tensor tokens, torch::Tensor targets) {
+    return gpt_->loss(tokens, targets);
+  }
+  const TpGpt& gpt() const { return gpt_; }
+
+ private:
+  TpGpt gpt_;
+};
+TORCH_MODULE(TpLoss);
+
 class TpParallelModel final : public ParallelModel {
  public:
-  // `sharded`: the names of the TpGpt's parameters that hold a slice of the dense one (the
-  // others are replicated, identical on every rank of the tensor group).
-  TpParallelModel(model_parallel::ParallelGrid grid, TpGpt model, std::set<std::string> sharded,
+  TpParallelModel(model_parallel::ParallelGrid grid, TpGpt gpt, fsdp::FullyShardedDataParallel fsdp,
                   int64_t num_params, const torch::optim::AdamOptions& adam, std::string label)
       : grid_(std::move(grid)),
-        model_(std::move(model)),
-        sharded_(std::move(sharded)),
-        opt_(model_->parameters(), adam),
+        gpt_(std::move(gpt)),
+        fsdp_(std::move(fsdp)),
+        opt_(fsdp_->parameters(), adam),
         num_params_(num_params),
         label_(std::move(label)) {}
 
-  // The gathered logits (collective on the tensor group). The trainer calls loss() instead.
-  at::Tensor forward(const at::Tensor& tokens) override { return model_(tokens); }
+  // The gathered logits (collective on the whole grid). Not used by the trainer (it calls
+  // loss()); kept for checks.
+  at::Tensor forward(const at::Tensor& tokens) override {
+    auto full = fsdp_->summon_full_params(/*writeback=*/false);
+    return gpt_(tokens);
+  }
   bool computes_loss() const override { return true; }
-  // TpGpt's vocab-parallel cross-entropy on this replica's batch. Training: backward, then the
-  // gradients averaged over the replicas.
+  // TpGpt's vocab-parallel cross-entropy on this replica's batch, through the FSDP root. Training:
+  // backward, which FSDP ends with the gradients averaged (reduce-scattered) over the replicas.
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets) override {
-    at::Tensor loss = model_->loss(tokens, targets);
+    at::Tensor loss = fsdp_->forward(tokens, targets);
     if (!c10::GradMode::is_enabled()) return loss;
     loss.backward();
-    if (grid_.data > 1) pipe::all_reduce_gradients(model_->parameters(), *grid_.data_group);
     return loss.detach();
   }
   int data_rank(int) const override { return static_cast<int>(grid_.replica); }
@@ -53,51 +76,63 @@ class TpParallelModel final : public ParallelModel {
 
   torch::optim::Optimizer& optimizer() override { return opt_; }
   void zero_grad() override { opt_.zero_grad(); }
-  // clip_grad_norm_'s rule over the dense model: the replicated parameters' squared norms once
-  // (identical on the tensor group's ranks), the shards' summed over the tensor group. After
-  // the data all-reduce every replica holds the same gradients.
+  // clip_grad_norm_'s rule over the dense model. Each rank's shards hold its rows of its TP
+  // slices: a split parameter's squared norm is the sum over the whole grid, a replicated one's
+  // (identical on every rank of the tensor group) the sum over the data group only.
   void clip_grad_norm(double max_norm) override {
-    double replicated = 0, sharded = 0;
-    for (const auto& item : model_->named_parameters()) {
+    double replicated = 0, split = 0;
+    for (const auto& item : fsdp_->named_parameters()) {
       const at::Tensor& g = item.value().grad();
       if (!g.defined()) continue;
       const double sq = g.to(at::kDouble).pow(2).sum().item<double>();
-      (sharded_.count(item.key()) > 0 ? sharded : replicated) += sq;
+      (TpGptImpl::is_split(item.key()) ? split : replicated) += sq;
+    }
+    if (grid_.data > 1) {
+      replicated = AllReduceSum(*grid_.data_group, replicated,
+                                "clip_grad_norm: replicated squared norm over the data group");
     }
     const double total =
-        replicated + AllReduceSum(*grid_.tensor_group, sharded,
-                                  "clip_grad_norm: squared norm over the tensor group");
+        replicated + AllReduceSum(*grid_.world, split,
+                                  "clip_grad_norm: split squared norm over the grid");
     const double coef = max_norm / (std::sqrt(total) + 1e-6);
     if (coef >= 1) return;
     torch::NoGradGuard no_grad;
-    for (const at::Tensor& p : model_->parameters()) {
+    for (const at::Tensor& p : fsdp_->parameters()) {
       if (p.grad().defined()) p.grad().mul_(coef);
     }
   }
   int64_t num_params() const override { return num_params_; }
   std::string label() const override { return label_; }
 
-  void add_state(train_state::TrainState&) override {
-    // Validate() rejects --checkpoint_dir with tensor_parallel > 1; this is the backstop.
-    TORCH_CHECK(false, "checkpoints with --tensor_parallel are not supported yet");
+  // One FSDP checkpoint per tensor rank ("stage<r>/" of the item: stage_item with the tensor
+  // rank as the stage), each restorable at any number of replicas; the same T is required (the
+  // slices differ per T), and another T is an error naming both.
+  void add_state(train_state::TrainState& state) override {
+    state.add("model",
+              train_state::stage_item(static_cast<int>(grid_.tensor_rank),
+                                      static_cast<int>(grid_.tensor), static_cast<int>(grid_.replica),
+                                      static_cast<int>(grid_.data),
+                                      train_state::fsdp_item(fsdp_, &opt_)));
   }
 
   uint64_t param_hash() override {
     uint64_t h = kFnv1a64Basis;
-    for (const at::Tensor& p : model_->parameters()) h = HashTensor(p, h);
+    for (const at::Tensor& p : fsdp_->parameters()) h = HashTensor(p, h);
     return h;
   }
-  // The dense parameters by name (TpGpt::full_state_dict: collective on the tensor group).
+  // The dense parameters by name: FSDP gathers each rank's slices over the replicas, then
+  // TpGpt::full_state_dict gathers the slices over the tensor group (collective).
   uint64_t full_param_hash() override {
+    auto full = fsdp_->summon_full_params(/*writeback=*/false);
     uint64_t h = kFnv1a64Basis;
-    for (const auto& item : model_->full_state_dict()) h = HashNamed(item.key(), item.value(), h);
+    for (const auto& item : gpt_->full_state_dict()) h = HashNamed(item.key(), item.value(), h);
     return h;
   }
 
  private:
   model_parallel::ParallelGrid grid_;
-  TpGpt model_;
-  std::set<std::string> sharded_;
+  TpGpt gpt_;
+  fsdp::FullyShardedDataParallel fsdp_;
   torch::optim::Adam opt_;
   int64_t num_params_;
   std::string label_;
@@ -114,6 +149,7 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeTpModel(const TrainConfig& co
     return absl::InvalidArgumentError(
         absl::StrCat("tensor_parallel ", t, " does not divide the world size ", comm->size()));
   }
+  FS_ASSIGN_OR_RETURN(fsdp::ShardingStrategy strategy, ParseStrategy(config.strategy));
   // The same Gpt (so the same initial weights, from torch's seeded global generator) as the
   // other modes; the TpGpt takes its slices.
   Gpt dense(model_config);
@@ -125,19 +161,28 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeTpModel(const TrainConfig& co
   }
   try {
     model_parallel::ParallelGrid grid = model_parallel::MakeParallelGrid(comm, t, 1);
-    TpGpt model(model_config, grid.tensor_group);
-    model->load_dense_state_dict(dense_params);
-    std::set<std::string> sharded;
-    for (const auto& item : model->named_parameters()) {
-      const at::Tensor* d = dense_params.find(item.key());
-      if (d == nullptr || !d->sizes().equals(item.value().sizes())) {
-        sharded.insert(item.key());
-      }
+    const auto opts =
+        fsdp::FsdpOptions().sharding_strategy(strategy).flatten_parameters(false);
+    TpGpt gpt{nullptr};
+    fsdp::FullyShardedDataParallel root{nullptr};
+    {
+      // Every block its own FSDP unit over the data group; the root holds the embeddings and
+      // the head.
+      fsdp::EnableWrap scope(grid.data_group, opts,
+                             fsdp::module_type_auto_wrap_policy<TpTransformerBlockImpl>());
+      gpt = TpGpt(model_config, grid.tensor_group);
+      root = fsdp::FullyShardedDataParallel(TpLoss(gpt), grid.data_group, opts);
     }
-    const std::string label = absl::StrCat("tensor parallel ", t, " x ", grid.data, " replica",
-                                           grid.data == 1 ? "" : "s", " (all-reduce)");
+    {
+      // Collective on the data group: every rank writes its rows of the dense slices back.
+      auto full = root->summon_full_params(/*writeback=*/true);
+      gpt->load_dense_state_dict(dense_params);
+    }
+    const std::string label =
+        absl::StrCat("tensor parallel ", t, " x ", grid.data, " replica", grid.data == 1 ? "" : "s",
+                     " (", config.strategy, ")");
     return std::unique_ptr<ParallelModel>(std::make_unique<TpParallelModel>(
-        std::move(grid), std::move(model), std::move(sharded), num_params, adam, label));
+        std::move(grid), std::move(gpt), std::move(root), num_params, adam, label));
   } catch (const c10::Error& e) {
     // kUnknown: the code is the one in the message (e.g. TpGpt's INVALID_ARGUMENT for heads or
     // a vocabulary that T does not divide).

@@ -460,10 +460,11 @@ class Trainer {
     FS_ASSIGN_OR_RETURN(result.full_param_hashes, FullParamHashes());
     if (last < config_.steps) return result;  // stopped early, as if killed
 
-    if (config_.sample_tokens > 0 && model_->computes_loss()) {
+    // The pipeline has no rank holding the whole model; the tensor-parallel forward gathers the
+    // logits on every rank (all ranks sample in lockstep, as under FSDP).
+    if (config_.sample_tokens > 0 && config_.pipeline_stages > 1) {
       if (rank_ == 0 && config_.progress) {
-        std::printf("train_gpt: no sample in %s mode (not wired for a model that computes its own loss)\n",
-                    config_.tensor_parallel > 1 ? "tensor parallel" : "pipeline");
+        std::printf("train_gpt: no sample in pipeline mode (no rank holds the whole model)\n");
       }
     } else if (config_.sample_tokens > 0) {
       std::vector<int64_t> ids = generate(

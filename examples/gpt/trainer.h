@@ -119,12 +119,14 @@ struct TrainConfig {
   // group of T consecutive ranks holds one TpGpt (heads, MLP columns and the vocabulary split T
   // ways) loaded from the dense Gpt of the job's seed, so the job trains the dense job's model;
   // replica k (ranks kT .. kT + T - 1) reads rank k's batch, the loss is the vocab-parallel
-  // cross-entropy, the replicas average their gradients (all-reduce), clipping uses the norm over
-  // the whole model, and Adam steps each rank's slices. T must divide the world size, heads and
-  // the vocabulary. Needs data_parallel fsdp with strategy no_shard and precision fp32; not
-  // supported yet (rejected by Validate): pipeline_stages > 1, deterministic, loss_scale,
-  // optimizer_offload, checkpoint_activations, checkpoint_dir. No sample is drawn at the end.
-  // In ToJson() when > 1.
+  // cross-entropy, FSDP (per parameter, every block a unit) shards each rank's slices over the
+  // replicas with `strategy` full_shard or shard_grad_op, or averages the gradients (no_shard);
+  // clipping uses the norm over the whole model, Adam steps each rank's shards. Checkpoints: one
+  // FSDP checkpoint per tensor rank (stage_item), restorable with the same T at any replica
+  // count. The sample at the end runs the gathered logits on every rank. T must divide the world
+  // size, heads and the vocabulary. Needs data_parallel fsdp, a non-hybrid strategy and precision
+  // fp32; not supported yet (rejected by Validate): pipeline_stages > 1, deterministic,
+  // loss_scale, optimizer_offload, checkpoint_activations. In ToJson() when > 1.
   int64_t tensor_parallel = 1;
   // Deterministic mode (//deterministic): bitwise the same losses, parameters and parameter hash
   // at any world size that divides `micro_batches`. A step's global batch is `micro_batches`
