@@ -14,17 +14,60 @@
 #include <numeric>
 #include <string>
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "absl/strings/str_cat.h"
 #include "checkpoint/checkpoint.h"
+#include "moe/gate.h"
 
 namespace fairscale::examples::gpt {
 
-TransformerBlockImpl::TransformerBlockImpl(int64_t width, int64_t heads) : heads_(heads) {
+ExpertMlpImpl::ExpertMlpImpl(int64_t width, int64_t hidden) {
+  fc1_ = register_module("fc1", torch::nn::Linear(width, hidden));
+  fc2_ = register_module("fc2", torch::nn::Linear(hidden, width));
+}
+
+torch::Tensor ExpertMlpImpl::forward(torch::Tensor x) { return fc2_(at::gelu(fc1_(x))); }
+
+std::vector<std::shared_ptr<torch::nn::Module>> GptExperts::modules() const {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  for (const auto& block : per_block) {
+    for (const ExpertMlp& e : block) out.push_back(e.ptr());
+  }
+  return out;
+}
+
+GptExperts MakeGptExperts(const GptConfig& config, const comm::Communicator& expert_comm) {
+  GptExperts out;
+  const int64_t e = config.moe_experts(), n = expert_comm.size();
+  if (e <= 0) return out;
+  TORCH_CHECK(e % n == 0, "Gpt: moe_experts = ", e,
+              " is not divisible by the expert-parallel size ", n,
+              " (each rank holds moe_experts / size experts)");
+  const int64_t local = e / n, first = expert_comm.rank() * local;
+  for (int64_t i = 1; i < config.blocks(); i += 2) {
+    std::vector<ExpertMlp> mine;
+    for (int64_t k = 0; k < e; ++k) {
+      ExpertMlp expert(config.width(), 2 * config.width());  // every rank draws all E
+      if (k >= first && k < first + local) mine.push_back(expert);
+    }
+    out.per_block.push_back(std::move(mine));
+  }
+  return out;
+}
+
+TransformerBlockImpl::TransformerBlockImpl(int64_t width, int64_t heads, moe::MOELayer moe)
+    : heads_(heads) {
   TORCH_CHECK(heads > 0 && width % heads == 0, "TransformerBlock: width ", width,
               " is not divisible by heads ", heads);
   ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
   qkv_ = register_module("qkv", torch::nn::Linear(width, 3 * width));
   proj_ = register_module("proj", torch::nn::Linear(width, width));
   ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+  if (!moe.is_empty()) {
+    moe_ = register_module("moe", std::move(moe));
+    return;
+  }
   fc1_ = register_module("fc1", torch::nn::Linear(width, 4 * width));
   fc2_ = register_module("fc2", torch::nn::Linear(4 * width, width));
 }
@@ -41,6 +84,7 @@ torch::Tensor TransformerBlockImpl::forward(torch::Tensor x) {
   att = at::softmax(att.masked_fill(future, -INFINITY), -1);
   at::Tensor y = at::matmul(att, split(qkv[2])).transpose(1, 2).reshape({b, t, c});
   x = x + proj_(y);
+  if (!moe_.is_empty()) return x + moe_(ln2_(x));
   return x + fc2_(at::gelu(fc1_(ln2_(x))));
 }
 
@@ -60,16 +104,39 @@ LmHeadImpl::LmHeadImpl(int64_t width, int64_t vocab) {
 
 torch::Tensor LmHeadImpl::forward(torch::Tensor x) { return head_(ln_f_(x)); }
 
-GptImpl::GptImpl(const GptConfig& config) : config_(config) {
+GptImpl::GptImpl(const GptConfig& config, std::shared_ptr<comm::Communicator> expert_comm,
+                 GptExperts experts)
+    : config_(config), moe_noise_(at::make_generator<at::CPUGeneratorImpl>(0)) {
   TORCH_CHECK(config.vocab() > 0 && config.seq() > 0 && config.blocks() >= 0,
               "Gpt: vocab, seq must be positive and blocks non-negative");
+  const bool moe = config.moe_experts() > 0;
+  TORCH_CHECK(config.moe_experts() >= 0, "Gpt: moe_experts must be >= 0, got ",
+              config.moe_experts());
+  TORCH_CHECK(!moe || expert_comm != nullptr, "Gpt: moe_experts = ", config.moe_experts(),
+              " needs an expert communicator");
+  if (moe && experts.per_block.empty()) experts = MakeGptExperts(config, *expert_comm);
+  TORCH_CHECK(static_cast<int64_t>(experts.per_block.size()) == (moe ? config.blocks() / 2 : 0),
+              "Gpt: ", experts.per_block.size(), " blocks of experts for ", config.blocks(),
+              " blocks (every odd block is MoE)");
   // Construction order = initialization order: embeddings, blocks, head.
   embed_ = fsdp::wrap(Embeddings(config.vocab(), config.seq(), config.width()));
   register_module("embed", embed_.ptr());
   TORCH_CHECK(config.checkpoint_every_k() >= 0, "Gpt: checkpoint_every_k must be >= 0, got ",
               config.checkpoint_every_k());
   for (int64_t i = 0; i < config.blocks(); ++i) {
-    TransformerBlock block(config.width(), config.heads());
+    moe::MOELayer layer{nullptr};
+    if (moe && i % 2 == 1) {
+      std::vector<torch::nn::AnyModule> local;
+      for (const ExpertMlp& e : experts.per_block[i / 2]) local.emplace_back(e);
+      // The gate is drawn before the block's own layers (the same order on every rank).
+      layer = moe::MOELayer(
+          moe::Top2Gate(moe::Top2GateOptions(config.width(), config.moe_experts())
+                            .capacity_factor(config.moe_capacity_factor())
+                            .generator(moe_noise_)),
+          std::move(local), expert_comm);
+      moe_layers_.push_back(layer);
+    }
+    TransformerBlock block(config.width(), config.heads(), layer);
     const int64_t k = config.checkpoint_every_k();
     blocks_.push_back(k > 0 && i % k == 0 ? fsdp::wrap(checkpoint::CheckpointWrapper(block))
                                           : fsdp::wrap(block));
@@ -78,6 +145,17 @@ GptImpl::GptImpl(const GptConfig& config) : config_(config) {
   lm_head_ = fsdp::wrap(LmHead(config.width(), config.vocab()));
   register_module("lm_head", lm_head_.ptr());
 }
+
+at::Tensor GptImpl::aux_loss() const {
+  at::Tensor total;
+  for (const moe::MOELayer& layer : moe_layers_) {
+    if (!layer->l_aux().defined()) continue;
+    total = total.defined() ? total + layer->l_aux() : layer->l_aux();
+  }
+  return total;
+}
+
+void GptImpl::seed_moe_noise(uint64_t seed) { moe_noise_.set_current_seed(seed); }
 
 torch::Tensor GptImpl::forward(torch::Tensor tokens) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) <= config_.seq(), "Gpt: tokens must be [batch, t] with t <= ",

@@ -22,11 +22,17 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "fsdp/wrap.h"
+#include "moe/moe_layer.h"
 
 namespace fairscale::examples::gpt {
 
@@ -42,18 +48,55 @@ struct GptConfig {
   // values are unchanged (the wrapper is transparent), and the model has no randomness in its
   // forward, so the numbers are bitwise those of the plain model.
   TORCH_ARG(int64_t, checkpoint_every_k) = 0;
+  // Mixture of experts (//moe): with moe_experts E > 0 the MLP of every odd block (1, 3, ...) is
+  // a moe::MOELayer: a Top2Gate over E experts (capacity factor moe_capacity_factor; the
+  // second-expert Gumbel noise from the model's own generator, see GptImpl::seed_moe_noise),
+  // each expert an ExpertMlp of hidden width 2 * width, so that a token's two experts cost the
+  // FLOPs of the dense MLP they replace. The experts are spread over the expert communicator
+  // given to the Gpt (E divisible by its size). The gates' load-balancing loss: aux_loss().
+  TORCH_ARG(int64_t, moe_experts) = 0;
+  TORCH_ARG(double, moe_capacity_factor) = 1.0;
 };
 
+// One expert of an MoE block: x -> fc2(gelu(fc1(x))), width -> hidden -> width.
+class ExpertMlpImpl : public torch::nn::Module {
+ public:
+  ExpertMlpImpl(int64_t width, int64_t hidden);
+  torch::Tensor forward(torch::Tensor x);
+
+ private:
+  torch::nn::Linear fc1_{nullptr}, fc2_{nullptr};
+};
+TORCH_MODULE(ExpertMlp);
+
+// The experts of a Gpt's MoE blocks that live on this rank: for MoE block j (block 2j + 1), the
+// experts [r L, (r + 1) L) of the E (rank r of n in the expert communicator, L = E / n). Built
+// before the rest of the model (MakeGptExperts), so that a data-parallel wrapper can be told to
+// leave them alone (fsdp::FsdpOptions::ignored_modules: they are rank-local, their gradients
+// already hold every rank's tokens).
+struct GptExperts {
+  std::vector<std::vector<ExpertMlp>> per_block;
+  // Every expert module, block by block (for FsdpOptions::ignored_modules).
+  std::vector<std::shared_ptr<torch::nn::Module>> modules() const;
+};
+
+// Draws every block's E experts from torch's global generator (the same draws on every rank and
+// at every world size, so the model does not depend on n) and keeps this rank's. Empty for a
+// dense config. c10::Error when E is not divisible by the communicator's size (naming both).
+GptExperts MakeGptExperts(const GptConfig& config, const comm::Communicator& expert_comm);
+
 // x + attn(ln1(x)), then x + mlp(ln2(x)); causal multi-head attention, MLP width 4x.
+// With `moe` (non-null) the MLP is that MoE layer (registered as "moe"; no fc1/fc2).
 class TransformerBlockImpl : public torch::nn::Module {
  public:
-  TransformerBlockImpl(int64_t width, int64_t heads);
+  TransformerBlockImpl(int64_t width, int64_t heads, moe::MOELayer moe = moe::MOELayer(nullptr));
   torch::Tensor forward(torch::Tensor x);
 
  private:
   int64_t heads_;
   torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
   torch::nn::Linear qkv_{nullptr}, proj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
+  moe::MOELayer moe_{nullptr};
 };
 TORCH_MODULE(TransformerBlock);
 
@@ -86,16 +129,35 @@ TORCH_MODULE(LmHead);
 // own FSDP unit, so the root holds no parameters. (A root holding the embeddings and the head
 // would keep both, and their full gradient, alive for the whole backward pass: they are used
 // first and last.)
+//
+// Mixture of experts (config.moe_experts > 0): `expert_comm` is the expert-parallel group (every
+// rank of it calls forward together; see moe::MOELayer) and `experts` this rank's experts from
+// MakeGptExperts(config, *expert_comm) (built here when empty). The experts are drawn first,
+// then the embeddings, the blocks (each MoE block's gate before its own layers) and the head.
+// Expert parameters are named "block<2j+1>.moe.experts.<l>.fc1.weight" etc. (l local).
 class GptImpl : public torch::nn::Module {
  public:
-  explicit GptImpl(const GptConfig& config);
+  explicit GptImpl(const GptConfig& config,
+                   std::shared_ptr<comm::Communicator> expert_comm = nullptr,
+                   GptExperts experts = {});
   torch::Tensor forward(torch::Tensor tokens);
   const GptConfig& config() const { return config_; }
+
+  // The MoE layers (empty for a dense config), block 1, 3, ...
+  const std::vector<moe::MOELayer>& moe_layers() const { return moe_layers_; }
+  // The sum of the MoE layers' load-balancing losses (moe::MOELayer::l_aux) of the last
+  // forward: differentiable, a 0-dim tensor; undefined for a dense model or before a forward.
+  at::Tensor aux_loss() const;
+  // Reseeds the generator of the gates' second-expert noise (e.g. per step and rank, so that a
+  // resumed run draws what the uninterrupted one drew).
+  void seed_moe_noise(uint64_t seed);
 
  private:
   GptConfig config_;
   fsdp::Wrapped embed_, lm_head_;
   std::vector<fsdp::Wrapped> blocks_;
+  std::vector<moe::MOELayer> moe_layers_;
+  at::Generator moe_noise_;
 };
 TORCH_MODULE(Gpt);
 
