@@ -22,7 +22,8 @@ struct CommConfig {
   // (CreateCommunicatorFromEnv chooses one from FS_SOCKET_IFNAME or the route to MASTER_ADDR).
   std::string bind_address = "127.0.0.1";
   // The network interface bind_address was chosen by (FS_SOCKET_IFNAME); "" = none. Backends
-  // that pick their own devices keep to it (ucx: UCX_NET_DEVICES, unless that is set).
+  // that pick their own devices keep to it (ucx: UCX_NET_DEVICES, nccl: NCCL_SOCKET_IFNAME,
+  // unless that is set).
   std::string network_interface;
   // Store namespace of this communicator ("" = "default"). Ranks must agree.
   std::string name;

@@ -112,8 +112,8 @@ absl::StatusOr<std::unique_ptr<Store>> CreateStoreClient(absl::string_view proto
 //   FS_SOCKET_IFNAME=<interface>        that interface's IPv4 address (like GLOO_SOCKET_IFNAME;
 //                                       an unknown interface, or one without an IPv4 address,
 //                                       is kInvalidArgument listing the interfaces). The ucx
-//                                       backend also gets it as UCX_NET_DEVICES unless that is
-//                                       set.
+//                                       backend also gets it as UCX_NET_DEVICES, the nccl
+//                                       backend as NCCL_SOCKET_IFNAME, unless that is set.
 //   every rank on this host             127.0.0.1: LOCAL_WORLD_SIZE (torchrun / fs_launch),
 //                                       OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS or
 //                                       SLURM_STEP_NUM_NODES=1 says so, or there is no

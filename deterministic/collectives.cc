@@ -79,14 +79,11 @@ std::vector<Partial> ReduceScatter(comm::Communicator& comm, std::vector<Partial
   const int64_t numel = CheckArgs(comm, mine, nodes_of, ctx);
   const int world = comm.size();
   if (world == 1) return Merge(std::move(mine));
-  const size_t slots = MaxNodes(nodes_of);
-  if (mine.empty()) {
-    TORCH_CHECK(slots > 0, ctx, ": no rank holds a partial sum");
-  }
-  // A rank with no partials still takes part (zeros), sized like its peers'; numel is then
-  // unknown here, so every rank must hold at least one.
+  // Every rank must hold a partial: one with none would not know numel (nor the dtype) to size
+  // its part of the all-to-all.
   TORCH_CHECK(!mine.empty(), ctx, ": this rank holds no partial sum (every rank must compute "
               "at least one micro-batch)");
+  const size_t slots = MaxNodes(nodes_of);
   TORCH_CHECK(numel % world == 0, ctx, ": ", numel, " elements do not split into ", world,
               " blocks");
   const int64_t shard = numel / world;

@@ -21,6 +21,7 @@
 #include "deterministic/collectives.h"
 #include "deterministic/mode.h"
 #include "deterministic/tree.h"
+#include "testing/bitwise.h"
 #include "testing/c10_error.h"
 
 namespace fairscale::deterministic {
@@ -28,6 +29,7 @@ namespace {
 
 using ::fairscale::comm::testing::ExpectAllOk;
 using ::fairscale::comm::testing::RunInprocRanks;
+using ::fairscale::testing::Bitwise;
 using ::fairscale::testing::ErrorOf;
 using ::testing::HasSubstr;
 
@@ -57,11 +59,6 @@ at::Tensor RefTotal(int64_t n, int64_t numel, at::ScalarType dtype) {
     begin += size;
   }
   return total;
-}
-
-bool Bitwise(const at::Tensor& a, const at::Tensor& b) {
-  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
-         at::equal(a.contiguous().view(at::kByte), b.contiguous().view(at::kByte));
 }
 
 TEST(Tree, DecomposeByHand) {

@@ -28,6 +28,7 @@
 #include "fsdp/fully_sharded_data_parallel.h"
 #include "fsdp/internal/flat_param.h"
 #include "fsdp/state_dict.h"
+#include "testing/bitwise.h"
 #include "testing/c10_error.h"
 
 namespace fairscale::fsdp {
@@ -35,6 +36,7 @@ namespace {
 
 using ::fairscale::comm::testing::ExpectAllOk;
 using ::fairscale::comm::testing::RunInprocRanks;
+using ::fairscale::testing::Bitwise;
 using ::fairscale::testing::ExpectError;
 
 constexpr int64_t kMicroBatches = 24;
@@ -116,11 +118,6 @@ struct Trajectory {
   std::vector<double> losses;         // the step losses
   std::map<std::string, at::Tensor> params;  // the full parameters at the end
 };
-
-bool Bitwise(const at::Tensor& a, const at::Tensor& b) {
-  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
-         at::equal(a.contiguous().view(at::kByte), b.contiguous().view(at::kByte));
-}
 
 // Trains steps [from, to) of one rank; `deterministic` false is the default mode (each rank's
 // loss divided by its micro-batch count, the mean over ranks by FSDP).

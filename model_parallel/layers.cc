@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "autograd_comm/collectives.h"
 #include "base/torch_error.h"
 
@@ -23,7 +24,7 @@ namespace {
 namespace ac = ::fairscale::autograd_comm;
 
 // "model_parallel::ColumnParallelLinear rank 1/4"
-std::string Context(const char* layer, const comm::Communicator& comm) {
+std::string Context(absl::string_view layer, const comm::Communicator& comm) {
   return absl::StrCat("model_parallel::", layer, " rank ", comm.rank(), "/", comm.size());
 }
 
@@ -94,6 +95,71 @@ void CheckKeys(const TensorDict& full, const std::set<std::string>& allowed,
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// What ColumnParallelLinear and RowParallelLinear share: the full (dense-twin) weight [out, in]
+// and bias [out] in and out. The two differ only in the split: the weight along `weight_dim`
+// (0: the output features, column; 1: the input features, row), the bias along dim 0 with it
+// (column) or replicated (row).
+
+struct LinearShards {
+  const char* layer;  // "ColumnParallelLinear", for error contexts
+  int64_t weight_dim;
+  int64_t in_features;
+  int64_t out_features;
+  bool has_bias;
+  at::Tensor& weight;  // this rank's shard
+  at::Tensor& bias;    // this rank's shard (column) or the whole bias (row)
+  comm::Communicator& comm;
+
+  bool bias_split() const { return weight_dim == 0; }
+};
+
+void LoadFullLinear(const LinearShards& p, const at::Tensor& full_weight,
+                    const at::Tensor& full_bias) {
+  const std::string context = Context(absl::StrCat(p.layer, "::load_full"), p.comm);
+  CheckShape(context, "weight", full_weight, {p.out_features, p.in_features});
+  if (p.has_bias) CheckShape(context, "bias", full_bias, {p.out_features});
+  if (!p.has_bias && full_bias.defined()) Fail(context, "the layer has no bias");
+  const int64_t n = full_weight.size(p.weight_dim) / p.comm.size();
+  CopyInto(p.weight, full_weight.narrow(p.weight_dim, p.comm.rank() * n, n));
+  if (!p.has_bias) return;
+  const int64_t m = p.out_features / p.comm.size();
+  CopyInto(p.bias, p.bias_split() ? full_bias.narrow(0, p.comm.rank() * m, m) : full_bias);
+}
+
+at::Tensor FullLinearBias(const LinearShards& p) {
+  if (!p.has_bias) return at::Tensor();
+  return p.bias_split() ? Gather(p.bias, 0, p.comm) : p.bias.detach().clone();
+}
+
+TensorDict FullLinearStateDict(const LinearShards& p) {
+  TensorDict d;
+  d.insert("weight", Gather(p.weight, p.weight_dim, p.comm));
+  if (p.has_bias) d.insert("bias", FullLinearBias(p));
+  return d;
+}
+
+void LoadFullLinearStateDict(const LinearShards& p, const TensorDict& full) {
+  const std::string context = Context(absl::StrCat(p.layer, "::load_full_state_dict"), p.comm);
+  CheckKeys(full,
+            p.has_bias ? std::set<std::string>{"weight", "bias"} : std::set<std::string>{"weight"},
+            context);
+  LoadFullLinear(p, Get(full, "weight", context),
+                 p.has_bias ? Get(full, "bias", context) : at::Tensor());
+}
+
+LinearShards Shards(ColumnParallelLinearImpl& l) {
+  const ColumnParallelLinearOptions& o = l.options();
+  return {"ColumnParallelLinear", 0, o.in_features(), o.out_features(), o.bias(), l.weight, l.bias,
+          l.communicator()};
+}
+
+LinearShards Shards(RowParallelLinearImpl& l) {
+  const RowParallelLinearOptions& o = l.options();
+  return {"RowParallelLinear", 1, o.in_features(), o.out_features(), o.bias(), l.weight, l.bias,
+          l.communicator()};
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -128,36 +194,19 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
 
 void ColumnParallelLinearImpl::load_full(const at::Tensor& full_weight,
                                          const at::Tensor& full_bias) {
-  const std::string context = Context("ColumnParallelLinear::load_full", *comm_);
-  const int64_t out = options_.out_features(), rows = out / comm_->size();
-  CheckShape(context, "weight", full_weight, {out, options_.in_features()});
-  if (options_.bias()) CheckShape(context, "bias", full_bias, {out});
-  if (!options_.bias() && full_bias.defined()) Fail(context, "the layer has no bias");
-  CopyInto(weight, full_weight.narrow(0, comm_->rank() * rows, rows));
-  if (options_.bias()) CopyInto(bias, full_bias.narrow(0, comm_->rank() * rows, rows));
+  LoadFullLinear(Shards(*this), full_weight, full_bias);
 }
 
 at::Tensor ColumnParallelLinearImpl::full_weight() { return Gather(weight, 0, *comm_); }
 
-at::Tensor ColumnParallelLinearImpl::full_bias() {
-  return options_.bias() ? Gather(bias, 0, *comm_) : at::Tensor();
-}
+at::Tensor ColumnParallelLinearImpl::full_bias() { return FullLinearBias(Shards(*this)); }
 
 TensorDict ColumnParallelLinearImpl::full_state_dict() {
-  TensorDict d;
-  d.insert("weight", full_weight());
-  if (options_.bias()) d.insert("bias", full_bias());
-  return d;
+  return FullLinearStateDict(Shards(*this));
 }
 
 void ColumnParallelLinearImpl::load_full_state_dict(const TensorDict& full) {
-  const std::string context = Context("ColumnParallelLinear::load_full_state_dict", *comm_);
-  CheckKeys(
-      full,
-      options_.bias() ? std::set<std::string>{"weight", "bias"} : std::set<std::string>{"weight"},
-      context);
-  load_full(Get(full, "weight", context),
-            options_.bias() ? Get(full, "bias", context) : at::Tensor());
+  LoadFullLinearStateDict(Shards(*this), full);
 }
 
 void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
@@ -198,36 +247,17 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
 }
 
 void RowParallelLinearImpl::load_full(const at::Tensor& full_weight, const at::Tensor& full_bias) {
-  const std::string context = Context("RowParallelLinear::load_full", *comm_);
-  const int64_t in = options_.in_features(), cols = in / comm_->size();
-  CheckShape(context, "weight", full_weight, {options_.out_features(), in});
-  if (options_.bias()) CheckShape(context, "bias", full_bias, {options_.out_features()});
-  if (!options_.bias() && full_bias.defined()) Fail(context, "the layer has no bias");
-  CopyInto(weight, full_weight.narrow(1, comm_->rank() * cols, cols));
-  if (options_.bias()) CopyInto(bias, full_bias);
+  LoadFullLinear(Shards(*this), full_weight, full_bias);
 }
 
 at::Tensor RowParallelLinearImpl::full_weight() { return Gather(weight, 1, *comm_); }
 
-at::Tensor RowParallelLinearImpl::full_bias() {
-  return options_.bias() ? bias.detach().clone() : at::Tensor();
-}
+at::Tensor RowParallelLinearImpl::full_bias() { return FullLinearBias(Shards(*this)); }
 
-TensorDict RowParallelLinearImpl::full_state_dict() {
-  TensorDict d;
-  d.insert("weight", full_weight());
-  if (options_.bias()) d.insert("bias", full_bias());
-  return d;
-}
+TensorDict RowParallelLinearImpl::full_state_dict() { return FullLinearStateDict(Shards(*this)); }
 
 void RowParallelLinearImpl::load_full_state_dict(const TensorDict& full) {
-  const std::string context = Context("RowParallelLinear::load_full_state_dict", *comm_);
-  CheckKeys(
-      full,
-      options_.bias() ? std::set<std::string>{"weight", "bias"} : std::set<std::string>{"weight"},
-      context);
-  load_full(Get(full, "weight", context),
-            options_.bias() ? Get(full, "bias", context) : at::Tensor());
+  LoadFullLinearStateDict(Shards(*this), full);
 }
 
 void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {

@@ -76,15 +76,31 @@ void SetParam(at::Tensor& p, const at::Tensor& value) {
   p.copy_(value);
 }
 
+// The dense reference of a linear layer: torch::nn::Linear with the full weight [out, in] and
+// bias [out] (none if undefined), applied to a copy of `x` that requires grad. Built in the main
+// thread; the caller runs the backward pass it compares against.
+struct DenseLinear {
+  torch::nn::Linear linear{nullptr};
+  at::Tensor x;  // the input; x.grad() after backward
+  at::Tensor y;  // linear(x)
+};
+
+DenseLinear RunDenseLinear(const at::Tensor& w, const at::Tensor& b, const at::Tensor& x) {
+  DenseLinear d;
+  d.linear = torch::nn::Linear(torch::nn::LinearOptions(w.size(1), w.size(0)).bias(b.defined()));
+  SetParam(d.linear->weight, w);
+  if (b.defined()) SetParam(d.linear->bias, b);
+  d.x = x.clone().requires_grad_(true);
+  d.y = d.linear(d.x);
+  return d;
+}
+
 TEST(ModelParallel, ColumnParallelLinearEqualsDense) {
   const at::Tensor w = Data({12, 6}, 1), b = Data({12}, 2), x = Data({2, 3, 6}, 3),
                    l = Data({2, 3, 12}, 4);
   for (bool bias : {true, false}) {
-    torch::nn::Linear dense(torch::nn::LinearOptions(6, 12).bias(bias));
-    SetParam(dense->weight, w);
-    if (bias) SetParam(dense->bias, b);
-    const at::Tensor dx = x.clone().requires_grad_(true);
-    const at::Tensor y = dense(dx);
+    const DenseLinear dense = RunDenseLinear(w, bias ? b : at::Tensor(), x);
+    const at::Tensor &dx = dense.x, &y = dense.y;
     (y * l).sum().backward();
     for (int world : {1, 2, 3, 4}) {
       for (bool gather : {true, false}) {
@@ -105,12 +121,12 @@ TEST(ModelParallel, ColumnParallelLinearEqualsDense) {
                             FS_RETURN_IF_ERROR(Near(out, want, kTol, label + " output"));
                             FS_RETURN_IF_ERROR(Near(xr.grad(), dx.grad(), kTol, label + " dX"));
                             FS_RETURN_IF_ERROR(Near(layer->weight.grad(),
-                                                    Slice(dense->weight.grad(), 0, r, n), kTol,
-                                                    label + " dW"));
+                                                    Slice(dense.linear->weight.grad(), 0, r, n),
+                                                    kTol, label + " dW"));
                             if (bias) {
                               FS_RETURN_IF_ERROR(Near(layer->bias.grad(),
-                                                      Slice(dense->bias.grad(), 0, r, n), kTol,
-                                                      label + " db"));
+                                                      Slice(dense.linear->bias.grad(), 0, r, n),
+                                                      kTol, label + " db"));
                             }
                             FS_RETURN_IF_ERROR(Near(layer->full_weight(), w, 0, label + " full W"));
                             return bias ? Near(layer->full_bias(), b, 0, label + " full b")
@@ -127,11 +143,8 @@ TEST(ModelParallel, RowParallelLinearEqualsDense) {
   const at::Tensor w = Data({5, 12}, 11), b = Data({5}, 12), x = Data({2, 3, 12}, 13),
                    l = Data({2, 3, 5}, 14);
   for (bool bias : {true, false}) {
-    torch::nn::Linear dense(torch::nn::LinearOptions(12, 5).bias(bias));
-    SetParam(dense->weight, w);
-    if (bias) SetParam(dense->bias, b);
-    const at::Tensor dx = x.clone().requires_grad_(true);
-    const at::Tensor y = dense(dx);
+    const DenseLinear dense = RunDenseLinear(w, bias ? b : at::Tensor(), x);
+    const at::Tensor &dx = dense.x, &y = dense.y;
     (y * l).sum().backward();
     for (int world : {1, 2, 3, 4}) {
       for (bool parallel : {false, true}) {
@@ -155,11 +168,11 @@ TEST(ModelParallel, RowParallelLinearEqualsDense) {
                                             parallel ? Slice(dx.grad(), -1, r, n) : dx.grad(), kTol,
                                             label + " dX"));
                     FS_RETURN_IF_ERROR(Near(layer->weight.grad(),
-                                            Slice(dense->weight.grad(), 1, r, n), kTol,
+                                            Slice(dense.linear->weight.grad(), 1, r, n), kTol,
                                             label + " dW"));
                     if (bias) {
                       FS_RETURN_IF_ERROR(
-                          Near(layer->bias.grad(), dense->bias.grad(), kTol, label + " db"));
+                          Near(layer->bias.grad(), dense.linear->bias.grad(), kTol, label + " db"));
                     }
                     return Near(layer->full_weight(), w, 0, label + " full W");
                   });
@@ -229,10 +242,9 @@ TEST(ModelParallel, VocabParallelCrossEntropyEqualsCrossEntropy) {
   // The output layer of a tensor-parallel LM: ColumnParallelLinear(gather_output = false) ->
   // vocab_parallel_cross_entropy equals Linear -> cross_entropy (loss, dX, dW).
   const at::Tensor w = Data({12, 6}, 33), x = Data({7, 6}, 34), targets = Tokens({7}, 12, 35);
-  torch::nn::Linear dense(torch::nn::LinearOptions(6, 12).bias(false));
-  SetParam(dense->weight, w);
-  const at::Tensor dx = x.clone().requires_grad_(true);
-  const at::Tensor want = torch::nn::functional::cross_entropy(dense(dx), targets);
+  const DenseLinear dense = RunDenseLinear(w, at::Tensor(), x);
+  const at::Tensor& dx = dense.x;
+  const at::Tensor want = torch::nn::functional::cross_entropy(dense.y, targets);
   want.backward();
   for (int world : {1, 2, 3, 4}) {
     const std::string label = absl::StrCat("column + cross-entropy T=", world);
@@ -249,7 +261,7 @@ TEST(ModelParallel, VocabParallelCrossEntropyEqualsCrossEntropy) {
                 loss.backward();
                 FS_RETURN_IF_ERROR(Near(loss, want, kTol, label + " loss"));
                 FS_RETURN_IF_ERROR(Near(xr.grad(), dx.grad(), kTol, label + " dX"));
-                return Near(head->weight.grad(), Slice(dense->weight.grad(), 0, r, n), kTol,
+                return Near(head->weight.grad(), Slice(dense.linear->weight.grad(), 0, r, n), kTol,
                             label + " dW");
               });
             }),
@@ -396,26 +408,44 @@ TEST(ModelParallel, AdamStepsEqualDense) {
   }
 }
 
+// A TpMlp(comm, seed) at T = world, every parameter first changed as training would if
+// `perturb`: its full state dict and its output on `x`, as rank 0 sees them.
+struct TpExport {
+  TensorDict full;
+  at::Tensor out;
+};
+
+TpExport ExportTpMlp(int world, uint64_t seed, bool perturb, const at::Tensor& x,
+                     const std::string& label) {
+  TpExport e;
+  ExpectAllOk(RunInprocRanks(world,
+                             [&](int r, int, std::shared_ptr<Communicator> comm) {
+                               return CatchErrors([&]() -> absl::Status {
+                                 TpMlp tp(comm, seed);
+                                 if (perturb) {
+                                   torch::NoGradGuard no_grad;
+                                   for (auto& p : tp->parameters()) p.mul_(1.5).add_(0.25);
+                                 }
+                                 TensorDict full = full_state_dict(*tp);
+                                 at::Tensor out = tp(x).detach();
+                                 if (r == 0) e = {std::move(full), out};
+                                 return absl::OkStatus();
+                               });
+                             }),
+              label);
+  return e;
+}
+
 TEST(ModelParallel, FullStateDictAcrossWorldSizes) {
   // Seeded initialization: the same full model at every T.
   std::vector<TensorDict> seeded(5);
   const at::Tensor x = Data({3, 8}, 81);
   std::vector<at::Tensor> outputs(5);
   for (int world : {1, 2, 3, 4}) {
-    ExpectAllOk(RunInprocRanks(world,
-                               [&](int r, int, std::shared_ptr<Communicator> comm) {
-                                 return CatchErrors([&]() -> absl::Status {
-                                   TpMlp tp(comm, /*seed=*/7);
-                                   TensorDict full = full_state_dict(*tp);
-                                   at::Tensor out = tp(x).detach();
-                                   if (r == 0) {
-                                     seeded[world] = std::move(full);
-                                     outputs[world] = out;
-                                   }
-                                   return absl::OkStatus();
-                                 });
-                               }),
-                absl::StrCat("seeded T=", world));
+    TpExport e =
+        ExportTpMlp(world, /*seed=*/7, /*perturb=*/false, x, absl::StrCat("seeded T=", world));
+    seeded[world] = std::move(e.full);
+    outputs[world] = e.out;
   }
   for (int world : {2, 3, 4}) {
     EXPECT_TRUE(SameState(seeded[world], seeded[1], 0, absl::StrCat("seeded T=", world)).ok());
@@ -428,26 +458,9 @@ TEST(ModelParallel, FullStateDictAcrossWorldSizes) {
 
   // Round trip: trained (perturbed) at T = 2, saved full, loaded into fresh models (another seed)
   // at T = 1, 3 and 4.
-  TensorDict saved;
-  at::Tensor saved_out;
-  ExpectAllOk(RunInprocRanks(2,
-                             [&](int r, int, std::shared_ptr<Communicator> comm) {
-                               return CatchErrors([&]() -> absl::Status {
-                                 TpMlp tp(comm, 7);
-                                 {
-                                   torch::NoGradGuard no_grad;
-                                   for (auto& p : tp->parameters()) p.mul_(1.5).add_(0.25);
-                                 }
-                                 TensorDict full = full_state_dict(*tp);
-                                 at::Tensor out = tp(x).detach();
-                                 if (r == 0) {
-                                   saved = std::move(full);
-                                   saved_out = out;
-                                 }
-                                 return absl::OkStatus();
-                               });
-                             }),
-              "save at T=2");
+  const TpExport trained = ExportTpMlp(2, 7, /*perturb=*/true, x, "save at T=2");
+  const TensorDict& saved = trained.full;
+  const at::Tensor& saved_out = trained.out;
   for (int world : {1, 3, 4}) {
     const std::string label = absl::StrCat("load at T=", world);
     ExpectAllOk(

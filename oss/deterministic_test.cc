@@ -25,6 +25,7 @@
 #include "deterministic/tree.h"
 #include "oss/oss.h"
 #include "oss/sharded_data_parallel.h"
+#include "testing/bitwise.h"
 #include "testing/c10_error.h"
 #include "testing/model.h"
 
@@ -34,6 +35,7 @@ namespace {
 using ::fairscale::comm::testing::Check;
 using ::fairscale::comm::testing::ExpectAllOk;
 using ::fairscale::comm::testing::RunInprocRanks;
+using ::fairscale::testing::Bitwise;
 using ::fairscale::testing::ErrorOf;
 using ::fairscale::testing::ExpectError;
 using ::fairscale::testing::Mse;
@@ -74,12 +76,6 @@ OptimizerFactory AdamFactory() {
   };
 }
 
-bool SameBits(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) return false;
-  at::Tensor ca = a.contiguous(), cb = b.contiguous();
-  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
-}
-
 bool SameBits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
 struct Result {
@@ -100,7 +96,7 @@ std::string Describe(const Result& a, const Result& b) {
     }
   }
   for (size_t i = 0; i < a.params.size(); ++i) {
-    if (!SameBits(a.params[i], b.params[i])) {
+    if (!Bitwise(a.params[i], b.params[i])) {
       return absl::StrCat("parameter ", i, " differs by up to ",
                           (a.params[i] - b.params[i]).abs().max().item<double>());
     }

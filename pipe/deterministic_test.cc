@@ -29,11 +29,13 @@
 #include "pipe/grid.h"
 #include "pipe/pipe.h"
 #include "pipe/test_util.h"
+#include "testing/bitwise.h"
 #include "testing/c10_error.h"
 
 namespace fairscale::pipe {
 namespace {
 
+using ::fairscale::testing::Bitwise;
 using ::testing::HasSubstr;
 
 constexpr int64_t kMicroBatches = 12;  // M: not a power of two, divisible by 1, 2, 3, 4, 6
@@ -76,13 +78,6 @@ Batches MakeBatches() {
     b.y.push_back(Data(kMicroBatches * kRows, 3, 200 + s));
   }
   return b;
-}
-
-bool Bitwise(const at::Tensor& a, const at::Tensor& b) {
-  return a.defined() && b.defined() && a.sizes() == b.sizes() &&
-         a.scalar_type() == b.scalar_type() &&
-         at::equal(a.contiguous().reshape({-1}).view(at::kByte),
-                  b.contiguous().reshape({-1}).view(at::kByte));
 }
 
 // The canonical tree by its definition (deterministic/tree.h): node [b, b + 2^l) = left half +

@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <cstdint>
 #include <string>
 #include <thread>
 #include <utility>
@@ -42,14 +43,31 @@ struct HeartbeatMonitor::State {
 // other ranks' counters.
 void HeartbeatMonitor::State::RunStore() {
   pthread_setname_np(pthread_self(), "fs-heartbeat-io");
-  absl::Time last_store_warning = absl::InfinitePast();
+  // Store failures since it last answered: the first is logged at once, then one line per
+  // store_warning_every with the count, and one when the store answers again.
+  int64_t failures = 0;
+  absl::Time failing_since = absl::InfinitePast(), last_line = absl::InfinitePast();
+  const std::string who = absl::StrCat("heartbeat of rank ", rank, "/", size);
+  auto since = [&](absl::Time now) {
+    return absl::FormatDuration(absl::Trunc(now - failing_since, absl::Milliseconds(100)));
+  };
   auto warn = [&](const absl::Status& s) {
     const absl::Time now = absl::Now();
-    if (now - last_store_warning < absl::Minutes(1)) return;
-    last_store_warning = now;
-    FS_LOG(WARNING) << "heartbeat of rank " << rank << "/" << size
-                    << " through the store failed (retrying every "
-                    << absl::FormatDuration(options.interval) << "): " << s;
+    if (failures++ == 0) {
+      failing_since = last_line = now;
+      FS_LOG(WARNING) << who << " through the store failed (retrying every "
+                      << absl::FormatDuration(options.interval) << "): " << s;
+    } else if (now - last_line >= options.store_warning_every) {
+      last_line = now;
+      FS_LOG(WARNING) << who << " through the store still failing after " << since(now) << " ("
+                      << failures << " failed beats): " << s;
+    }
+  };
+  auto answered = [&]() {
+    if (failures == 0) return;
+    FS_LOG(INFO) << who << ": the store answers again after " << since(absl::Now()) << " ("
+                 << failures << " failed beats)";
+    failures = 0;
   };
   std::vector<int64_t> read(size, -1);
   while (true) {
@@ -76,6 +94,7 @@ void HeartbeatMonitor::State::RunStore() {
       }
       read[p] = *v;
     }
+    if (ok) answered();
     absl::MutexLock lock(&mu);
     if (!ok) continue;
     store_answered = absl::Now();

@@ -17,8 +17,10 @@
 // that, naming the store, instead of leaving the operation to its own (possibly long) timeout.
 //
 // Cost: one store Add per rank per interval, plus size - 1 reads per interval while an operation
-// is overdue. Store errors are logged (rate-limited); they are fatal only as above, while an
-// operation waits: the data path does not depend on the store after setup.
+// is overdue. Store errors are logged, rate-limited: the first failure at once, then one line per
+// `store_warning_every` with the count of failed beats so far, and one line when the store
+// answers again. They are fatal only as above, while an operation waits: the data path does not
+// depend on the store after setup.
 #pragma once
 
 #include <functional>
@@ -37,6 +39,8 @@ class HeartbeatMonitor {
   struct Options {
     absl::Duration interval = absl::Seconds(1);
     absl::Duration stall_timeout = absl::Seconds(10);
+    // While the store keeps failing, how often that is logged again (after the first failure).
+    absl::Duration store_warning_every = absl::Minutes(1);
     // Where each rank is (the transport's PeerAddress), named beside a silent rank when given
     // (size entries; empty ones are left out).
     std::vector<std::string> peer_addresses;

@@ -1,12 +1,17 @@
 // HeartbeatMonitor against a HashStore: a rank that never beats is reported (once, naming it)
 // about stall_timeout after an operation started waiting; a rank that beats is never reported,
 // however long the operation; nothing is reported while no operation runs; a destroyed monitor
-// calls nothing.
+// calls nothing; a failing store is logged at once, then rate-limited with a count, and its
+// recovery is logged.
 #include "comm/algorithms/heartbeat.h"
 
 #include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -157,6 +162,65 @@ TEST(HeartbeatMonitor, AStoreThatStopsAnsweringDuringAnOperationIsReported) {
   EXPECT_GE(reports.at - start, absl::Milliseconds(400));  // the stall timeout
   EXPECT_LT(reports.at - start, absl::Milliseconds(1000));
   store->blocked = false;
+}
+
+// A HashStore whose Add fails (kUnavailable) while `failing`.
+class FailingStore final : public Store {
+ public:
+  std::atomic<bool> failing{false};
+  absl::Status Set(absl::string_view k, absl::string_view v) override { return inner_.Set(k, v); }
+  absl::StatusOr<std::string> Get(absl::string_view k, absl::Duration t) override {
+    return inner_.Get(k, t);
+  }
+  absl::StatusOr<int64_t> Add(absl::string_view k, int64_t d) override {
+    if (failing.load()) return absl::UnavailableError("store host unreachable");
+    return inner_.Add(k, d);
+  }
+  absl::StatusOr<std::string> CompareSet(absl::string_view k, absl::string_view e,
+                                         absl::string_view d) override {
+    return inner_.CompareSet(k, e, d);
+  }
+  absl::StatusOr<bool> Delete(absl::string_view k) override { return inner_.Delete(k); }
+  absl::Status Wait(absl::Span<const std::string> keys, absl::Duration t) override {
+    return inner_.Wait(keys, t);
+  }
+  absl::StatusOr<bool> Check(absl::string_view k) override { return inner_.Check(k); }
+
+ private:
+  HashStore inner_;
+};
+
+int CountLines(const std::string& log, absl::string_view needle) {
+  int n = 0;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) n += absl::StrContains(line, needle);
+  return n;
+}
+
+// A store that fails every beat for 1 s (50 beats) is logged once at once, then every
+// store_warning_every (300 ms) with the count, not once a beat; its recovery gets one line.
+TEST(HeartbeatMonitor, AFailingStoreIsLoggedRateLimitedWithACountAndItsRecovery) {
+  auto store = std::make_shared<FailingStore>();
+  HeartbeatMonitor::Options options = Fast();
+  options.store_warning_every = absl::Milliseconds(300);
+  ::testing::internal::CaptureStderr();
+  {
+    HeartbeatMonitor me(store, 0, 1, options, [](const absl::Status&) {});
+    absl::SleepFor(absl::Milliseconds(100));
+    store->failing = true;
+    absl::SleepFor(absl::Seconds(1));
+    store->failing = false;
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(CountLines(log, "heartbeat of rank 0/1 through the store failed (retrying every 20ms)"
+                            ": UNAVAILABLE: store host unreachable"),
+            1)
+      << log;
+  const int again = CountLines(log, "through the store still failing after ");
+  EXPECT_GE(again, 2) << log;
+  EXPECT_LE(again, 4) << log;
+  EXPECT_EQ(CountLines(log, "failed beats): UNAVAILABLE: store host unreachable"), again) << log;
+  EXPECT_EQ(CountLines(log, "heartbeat of rank 0/1: the store answers again after "), 1) << log;
 }
 
 }  // namespace

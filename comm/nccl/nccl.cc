@@ -26,10 +26,17 @@
 // rank % cudaGetDeviceCount()); host buffers are kInvalidArgument naming the op (the base class
 // asks SupportsDevice()). The library needs only cuda_runtime_api.h and nccl.h: gcc builds it,
 // no nvcc.
+//
+// Network interface: FS_SOCKET_IFNAME (CommConfig::network_interface) becomes
+// NCCL_SOCKET_IFNAME, unless that is set, before the first NCCL call (ncclGetUniqueId / init),
+// so NCCL's bootstrap and socket transport use the interface the job's ranks reach each other on,
+// as the tcp and ucx backends do. NCCL reads it once per process, so the first communicator's
+// interface holds for the process.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -39,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/const_init.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -143,6 +151,17 @@ ncclResult_t PollUntilDone(ncclComm_t comm, absl::Time deadline) {
     if (absl::Now() >= deadline) return ncclInProgress;
     absl::SleepFor(nap);
     nap = std::min(nap * 2, absl::Milliseconds(1));
+  }
+}
+
+// NCCL_SOCKET_IFNAME := `interface` when that is non-empty and NCCL_SOCKET_IFNAME is unset
+// (the user's own NCCL setting wins). Serialized: ranks may be threads of one process.
+void SetNcclSocketIfname(const std::string& interface) {
+  if (interface.empty()) return;
+  static absl::Mutex mu(absl::kConstInit);
+  absl::MutexLock lock(&mu);
+  if (std::getenv("NCCL_SOCKET_IFNAME") == nullptr) {
+    setenv("NCCL_SOCKET_IFNAME", interface.c_str(), /*overwrite=*/0);
   }
 }
 
@@ -638,6 +657,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateNccl(const CommConfig& confi
                                                    " but only ", devices, " CUDA device(s)"));
   }
 
+  SetNcclSocketIfname(config.network_interface);
   // Rank 0 creates the unique id; the others read it from the store.
   const std::string key =
       absl::StrCat("nccl/", config.name.empty() ? "default" : config.name, "/unique_id");

@@ -153,6 +153,31 @@ TensorDict Grads(torch::nn::Module& m) {
 // eps 1e-8, 5 steps differed by up to 2.4e-5 in fc1.weight at T = 2.
 torch::optim::AdamOptions AdamOpts() { return torch::optim::AdamOptions(1e-2).eps(1e-6); }
 
+// A dense Gpt initialized from torch's global RNG seeded with `seed`. Main thread only: the rank
+// threads share that RNG.
+Gpt SeededGpt(const GptConfig& config, uint64_t seed) {
+  torch::manual_seed(seed);
+  return Gpt(config);
+}
+
+// Each parameter of `model` (its gradient if `grads`) against rank's slice (RankSlice) of the
+// dense tensor of the same name in `full`.
+absl::Status NearSlices(torch::nn::Module& model, const TensorDict& full, bool grads, int rank,
+                        int world, double tol, const std::string& what) {
+  for (const auto& p : model.named_parameters()) {
+    const at::Tensor* f = full.find(p.key());
+    FS_RETURN_IF_ERROR(Check(f != nullptr, what + ": no dense " + p.key()));
+    // TpGptImpl::is_split() names exactly the parameters that are slices (at T = 1 a slice is
+    // the whole tensor, so there is nothing to tell apart).
+    FS_RETURN_IF_ERROR(Check(world == 1 || TpGptImpl::is_split("prefix." + p.key()) !=
+                                               p.value().sizes().equals(f->sizes()),
+                             what + ": is_split(" + p.key() + ")"));
+    FS_RETURN_IF_ERROR(Near(grads ? p.value().grad() : p.value(),
+                            RankSlice(p.key(), *f, rank, world), tol, what + " " + p.key()));
+  }
+  return absl::OkStatus();
+}
+
 at::Tensor DenseLoss(Gpt& model, const at::Tensor& tokens, const at::Tensor& targets) {
   at::Tensor logits = model(tokens);
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
@@ -168,8 +193,7 @@ struct DenseReference {
 
 DenseReference MakeReference(const GptConfig& config) {
   DenseReference ref;
-  torch::manual_seed(0);
-  Gpt model(config);
+  Gpt model = SeededGpt(config, 0);
   ref.initial = Params(*model);
   ref.tokens = Tokens({2, 12}, config.vocab(), 11);
   ref.targets = Tokens({2, 12}, config.vocab(), 12);
@@ -205,28 +229,14 @@ TEST(TpGpt, EqualsDenseGpt) {
                 // Names are the dense model's; each shard is its slice.
                 FS_RETURN_IF_ERROR(Check(model->named_parameters().size() == ref.initial.size(),
                                          at + "parameter count"));
-                for (const auto& p : model->named_parameters()) {
-                  const at::Tensor* full = ref.initial.find(p.key());
-                  FS_RETURN_IF_ERROR(Check(full != nullptr, at + "no dense " + p.key()));
-                  // is_split() names exactly the parameters that are slices (at T = 1 a
-                  // "slice" is the whole tensor).
-                  if (world > 1) {
-                    FS_RETURN_IF_ERROR(Check(
-                        TpGptImpl::is_split("prefix." + p.key()) != p.value().sizes().equals(full->sizes()),
-                        at + "is_split(" + p.key() + ")"));
-                  }
-                  FS_RETURN_IF_ERROR(Near(p.value(), RankSlice(p.key(), *full, rank, world), 0,
-                                          at + "loaded " + p.key()));
-                }
+                FS_RETURN_IF_ERROR(NearSlices(*model, ref.initial, /*grads=*/false, rank, world, 0,
+                                              at + "loaded"));
                 FS_RETURN_IF_ERROR(Near(model(ref.tokens), ref.logits, kTol, at + "logits"));
                 at::Tensor loss = model->loss(ref.tokens, ref.targets);
                 FS_RETURN_IF_ERROR(Near(loss, ref.loss, kTol, at + "loss"));
                 loss.backward();
-                for (const auto& p : model->named_parameters()) {
-                  FS_RETURN_IF_ERROR(Near(p.value().grad(),
-                                          RankSlice(p.key(), ref.grads[p.key()], rank, world), kTol,
-                                          at + "grad " + p.key()));
-                }
+                FS_RETURN_IF_ERROR(
+                    NearSlices(*model, ref.grads, /*grads=*/true, rank, world, kTol, at + "grad"));
                 torch::optim::Adam adam(model->parameters(), AdamOpts());
                 for (int s = 0; s < kAdamSteps; ++s) {
                   adam.zero_grad();
@@ -269,8 +279,7 @@ TEST(TpGpt, FullStateDictRoundTrip) {
   ExpectAllOk({NearDicts(exported[2][1], exported[2][0], 0, "rank 1 vs rank 0"),
                NearDicts(exported[2][0], exported[1][0], 0, "T=2 vs T=1")});
   // The T=2 export loads into the dense Gpt (its own keys and shapes): the same logits.
-  torch::manual_seed(1);
-  Gpt dense(config);
+  Gpt dense = SeededGpt(config, 1);
   {
     torch::NoGradGuard no_grad;
     ExpectAllOk({NearDicts(exported[2][0], Params(*dense), 1e9, "keys and shapes")});

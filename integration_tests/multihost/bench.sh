@@ -57,8 +57,7 @@ run() {
   local before=$(( $(mh_tx_bytes 0) + $(mh_tx_bytes 1) ))
   for k in 0 1; do
     # shellcheck disable=SC2046
-    mh_run "$k" timeout -k 5 900 "$FS_LAUNCH" --nnodes=2 --node_rank="$k" --nproc_per_node=2 \
-      --master_addr="$(mh_addr 0)" --master_port="$port" -- "$TRAIN_GPT" $(model_flags "$model") \
+    mh_fs_launch "$k" "$port" 900 --nproc_per_node=2 -- "$TRAIN_GPT" $(model_flags "$model") \
       --strategy="$strategy" --precision=fp32 --steps="$STEPS" --eval_every=100000 \
       --eval_batches=1 --sample_tokens=0 --threads=1 --checkpoint_dir=none \
       --out_dir="$OUT/$name/n$k" >"$OUT/$name/n$k.log" 2>&1 &

@@ -66,9 +66,8 @@ start() {
   for k in 0 1; do
     (
       rc=0
-      mh_run "$k" timeout -k 5 "$HANG_S" "$FS_LAUNCH" --nnodes=2 --node_rank="$k" \
-          --nproc_per_node=2 --master_addr="$(mh_addr 0)" --master_port="$PORT" \
-          --stop_timeout_s=2 ${lflags[@]+"${lflags[@]}"} -- "$TRAIN_GPT" "${TINY[@]}" "${JOB[@]}" \
+      mh_fs_launch "$k" "$PORT" "$HANG_S" --nproc_per_node=2 --stop_timeout_s=2 \
+          ${lflags[@]+"${lflags[@]}"} -- "$TRAIN_GPT" "${TINY[@]}" "${JOB[@]}" \
           --out_dir="$WORK/$name$([[ $k -eq 1 ]] && echo .node1 || true)" \
           --checkpoint_dir="$WORK/$name/checkpoints" "$@" \
           >"$WORK/$name.node$k.log" 2>&1 || rc=$?

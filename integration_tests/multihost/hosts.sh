@@ -20,6 +20,8 @@
 #   mh_loss 1 10; mh_loss 1 0              # host1 loses 10% of its packets each way / none
 #   mh_drop 1 on; mh_drop 1 off            # host1's packets vanish (link stays up) / flow again
 #   mh_delay 1 20; mh_delay 1 0            # host1's packets delayed 20 ms each way / not
+#   mh_fs_launch 1 29500 240 [VAR=V...] --nproc_per_node=2 -- prog args...
+#                                          # $FS_LAUNCH as node 1 of a job over every host
 #
 # Impairments (loss, drop, delay) act on host I's cable at the switch, on the IPv4 packets it
 # sends and those it receives, so between host I and any other host each applies once per
@@ -270,6 +272,19 @@ mh_delay() {
 # mh_tx_bytes I: bytes host I has sent on its link so far (eth0's counter).
 mh_tx_bytes() {
   ip netns exec "$(mh_ns "$1")" cat /sys/class/net/eth0/statistics/tx_bytes
+}
+
+# mh_fs_launch I PORT HANG_S [VAR=VALUE...] FS_LAUNCH_ARGS...: runs $FS_LAUNCH (the caller's
+# path to //launch:fs_launch) in host I as node I of a job over all MH_HOSTS hosts, the job store
+# on host0's address and PORT, with VAR=VALUE added to its environment, under
+# `timeout -k 5 HANG_S`; FS_LAUNCH_ARGS (the other launcher flags, --, the program and its
+# arguments) follow. In the foreground: callers start one per host with & and redirect its output.
+mh_fs_launch() {
+  local i=$1 port=$2 hang_s=$3; shift 3
+  local vars=()
+  while [[ $# -gt 0 && $1 =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do vars+=("$1"); shift; done
+  mh_run "$i" env ${vars[@]+"${vars[@]}"} timeout -k 5 "$hang_s" "$FS_LAUNCH" \
+      --nnodes="$MH_HOSTS" --node_rank="$i" --master_addr="$(mh_addr 0)" --master_port="$port" "$@"
 }
 
 # mh_pids I: the processes running in host I's network namespace.

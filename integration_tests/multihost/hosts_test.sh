@@ -3,7 +3,8 @@
 # and address, resolving the others by name; no route out of 10.77.0.0/24; a link taken down
 # isolates its host and comes back when plugged in again; a link shaped to 40 Mbit/s carries a
 # bulk transfer at that rate (measured within [0.7, 1.05] x the rate); the namespaces and their
-# /etc/netns files are gone after the test (the cleanup trap), also when a test fails.
+# /etc/netns files are gone after the test (the cleanup trap), also when a test fails;
+# mh_fs_launch starts $FS_LAUNCH with the node's flags and variables.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/hosts.sh"
@@ -64,6 +65,17 @@ rate=$(awk -v b="$bytes" -v s="$secs" 'BEGIN { printf "%.1f", b * 8 / s / 1e6 }'
 awk -v r="$rate" 'BEGIN { exit !(r >= 28 && r <= 42) }' ||
   fail "40 Mbit/s link carried $bytes bytes at $rate Mbit/s"
 pass "shaped link: 40 Mbit/s configured, $rate Mbit/s measured ($bytes bytes in ${secs}s)"
+
+# mh_fs_launch: $FS_LAUNCH in host 1 as node 1 of the 3, the store at host0's address, the
+# variables in its environment, the other arguments after the ones it sets.
+FS_LAUNCH="$TEST_TMPDIR/fake_fs_launch.sh"
+printf '#!/bin/sh\necho "$(hostname) FOO=$FOO $*"\n' >"$FS_LAUNCH"
+chmod +x "$FS_LAUNCH"
+got=$(mh_fs_launch 1 29555 10 FOO=bar --nproc_per_node=2 -- prog --x=1)
+want="host1 FOO=bar --nnodes=3 --node_rank=1 --master_addr=$(mh_addr 0) --master_port=29555"
+want+=" --nproc_per_node=2 -- prog --x=1"
+[[ $got == "$want" ]] || fail "mh_fs_launch ran: '$got', want: '$want'"
+pass "mh_fs_launch: $got"
 
 names=("${MH_CREATED[@]}")
 mh_cleanup

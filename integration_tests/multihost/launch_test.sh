@@ -39,10 +39,8 @@ multi() {
   for k in 0 1; do
     out="$WORK/$name"; log="$WORK/$name.log"
     if [[ $k -eq 1 ]]; then out="$WORK/$name.node1"; log="$WORK/$name.node1.log"; fi
-    mh_run "$k" env "${vars[@]}" timeout -k 5 240 "$FS_LAUNCH" --nnodes=2 --node_rank="$k" \
-        --nproc_per_node=2 --master_addr="$(mh_addr 0)" --master_port="$PORT" \
-        --stop_timeout_s=5 -- "$TRAIN_GPT" "${TINY[@]}" "${JOB[@]}" --out_dir="$out" "$@" \
-        >"$log" 2>&1 &
+    mh_fs_launch "$k" "$PORT" 240 "${vars[@]}" --nproc_per_node=2 --stop_timeout_s=5 -- \
+        "$TRAIN_GPT" "${TINY[@]}" "${JOB[@]}" --out_dir="$out" "$@" >"$log" 2>&1 &
     pids+=($!)
   done
   STATUS0=0; STATUS1=0
