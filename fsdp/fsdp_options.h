@@ -16,8 +16,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "comm/communicator.h"
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
 
 namespace fairscale::fsdp {
 
@@ -253,11 +259,40 @@ struct FsdpOptions {
   // Deterministic mode: micro-batches per optimizer step over all ranks (M above); >= 1.
   TORCH_ARG(int64_t, micro_batches) = 0;
 
+ public:
+  // PyTorch FSDP's ignored_modules: submodules (with everything below them) whose parameters and
+  // buffers FSDP leaves alone, e.g. the rank-local experts of a mixture-of-experts layer (expert
+  // parallelism: each rank holds different experts). Their parameters stay ordinary parameters
+  // of their modules (same tensors, dtype and device; no mixed-precision cast); autograd
+  // accumulates their .grad as usual and FSDP never reduces, divides, casts or frees it. They may
+  // differ in shape and value across ranks: they are not flattened, sharded, gathered,
+  // broadcast or compared by sync_module_states / the construction check, and neither are the
+  // ignored modules' buffers. They are left out of the wrapper's parameters() (both layouts; so
+  // an optimizer built over it does not step them: step them with your own, e.g. over
+  // FullyShardedDataParallelImpl::ignored_parameters()), of clip_grad_norm_ (combine your own
+  // norm of them with the returned one), and of every state dict and checkpoint (full, sharded,
+  // local; loading never asks for them: save them yourself). A parameter shared with a module
+  // that is not ignored is ignored too.
+  // Each must be a submodule of the wrapped module (not the wrapped module itself), else
+  // construction raises c10::Error naming it. Nesting: an ignored module inside a nested unit
+  // must be ignored by that unit as well (checked by the parent); fsdp::wrap() hands each unit
+  // it creates the scope's ignored modules that lie inside it, and never wraps an ignored
+  // module itself, so pass the same list to EnableWrap and to the root (and so make the ignored
+  // modules before the model whose constructor calls wrap()). Default: none.
+  FsdpOptions& ignored_modules(std::vector<std::shared_ptr<torch::nn::Module>> modules) {
+    ignored_modules_ = std::move(modules);
+    return *this;
+  }
+  const std::vector<std::shared_ptr<torch::nn::Module>>& ignored_modules() const noexcept {
+    return ignored_modules_;
+  }
+
  private:
   BackwardPrefetch backward_prefetch_ = BackwardPrefetch::kBackwardPre;
   std::shared_ptr<comm::Communicator> hybrid_shard_comm_;
   std::shared_ptr<comm::Communicator> hybrid_replicate_comm_;
   c10::optional<bool> move_grads_to_cpu_;
+  std::vector<std::shared_ptr<torch::nn::Module>> ignored_modules_;
 };
 
 }  // namespace fairscale::fsdp

@@ -7,6 +7,7 @@
 #include <c10/core/GradMode.h>
 
 #include <functional>
+#include <map>
 #include <ostream>
 
 #include "absl/strings/str_split.h"
@@ -24,6 +25,10 @@ class PathModule : public torch::nn::Module {
                                          std::shared_ptr<torch::nn::Module> m) {
     return register_module(name, std::move(m));
   }
+  void add_parameter(const std::string& name, const at::Tensor& p, bool requires_grad) {
+    register_parameter(name, p, requires_grad);
+  }
+  void add_buffer(const std::string& name, const at::Tensor& b) { register_buffer(name, b); }
 };
 
 }  // namespace
@@ -41,6 +46,7 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule 
               internal::UnitLabel("", module_->name(), comm->rank(), comm->size()),
               ": wrapping a FullyShardedDataParallel directly in another is not supported");
   unit_ = std::make_shared<internal::Unit>(module_->name(), std::move(comm), std::move(options));
+  collect_ignored();
   shard_module();
   if (unit_->options().flatten_parameters()) {
     register_nested();
@@ -51,6 +57,88 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule 
 
 FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() = default;
 
+void FullyShardedDataParallelImpl::collect_ignored() {
+  const auto& ignored = unit_->options().ignored_modules();
+  if (ignored.empty()) return;
+  // Every module below module_, nested units' wrapped modules included: its path, and the
+  // innermost nested unit that owns it (null: this unit) or wraps it.
+  struct Where {
+    std::string path;
+    FullyShardedDataParallelImpl* owner;
+    bool wrapped;  // a nested unit or the module it wraps
+  };
+  std::map<const torch::nn::Module*, Where> where;
+  std::function<void(const std::shared_ptr<torch::nn::Module>&, const std::string&,
+                     FullyShardedDataParallelImpl*)>
+      walk = [&](const std::shared_ptr<torch::nn::Module>& m, const std::string& path,
+                 FullyShardedDataParallelImpl* owner) {
+        for (const auto& child : m->named_children()) {
+          const std::string child_path = path.empty() ? child.key() : path + "." + child.key();
+          if (auto unit = std::dynamic_pointer_cast<FullyShardedDataParallelImpl>(child.value())) {
+            where.emplace(unit.get(), Where{child_path, unit.get(), true});
+            where.emplace(unit->module().get(), Where{child_path, unit.get(), true});
+            walk(unit->module(), child_path, unit.get());
+            continue;
+          }
+          where.emplace(child.value().get(), Where{child_path, owner, false});
+          walk(child.value(), child_path, owner);
+        }
+      };
+  walk(module_, "", nullptr);
+  for (size_t i = 0; i < ignored.size(); ++i) {
+    const std::shared_ptr<torch::nn::Module>& m = ignored[i];
+    TORCH_CHECK(m != nullptr, label(), ": ignored_modules[", i, "] is null");
+    const std::string what = "ignored_modules[" + std::to_string(i) + "] (" + m->name() + ")";
+    TORCH_CHECK(m.get() != module_.get(), label(), ": ", what,
+                " is the wrapped module itself; to leave a whole module to the caller, do not "
+                "wrap it");
+    const auto it = where.find(m.get());
+    TORCH_CHECK(it != where.end(), label(), ": ", what,
+                " is not a submodule of the wrapped module (", module_->name(), ")");
+    const Where& w = it->second;
+    TORCH_CHECK(!w.wrapped, label(), ": ", what, " at '", w.path,
+                "' is (the module of) a nested FullyShardedDataParallel unit; ignore a submodule "
+                "of it, or do not wrap it");
+    if (w.owner != nullptr) {
+      TORCH_CHECK(w.owner->ignores(*m), label(), ": ", what, " at '", w.path,
+                  "' is inside the nested unit ", w.owner->label(),
+                  ", which does not ignore it: pass it in that unit's FsdpOptions::ignored_modules "
+                  "too (fsdp::EnableWrap does)");
+      continue;  // the nested unit leaves it alone
+    }
+    for (const auto& sub : m->modules(/*include_self=*/true)) {
+      TORCH_CHECK(dynamic_cast<FullyShardedDataParallelImpl*>(sub.get()) == nullptr, label(), ": ",
+                  what, " at '", w.path, "' contains a FullyShardedDataParallel unit");
+      ignored_modules_.insert(sub.get());
+      for (const auto& item : sub->named_parameters(/*recurse=*/false)) {
+        if (item.value().defined() &&
+            ignored_param_impls_.insert(item.value().unsafeGetTensorImpl()).second) {
+          ignored_params_.push_back(item.value());
+        }
+      }
+    }
+  }
+}
+
+bool FullyShardedDataParallelImpl::ignores(const torch::nn::Module& module) const {
+  return ignored_modules_.count(&module) > 0;
+}
+
+bool FullyShardedDataParallelImpl::ignores(const at::Tensor& parameter) const {
+  return parameter.defined() && ignored_param_impls_.count(parameter.unsafeGetTensorImpl()) > 0;
+}
+
+std::vector<at::Tensor> FullyShardedDataParallelImpl::ignored_parameters() {
+  std::vector<at::Tensor> out;
+  std::set<const c10::TensorImpl*> seen;
+  for (FullyShardedDataParallelImpl* u : fsdp_units()) {
+    for (const at::Tensor& p : u->ignored_params_) {
+      if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+    }
+  }
+  return out;
+}
+
 void FullyShardedDataParallelImpl::shard_module() {
   // Walk the wrapped module; stop at nested units, which own their subtree.
   std::vector<std::pair<std::string, at::Tensor>> params;
@@ -58,6 +146,7 @@ void FullyShardedDataParallelImpl::shard_module() {
   std::function<void(const std::shared_ptr<torch::nn::Module>&, const std::string&)> visit =
       [&](const std::shared_ptr<torch::nn::Module>& m, const std::string& path) {
         for (const auto& item : m->named_parameters(/*recurse=*/false)) {
+          if (ignores(item.value())) continue;  // FsdpOptions::ignored_modules
           params.emplace_back(path + item.key(), item.value());
         }
         for (const auto& item : m->named_buffers(/*recurse=*/false)) {
@@ -74,6 +163,7 @@ void FullyShardedDataParallelImpl::shard_module() {
             }
             continue;
           }
+          if (ignores(*child.value())) continue;  // left alone, buffers included
           visit(child.value(), child_path + ".");
         }
       };
@@ -118,13 +208,58 @@ void FullyShardedDataParallelImpl::register_nested() {
 }
 
 void FullyShardedDataParallelImpl::register_original() {
-  for (const auto& item : module_->named_parameters(/*recurse=*/false)) {
-    register_parameter(item.key(), item.value(), item.value().requires_grad());
-  }
-  for (const auto& item : module_->named_buffers(/*recurse=*/false)) {
-    register_buffer(item.key(), item.value());
-  }
-  for (const auto& item : module_->named_children()) register_module(item.key(), item.value());
+  // Whether `m`'s subtree (nested units excluded) holds something this unit ignores.
+  const bool any_ignored = !ignored_modules_.empty() || !ignored_param_impls_.empty();
+  std::function<bool(const torch::nn::Module&)> holds_ignored = [&](const torch::nn::Module& m) {
+    if (!any_ignored) return false;
+    if (ignores(m)) return true;
+    for (const auto& item : m.named_parameters(/*recurse=*/false)) {
+      if (ignores(item.value())) return true;
+    }
+    for (const auto& child : m.children()) {
+      if (dynamic_cast<const FullyShardedDataParallelImpl*>(child.get()) == nullptr &&
+          holds_ignored(*child)) {
+        return true;
+      }
+    }
+    return false;
+  };
+  // Registers in `dst` (this wrapper or a PathModule) what `src` holds, under the same names.
+  // A child holding ignored modules or parameters is mirrored by a PathModule that registers
+  // the rest, so that the wrapper's parameters() and buffers() leave the ignored ones out.
+  std::function<void(const torch::nn::Module&, torch::nn::Module*)> mirror =
+      [&](const torch::nn::Module& src, torch::nn::Module* dst) {
+        auto* path = dst == this ? nullptr : static_cast<PathModule*>(dst);
+        for (const auto& item : src.named_parameters(/*recurse=*/false)) {
+          if (ignores(item.value())) continue;
+          if (path) {
+            path->add_parameter(item.key(), item.value(), item.value().requires_grad());
+          } else {
+            register_parameter(item.key(), item.value(), item.value().requires_grad());
+          }
+        }
+        for (const auto& item : src.named_buffers(/*recurse=*/false)) {
+          if (path) {
+            path->add_buffer(item.key(), item.value());
+          } else {
+            register_buffer(item.key(), item.value());
+          }
+        }
+        for (const auto& item : src.named_children()) {
+          std::shared_ptr<torch::nn::Module> child = item.value();
+          const bool is_unit = dynamic_cast<FullyShardedDataParallelImpl*>(child.get()) != nullptr;
+          if (!is_unit && ignores(*child)) continue;
+          std::shared_ptr<torch::nn::Module> shown = child;
+          if (!is_unit && holds_ignored(*child)) shown = std::make_shared<PathModule>();
+          if (path) {
+            path->add(item.key(), shown);
+          } else {
+            register_module(item.key(), shown);
+          }
+          if (shown != child) mirror(*child, shown.get());
+        }
+      };
+  mirror(*module_, this);
 }
 
 // ---- accessors -----------------------------------------------------------------------------

@@ -50,6 +50,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -118,9 +119,10 @@ struct LocalStateDict {
 
 class FullyShardedDataParallelImpl : public torch::nn::Module {
  public:
-  // Shards `module`'s parameters (those not owned by nested FullyShardedDataParallel modules)
-  // over `comm` and broadcasts its buffers from rank 0. Collective: every rank constructs its
-  // wrappers in the same order. Raises c10::Error on bad input (naming the parameter and rank).
+  // Shards `module`'s parameters (those not owned by nested FullyShardedDataParallel modules
+  // nor in FsdpOptions::ignored_modules) over `comm` and broadcasts its buffers from rank 0.
+  // Collective: every rank constructs its wrappers in the same order. Raises c10::Error on bad
+  // input (naming the parameter or ignored module, and the rank).
   FullyShardedDataParallelImpl(torch::nn::AnyModule module,
                                std::shared_ptr<comm::Communicator> comm, FsdpOptions options = {});
   template <typename M>
@@ -164,7 +166,9 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // With flatten_parameters(false) its parameters hold this rank's rows between steps (full
   // values inside forward/backward and summon_full_params), and the wrapper registers its
   // parameters, buffers and children under their own names instead: named_parameters() then
-  // lists the same tensors as module()->named_parameters(), nested units included.
+  // lists the same tensors as module()->named_parameters(), nested units included, less those
+  // of FsdpOptions::ignored_modules (a child holding an ignored module is shown by a stand-in
+  // module with the same names).
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
   const FsdpOptions& options() const;
   const std::shared_ptr<comm::Communicator>& communicator() const;
@@ -203,6 +207,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // computed exactly: each rank's partial sum, then one all-reduce) is at most `max_norm`, like
   // torch::nn::utils::clip_grad_norm_; `norm_type` may be any p > 0 or infinity. Returns the
   // norm before clipping. Collective; root only, after backward and outside no_sync.
+  // FsdpOptions::ignored_modules' gradients are neither counted nor scaled: combine your own
+  // norm of them with the returned one.
   at::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0);
 
   // Makes the full parameters of this unit and its nested units available in module() while
@@ -249,6 +255,13 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // Whether this unit keeps only a shard of its flat parameters (see sharded()).
   bool is_sharded() const;
 
+  // FsdpOptions::ignored_modules: the parameters this unit and its nested units leave alone
+  // (each once, in module order), for the caller's own optimizer; and whether this unit
+  // ignores a module (one of its ignored modules or a module inside one) or a parameter.
+  std::vector<at::Tensor> ignored_parameters();
+  bool ignores(const torch::nn::Module& module) const;
+  bool ignores(const at::Tensor& parameter) const;
+
   // This rank's shards of every unit plus their layout and the model's buffers (root only,
   // outside forward/backward; no communication). See LocalStateDict, and local_checkpoint.h
   // for saving it to a file together with the optimizer state.
@@ -287,6 +300,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // The constructor's parts: find the parameters, buffers and nested units of module_, shard
   // them, and register what the wrapper shows (the flat parameters and nested units, or the
   // module's own parameters, buffers and children with flatten_parameters(false)).
+  // FsdpOptions::ignored_modules: checks them and records what they hold (before shard_module).
+  void collect_ignored();
   void shard_module();
   void register_nested();
   void register_original();
@@ -295,6 +310,10 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<internal::Unit> unit_;
   std::vector<Nested> nested_;
+  // The ignored modules with everything below them, and their parameters (module order).
+  std::set<const torch::nn::Module*> ignored_modules_;
+  std::set<const c10::TensorImpl*> ignored_param_impls_;
+  std::vector<at::Tensor> ignored_params_;
 };
 
 // The ModuleHolder, as TORCH_MODULE would write it, plus a call operator: ModuleHolder's own

@@ -19,15 +19,18 @@
 namespace fairscale::fsdp {
 namespace {
 
-// Buffers of `unit`'s wrapped module, by full name; nested units list their own.
-void CollectBuffers(const std::shared_ptr<torch::nn::Module> &m, const std::string &path,
+// Buffers of `unit`'s wrapped module `m`, by full name; nested units list their own, and the
+// modules `unit` ignores (FsdpOptions::ignored_modules) are left out.
+void CollectBuffers(const FullyShardedDataParallelImpl &unit,
+                    const std::shared_ptr<torch::nn::Module> &m, const std::string &path,
                     std::vector<std::pair<std::string, at::Tensor>> &out) {
   for (const auto &item : m->named_buffers(/*recurse=*/false)) {
     if (item.value().defined()) out.emplace_back(path + item.key(), item.value());
   }
   for (const auto &child : m->named_children()) {
     if (std::dynamic_pointer_cast<FullyShardedDataParallelImpl>(child.value())) continue;
-    CollectBuffers(child.value(), path + child.key() + ".", out);
+    if (unit.ignores(*child.value())) continue;
+    CollectBuffers(unit, child.value(), path + child.key() + ".", out);
   }
 }
 
@@ -131,7 +134,7 @@ LocalStateDict FullyShardedDataParallelImpl::local_state_dict() {
       out.shards.push_back({u->prefix(), u->options().sharding_strategy(), infos[f],
                             shards[f].shard.detach().clone()});
     }
-    CollectBuffers(u->module(), u->prefix(), out.buffers);
+    CollectBuffers(*u, u->module(), u->prefix(), out.buffers);
   }
   for (auto &b : out.buffers) b.second = b.second.detach().clone();
   return out;
@@ -174,7 +177,9 @@ void FullyShardedDataParallelImpl::load_local_state_dict(const LocalStateDict &s
                u->options().sharding_strategy(), what);
   }
   std::vector<std::pair<std::string, at::Tensor>> buffers;
-  for (FullyShardedDataParallelImpl *u : units) CollectBuffers(u->module(), u->prefix(), buffers);
+  for (FullyShardedDataParallelImpl *u : units) {
+    CollectBuffers(*u, u->module(), u->prefix(), buffers);
+  }
   const std::vector<const at::Tensor *> sources = MatchBuffers(buffers, state.buffers, what);
 
   c10::NoGradGuard no_grad;

@@ -45,7 +45,9 @@
 namespace fairscale::fsdp {
 
 // Decides whether wrap() wraps `module`. `unwrapped_numel`: the number of elements of the
-// module's distinct parameters that no nested FSDP unit owns yet.
+// module's distinct parameters that no nested FSDP unit owns yet and that are not in the scope's
+// FsdpOptions::ignored_modules. wrap() never wraps an ignored module, and gives each unit it
+// creates the scope's ignored modules that lie inside it (ignored_modules' nesting rule).
 using AutoWrapPolicy =
     std::function<bool(const torch::nn::Module& module, int64_t unwrapped_numel)>;
 

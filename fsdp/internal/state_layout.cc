@@ -20,19 +20,24 @@ namespace {
 
 // Walks the wrapped modules as the unwrapped module's named_parameters() would: a module's own
 // parameters, then its children in order, entering nested units' wrapped modules in place.
-void WalkUnwrapped(const std::shared_ptr<torch::nn::Module>& m, const std::string& path,
+// What `unit` (the unit whose module `m` is in) ignores (FsdpOptions::ignored_modules) is left
+// out.
+void WalkUnwrapped(const FullyShardedDataParallelImpl& unit,
+                   const std::shared_ptr<torch::nn::Module>& m, const std::string& path,
                    std::vector<std::string>& params,
                    std::vector<std::pair<std::string, at::Tensor>>& buffers) {
-  for (const auto& item : m->named_parameters(/*recurse=*/false)) params.push_back(path + item.key());
+  for (const auto& item : m->named_parameters(/*recurse=*/false)) {
+    if (!unit.ignores(item.value())) params.push_back(path + item.key());
+  }
   for (const auto& item : m->named_buffers(/*recurse=*/false)) {
     if (item.value().defined()) buffers.emplace_back(path + item.key(), item.value());
   }
   for (const auto& child : m->named_children()) {
     const std::string child_path = path + child.key() + ".";
-    if (auto unit = std::dynamic_pointer_cast<FullyShardedDataParallelImpl>(child.value())) {
-      WalkUnwrapped(unit->module(), child_path, params, buffers);
-    } else {
-      WalkUnwrapped(child.value(), child_path, params, buffers);
+    if (auto nested = std::dynamic_pointer_cast<FullyShardedDataParallelImpl>(child.value())) {
+      WalkUnwrapped(*nested, nested->module(), child_path, params, buffers);
+    } else if (!unit.ignores(*child.value())) {
+      WalkUnwrapped(unit, child.value(), child_path, params, buffers);
     }
   }
 }
@@ -223,7 +228,7 @@ ModelLayout GetModelLayout(FullyShardedDataParallel& model) {
       }
     }
   }
-  WalkUnwrapped(model->module(), "", out.param_names, out.buffers);
+  WalkUnwrapped(*model, model->module(), "", out.param_names, out.buffers);
   for (const std::string& n : out.param_names) {
     TORCH_CHECK(out.where.count(n), "fsdp state dict: parameter '", n,
                 "' of the wrapped module is in no flat parameter");
