@@ -87,6 +87,12 @@ ABSL_FLAG(int64_t, tensor_parallel, 1,
           "replicas; FSDP shards each rank's slices over the replicas with --strategy=full_shard|"
           "shard_grad_op, or they all-reduce the gradients under no_shard); --precision=fp32; "
           "checkpoints per tensor rank (resumable with another replica count, the same T)");
+ABSL_FLAG(int64_t, moe_experts, 0,
+          "mixture of experts (//moe): every odd block's MLP a Top2Gate MoE layer over E experts "
+          "(0: dense), E / ranks experts per rank (E divisible by the rank count, --blocks >= 2); "
+          "data_parallel fsdp only; checkpoints resume at the same rank count");
+ABSL_FLAG(double, moe_aux_loss_coef, 0.01,
+          "--moe_experts > 0: weight of the gates' load-balancing loss in the differentiated loss");
 ABSL_FLAG(int64_t, pipeline_chunks, 4, "--pipeline_stages > 1: micro-batches per step (<= --batch)");
 ABSL_FLAG(std::string, pipeline_schedule, "1f1b",
           "--pipeline_stages > 1: 1f1b | gpipe | interleaved (with --pipeline_virtual_stages)");
@@ -222,6 +228,8 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.pipeline_balance = absl::GetFlag(FLAGS_pipeline_balance);
   c.pipeline_virtual_stages = absl::GetFlag(FLAGS_pipeline_virtual_stages);
   c.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
+  c.moe_experts = absl::GetFlag(FLAGS_moe_experts);
+  c.moe_aux_loss_coef = absl::GetFlag(FLAGS_moe_aux_loss_coef);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (c.checkpoint_dir.empty()) c.checkpoint_dir = out + "/checkpoints";
   if (c.checkpoint_dir == "none") c.checkpoint_dir.clear();

@@ -27,7 +27,12 @@ ExpertMlpImpl::ExpertMlpImpl(int64_t width, int64_t hidden) {
   fc2_ = register_module("fc2", torch::nn::Linear(hidden, width));
 }
 
-torch::Tensor ExpertMlpImpl::forward(torch::Tensor x) { return fc2_(at::gelu(fc1_(x))); }
+// In the experts' own dtype: under FSDP mixed precision the (ignored) experts stay f32 while the
+// tokens arrive in the compute dtype.
+torch::Tensor ExpertMlpImpl::forward(torch::Tensor x) {
+  const at::ScalarType dtype = x.scalar_type();
+  return fc2_(at::gelu(fc1_(x.to(fc1_->weight.scalar_type())))).to(dtype);
+}
 
 std::vector<std::shared_ptr<torch::nn::Module>> GptExperts::modules() const {
   std::vector<std::shared_ptr<torch::nn::Module>> out;

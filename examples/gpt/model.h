@@ -58,7 +58,8 @@ struct GptConfig {
   TORCH_ARG(double, moe_capacity_factor) = 1.0;
 };
 
-// One expert of an MoE block: x -> fc2(gelu(fc1(x))), width -> hidden -> width.
+// One expert of an MoE block: x -> fc2(gelu(fc1(x))), width -> hidden -> width, computed in the
+// expert's parameter dtype (the output in x's).
 class ExpertMlpImpl : public torch::nn::Module {
  public:
   ExpertMlpImpl(int64_t width, int64_t hidden);

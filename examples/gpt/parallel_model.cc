@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -189,63 +190,179 @@ class OffloadedFsdpItem final : public train_state::Stateful {
   std::shared_ptr<train_state::Stateful> inner_;
 };
 
+// This rank's experts of a mixture-of-experts Gpt (GptConfig::moe_experts), which FSDP leaves
+// alone (FsdpOptions::ignored_modules): registered by global index ("block1.expert2") for the
+// checkpoint, their gradients scaled by 1 / world by a hook (each expert's gradient sums every
+// rank's tokens' contributions, while FSDP averages the other gradients over the ranks), and an
+// Adam of their own.
+class LocalExperts {
+ public:
+  LocalExperts(const GptExperts& experts, const GptConfig& config, const comm::Communicator& comm,
+               const torch::optim::AdamOptions& adam)
+      : holder_(std::make_shared<torch::nn::Module>()), world_(comm.size()) {
+    const int64_t local = config.moe_experts() / comm.size();
+    for (size_t j = 0; j < experts.per_block.size(); ++j) {
+      for (size_t l = 0; l < experts.per_block[j].size(); ++l) {
+        const int64_t global = comm.rank() * local + static_cast<int64_t>(l);
+        holder_->register_module(absl::StrCat("block", 2 * j + 1, "_expert", global),
+                                 experts.per_block[j][l].ptr());
+      }
+    }
+    const double scale = 1.0 / world_;
+    for (at::Tensor& p : holder_->parameters()) {
+      p.register_hook([scale](const at::Tensor& g) { return g * scale; });
+      local_numel_ += p.numel();
+    }
+    opt_ = std::make_unique<torch::optim::Adam>(holder_->parameters(), adam);
+  }
+
+  torch::optim::Optimizer& optimizer() { return *opt_; }
+  std::vector<at::Tensor> parameters() const { return holder_->parameters(); }
+  int64_t total_numel() const { return local_numel_ * world_; }
+  double grad_square_sum() const {
+    double sq = 0;
+    for (const at::Tensor& p : holder_->parameters()) {
+      if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+    }
+    return sq;
+  }
+  // Each rank's experts and their Adam state, as a pipeline's stages (one directory per rank):
+  // restorable at the same rank count; another one is an error naming both.
+  void add_state(train_state::TrainState& state, int rank) {
+    state
+        .add("experts", train_state::stage_item(rank, world_, 0, 1,
+                                                train_state::module_item(holder_)))
+        .add("expert_optimizer", train_state::stage_item(rank, world_, 0, 1,
+                                                         train_state::optimizer_item(*opt_)));
+  }
+  // FNV-1a 64 of this rank's experts by their global names.
+  uint64_t hash(uint64_t h) const {
+    for (const auto& item : holder_->named_parameters()) h = HashNamed(item.key(), item.value(), h);
+    return h;
+  }
+  const std::shared_ptr<torch::nn::Module>& holder() const { return holder_; }
+
+ private:
+  std::shared_ptr<torch::nn::Module> holder_;
+  int world_;
+  int64_t local_numel_ = 0;
+  std::unique_ptr<torch::optim::Adam> opt_;
+};
+
 // FSDP: the embeddings, every block and the head each their own unit under a parameterless root;
-// Adam over the units' f32 master shards.
+// Adam over the units' f32 master shards. With experts, those stay on their rank (LocalExperts).
 class FsdpModel final : public ParallelModel {
  public:
   FsdpModel(fsdp::FullyShardedDataParallel model, std::unique_ptr<torch::optim::Optimizer> opt,
-            torch::optim::AdamOptions adam, std::string label)
+            torch::optim::AdamOptions adam, std::string label, Gpt gpt = Gpt(nullptr),
+            std::unique_ptr<LocalExperts> experts = nullptr, uint64_t seed = 0)
       : model_(std::move(model)),
         opt_(std::move(opt)),
         adam_(std::move(adam)),
-        label_(std::move(label)) {
+        label_(std::move(label)),
+        gpt_(std::move(gpt)),
+        experts_(std::move(experts)),
+        seed_(seed) {
     for (const auto& info : model_->flat_param_info()) num_params_ += info.numel;
     for (auto* unit : model_->fsdp_units()) {
       if (unit == model_.get()) continue;
       for (const auto& info : unit->flat_param_info()) num_params_ += info.numel;
     }
+    if (experts_) num_params_ += experts_->total_numel();
   }
 
   at::Tensor forward(const at::Tensor& tokens) override { return model_(tokens); }
   torch::optim::Optimizer& optimizer() override { return *opt_; }
-  void zero_grad() override { opt_->zero_grad(); }
-  void clip_grad_norm(double max_norm) override { model_->clip_grad_norm_(max_norm); }
+  torch::optim::Optimizer* expert_optimizer() override {
+    return experts_ ? &experts_->optimizer() : nullptr;
+  }
+  // The gates' noise for this step and rank: a function of (seed, step, rank) only.
+  void start_step(int64_t step) override {
+    if (!experts_) return;
+    uint64_t h = Fnv1a64(&seed_, sizeof(seed_), kFnv1a64Basis);
+    h = Fnv1a64(&step, sizeof(step), h);
+    const int rank = model_->rank();
+    gpt_->seed_moe_noise(Fnv1a64(&rank, sizeof(rank), h));
+  }
+  at::Tensor aux_loss() override { return experts_ ? gpt_->aux_loss() : at::Tensor(); }
+  void zero_grad() override {
+    opt_->zero_grad();
+    if (experts_) experts_->optimizer().zero_grad();
+  }
+  // With experts: FSDP's norm of its shards (max_norm infinity: computed, nothing scaled) and
+  // the experts' squared norms summed over the ranks, then both scaled as clip_grad_norm_ would.
+  void clip_grad_norm(double max_norm) override {
+    if (!experts_) {
+      model_->clip_grad_norm_(max_norm);
+      return;
+    }
+    const double fsdp_norm =
+        model_->clip_grad_norm_(std::numeric_limits<double>::infinity()).item<double>();
+    const double total = std::sqrt(
+        fsdp_norm * fsdp_norm +
+        AllReduceSum(*model_->communicator(), experts_->grad_square_sum(),
+                     "clip_grad_norm: the experts' squared norm over the ranks"));
+    const double coef = max_norm / (total + 1e-6);
+    if (coef >= 1) return;
+    torch::NoGradGuard no_grad;
+    for (const std::vector<at::Tensor>& params : {model_->parameters(), experts_->parameters()}) {
+      for (const at::Tensor& p : params) {
+        if (p.grad().defined()) p.grad().mul_(coef);
+      }
+    }
+  }
   int64_t num_params() const override { return num_params_; }
   std::string label() const override { return label_; }
 
   // The sharded model and its Adam (fsdp_item: restorable at any world size). An OffloadedAdam
-  // is staged through an in-memory torch::optim::Adam of the same archive layout.
+  // is staged through an in-memory torch::optim::Adam of the same archive layout. Experts: see
+  // LocalExperts::add_state.
   void add_state(train_state::TrainState& state) override {
     if (auto* offloaded = dynamic_cast<offload::OffloadedAdam*>(opt_.get())) {
       state.add("model", std::make_shared<OffloadedFsdpItem>(model_, *offloaded, adam_));
     } else {
       state.add("model", train_state::fsdp_item(model_, opt_.get()));
     }
+    if (experts_) experts_->add_state(state, model_->rank());
   }
 
   uint64_t param_hash() override {
     uint64_t h = kFnv1a64Basis;
     for (const at::Tensor& p : model_->parameters()) h = HashTensor(p, h);
-    return h;
+    return experts_ ? experts_->hash(h) : h;
   }
   // Gathers every unit's full parameters and hashes the original parameters (not the shards,
-  // which differ between ranks) in a fixed order.
+  // which differ between ranks) in a fixed order. With experts: then every rank's experts' hash,
+  // gathered in rank order (collective), so every rank returns the same value.
   uint64_t full_param_hash() override {
     uint64_t h = kFnv1a64Basis;
-    auto guard = model_->summon_full_params(/*writeback=*/false);
-    std::set<const c10::TensorImpl*> shards;
-    for (fsdp::FullyShardedDataParallelImpl* u : model_->fsdp_units()) {
-      for (const at::Tensor& p : u->parameters(/*recurse=*/false)) {
-        shards.insert(p.unsafeGetTensorImpl());
+    std::set<const c10::TensorImpl*> skip;
+    if (experts_) {
+      for (const at::Tensor& p : experts_->parameters()) skip.insert(p.unsafeGetTensorImpl());
+    }
+    {
+      auto guard = model_->summon_full_params(/*writeback=*/false);
+      for (fsdp::FullyShardedDataParallelImpl* u : model_->fsdp_units()) {
+        for (const at::Tensor& p : u->parameters(/*recurse=*/false)) {
+          skip.insert(p.unsafeGetTensorImpl());
+        }
+      }
+      for (fsdp::FullyShardedDataParallelImpl* u : model_->fsdp_units()) {
+        for (const auto& item : u->module()->named_parameters()) {
+          if (skip.count(item.value().unsafeGetTensorImpl()) > 0) continue;
+          h = HashNamed(item.key(), item.value(), h);
+        }
       }
     }
-    for (fsdp::FullyShardedDataParallelImpl* u : model_->fsdp_units()) {
-      for (const auto& item : u->module()->named_parameters()) {
-        if (shards.count(item.value().unsafeGetTensorImpl()) > 0) continue;
-        h = HashNamed(item.key(), item.value(), h);
-      }
-    }
-    return h;
+    if (!experts_) return h;
+    comm::Communicator& comm = *model_->communicator();
+    const int64_t mine = static_cast<int64_t>(experts_->hash(kFnv1a64Basis));
+    std::vector<int64_t> all(comm.size());
+    base::ThrowIfError(comm.AllGather(comm::MakeConstBuffer(&mine, 1),
+                                      comm::MakeBuffer(all.data(), all.size()))
+                           .Wait(),
+                       "full_param_hash: the experts' hashes");
+    return Fnv1a64(all.data(), all.size() * sizeof(int64_t), h);
   }
 
  private:
@@ -253,6 +370,9 @@ class FsdpModel final : public ParallelModel {
   std::unique_ptr<torch::optim::Optimizer> opt_;
   torch::optim::AdamOptions adam_;  // the defaults opt_ was built with
   std::string label_;
+  Gpt gpt_;                                // set with experts only
+  std::unique_ptr<LocalExperts> experts_;  // null for a dense model
+  uint64_t seed_;
   int64_t num_params_ = 0;
 };
 
@@ -348,9 +468,27 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
     opts.hybrid_shard_group_size(static_cast<int>(config.hybrid_shard_group_size));
   }
   fsdp::FullyShardedDataParallel model{nullptr};
-  {
+  Gpt gpt{nullptr};
+  std::unique_ptr<LocalExperts> experts;
+  std::shared_ptr<comm::Communicator> expert_comm;
+  if (model_config.moe_experts() > 0) {
+    // The experts' all-to-alls on a communicator of their own (the same ranks), so that they
+    // never interleave with FSDP's collectives.
+    FS_ASSIGN_OR_RETURN(expert_comm, comm->Split(0, comm->rank()));
+  }
+  try {
+    // Experts first (before the rest of the model, as Gpt draws them), so FSDP can be told to
+    // leave them alone.
+    const GptExperts local = MakeGptExperts(model_config, *comm);
+    if (model_config.moe_experts() > 0) opts.ignored_modules(local.modules());
     fsdp::EnableWrap scope(comm, opts, GptWrapPolicy());
-    model = fsdp::FullyShardedDataParallel(Gpt(model_config), comm, opts);
+    gpt = Gpt(model_config, expert_comm, local);
+    model = fsdp::FullyShardedDataParallel(gpt, comm, opts);
+    if (model_config.moe_experts() > 0) {
+      experts = std::make_unique<LocalExperts>(local, model_config, *comm, adam);
+    }
+  } catch (const c10::Error& e) {
+    return absl::UnknownError(absl::StrCat("model: ", e.what_without_backtrace()));
   }
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (config.optimizer_offload == "disk") {
@@ -369,8 +507,11 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakeParallelModel(
   } else {
     opt = std::make_unique<torch::optim::Adam>(model->parameters(), adam);
   }
-  return std::unique_ptr<ParallelModel>(
-      std::make_unique<FsdpModel>(std::move(model), std::move(opt), adam, config.strategy));
+  std::string label = config.strategy;
+  if (experts) absl::StrAppend(&label, ", ", model_config.moe_experts(), " experts");
+  return std::unique_ptr<ParallelModel>(std::make_unique<FsdpModel>(
+      std::move(model), std::move(opt), adam, label, experts ? gpt : Gpt(nullptr),
+      std::move(experts), config.seed));
 }
 
 absl::Status ValidateParallelConfig(const TrainConfig& config) {
@@ -429,10 +570,10 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
       return absl::InvalidArgumentError(
           absl::StrCat(p, "precision must be fp32, got ", config.precision));
     }
-    if (config.pipeline_stages != 1) {
+    if (config.pipeline_stages > 1 && config.pipeline_balance != "even") {
       return absl::InvalidArgumentError(absl::StrCat(
-          p, "pipeline_stages must be 1 (tensor x pipeline is not wired into the job yet), got ",
-          config.pipeline_stages));
+          p, "with pipeline_stages > 1 needs pipeline_balance even (balance by size would run "
+          "the tensor-parallel layers outside the pipe), got ", config.pipeline_balance));
     }
     if (config.deterministic || config.loss_scale || config.optimizer_offload != "none" ||
         config.checkpoint_activations != "none") {
@@ -443,6 +584,34 @@ absl::Status ValidateParallelConfig(const TrainConfig& config) {
     if (config.heads % config.tensor_parallel != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           p, "does not divide heads ", config.heads, " (each rank holds heads / T heads)"));
+    }
+  }
+  if (config.moe_experts < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("moe_experts must be >= 0 (0: dense), got ", config.moe_experts));
+  }
+  if (config.moe_experts > 0) {
+    const std::string p = absl::StrCat("moe_experts ", config.moe_experts, ": ");
+    if (config.blocks < 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "needs blocks >= 2 (every odd block is MoE), got ", config.blocks));
+    }
+    if (config.data_parallel != "fsdp" || config.pipeline_stages != 1 ||
+        config.tensor_parallel != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "needs data_parallel fsdp without pipeline or tensor parallelism, got data_parallel ",
+          config.data_parallel, ", pipeline_stages ", config.pipeline_stages,
+          ", tensor_parallel ", config.tensor_parallel));
+    }
+    if (config.deterministic || config.loss_scale || config.optimizer_offload != "none" ||
+        config.checkpoint_activations != "none") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, "--deterministic, --loss_scale, --optimizer_offload and --checkpoint_activations "
+          "are not supported with experts (a recomputed MoE block would route again)"));
+    }
+    if (!(config.moe_aux_loss_coef >= 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "moe_aux_loss_coef must be >= 0, got ", config.moe_aux_loss_coef));
     }
   }
   if (config.deterministic && config.data_parallel == "sdp" && config.oss_partition != "greedy") {

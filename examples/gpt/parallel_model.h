@@ -60,6 +60,13 @@ class ParallelModel {
   // The optimizer stepping this rank's parameters (FSDP shards, or the OSS wrapper). Its param
   // groups carry AdamOptions (the trainer sets the learning rate there).
   virtual torch::optim::Optimizer& optimizer() = 0;
+  // Mixture of experts: the Adam of this rank's own experts (no data-parallel wrapper holds
+  // them), stepped together with optimizer(); null otherwise.
+  virtual torch::optim::Optimizer* expert_optimizer() { return nullptr; }
+  // Mixture of experts: called before each training step's forward (seeds the gates' noise for
+  // the step); the gates' load-balancing loss of the last forward (undefined without experts).
+  virtual void start_step(int64_t step) { (void)step; }
+  virtual at::Tensor aux_loss() { return {}; }
   virtual void zero_grad() = 0;
   // Clips the global gradient norm over all ranks (collective).
   virtual void clip_grad_norm(double max_norm) = 0;

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -20,7 +21,11 @@
 #include "base/fnv1a.h"
 #include "base/status_macros.h"
 #include "examples/gpt/parallel_model_internal.h"
+#include "examples/gpt/tp_model.h"
 #include "fsdp/fully_sharded_data_parallel.h"
+#include "model_parallel/cross_entropy.h"
+#include "model_parallel/grid.h"
+#include "model_parallel/pipe_grid.h"
 #include "pipe/balance.h"
 #include "pipe/fsdp_stage.h"
 #include "pipe/grid.h"
@@ -35,13 +40,20 @@ namespace {
 // Gpt) of one replica; an Adam over the stage's parameters. The replicas of a stage either keep
 // it whole and all-reduce its gradients (strategy no_shard), or shard it with FSDP over them
 // (full_shard / shard_grad_op: pipe::fsdp_stage; the Adam steps this rank's shard).
+// Tensor x pipeline (tensor_parallel T > 1): the stages are TpGpt layers on a tensor group of T
+// ranks (model_parallel::MakeParallelGrid(world, T, stages)): every tensor rank runs its own pipe
+// over the ranks with its tensor rank, the last stage scores its vocabulary shard of the logits
+// with vocab_parallel_cross_entropy, FSDP inside a stage runs per parameter (names kept for the
+// clipping norm), and each (stage, tensor rank) is a checkpoint stage of its own.
 class PipeModel final : public ParallelModel {
  public:
   // `micro_batches` > 0: deterministic mode with that many micro-batches per step.
+  // `tensor`: the tensor-parallel group (null without tensor parallelism).
   PipeModel(pipe::PipeGrid grid, std::unique_ptr<pipe::Pipe> pipe, int64_t vocab,
             int64_t num_params, torch::optim::AdamOptions adam, std::string label,
-            int64_t micro_batches)
+            int64_t micro_batches, std::shared_ptr<comm::Communicator> tensor = nullptr)
       : micro_batches_(micro_batches),
+        tensor_(std::move(tensor)),
         grid_(std::move(grid)),
         pipe_(std::move(pipe)),
         fsdp_(std::dynamic_pointer_cast<fsdp::FullyShardedDataParallelImpl>(pipe_->module())),
@@ -56,7 +68,12 @@ class PipeModel final : public ParallelModel {
   bool computes_loss() const override { return true; }
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets) override {
     const int64_t vocab = vocab_;
-    const pipe::LossFn fn = [vocab](const at::Tensor& logits, const at::Tensor& y) {
+    comm::Communicator* tensor = tensor_.get();
+    const pipe::LossFn fn = [vocab, tensor](const at::Tensor& logits, const at::Tensor& y) {
+      // The vocabulary shard's logits: the tensor group's vocab-parallel cross-entropy.
+      if (tensor != nullptr) {
+        return model_parallel::vocab_parallel_cross_entropy(logits.to(at::kFloat), y, *tensor);
+      }
       // bf16 logits (mixed precision) are scored in f32, as in the unpipelined modes.
       return torch::nn::functional::cross_entropy(logits.to(at::kFloat).reshape({-1, vocab}),
                                                   y.reshape({-1}));
@@ -108,11 +125,20 @@ class PipeModel final : public ParallelModel {
       }
       return;
     }
-    double sq = 0;
-    for (const at::Tensor& p : pipe_->parameters()) {
-      if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+    // Tensor parallelism: the split parameters' squares (TpGptImpl::is_split) also summed over
+    // the tensor group, the replicated ones' (the same on every tensor rank) not.
+    double sq = 0, split = 0;
+    for (const auto& item : pipe_->module()->named_parameters()) {
+      const at::Tensor& g = item.value().grad();
+      if (!g.defined()) continue;
+      const double s = g.to(at::kDouble).pow(2).sum().item<double>();
+      (tensor_ && TpGptImpl::is_split(item.key()) ? split : sq) += s;
     }
     if (fsdp_) sq = AllReduceSum(*grid_.data, sq, "clip_grad_norm: squared norm over the replicas");
+    if (tensor_) {
+      if (fsdp_) split = AllReduceSum(*grid_.data, split, "clip_grad_norm: split squares over the replicas");
+      sq += AllReduceSum(*tensor_, split, "clip_grad_norm: split squares over the tensor group");
+    }
     const double total_sq = AllReduceSum(*grid_.pipe, sq, "clip_grad_norm: squared norm over the pipe");
     const double coef = max_norm / (std::sqrt(total_sq) + 1e-6);
     if (coef >= 1) return;
@@ -129,7 +155,11 @@ class PipeModel final : public ParallelModel {
   // parameters by their full-model names (module_item) and its Adam (optimizer_item), replica
   // 0's. Both restore with the same pipeline_stages at any number of replicas.
   void add_state(train_state::TrainState& state) override {
-    const int stage = static_cast<int>(grid_.stage), stages = static_cast<int>(grid_.stages);
+    // With tensor parallelism each (stage, tensor rank) holds other slices: checkpoint stage
+    // stage * T + tensor rank of stages * T.
+    const int t = tensor_ ? tensor_->size() : 1, tr = tensor_ ? tensor_->rank() : 0;
+    const int stage = static_cast<int>(grid_.stage) * t + tr,
+              stages = static_cast<int>(grid_.stages) * t;
     const int replica = static_cast<int>(grid_.replica), replicas = static_cast<int>(grid_.replicas);
     if (fsdp_) {
       state.add("model", train_state::stage_item(
@@ -165,6 +195,7 @@ class PipeModel final : public ParallelModel {
 
  private:
   int64_t micro_batches_;
+  std::shared_ptr<comm::Communicator> tensor_;  // null without tensor parallelism
   pipe::PipeGrid grid_;
   std::unique_ptr<pipe::Pipe> pipe_;
   std::shared_ptr<fsdp::FullyShardedDataParallelImpl> fsdp_;  // null: whole stages
@@ -187,25 +218,66 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
         " (each of world / pipeline_stages replicas runs the whole pipeline)"));
   }
   FS_ASSIGN_OR_RETURN(pipe::Schedule schedule, ParseSchedule(config.pipeline_schedule));
+  const int64_t t = config.tensor_parallel;
+  if (comm->size() % (stages * t) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline_stages ", stages, " x tensor_parallel ", t, " does not divide the world size ",
+        comm->size()));
+  }
   // The pipe's functions raise c10::Error; the configuration checks above and in
   // ValidateParallelConfig come first, so what they raise here is rare (a failed split).
-  pipe::PipeGrid grid = pipe::MakePipeGrid(comm, stages);
-  // The same Gpt (so the same initial weights) as the unpipelined modes, its layers in order.
+  pipe::PipeGrid grid;
+  std::shared_ptr<comm::Communicator> tensor_group;
+  if (t > 1) {
+    model_parallel::ParallelGrid g;
+    try {
+      g = model_parallel::MakeParallelGrid(comm, t, stages);
+    } catch (const c10::Error& e) {
+      return absl::UnknownError(absl::StrCat("grid: ", e.what_without_backtrace()));
+    }
+    grid = model_parallel::ToPipeGrid(g);
+    tensor_group = g.tensor_group;
+  } else {
+    grid = pipe::MakePipeGrid(comm, stages);
+  }
+  // The same Gpt (so the same initial weights) as the unpipelined modes, its layers in order;
+  // with tensor parallelism a TpGpt loaded from it.
   Gpt full(model_config);
   int64_t num_params = 0;
   for (const at::Tensor& p : full->parameters()) num_params += p.numel();
+  std::shared_ptr<torch::nn::Module> source = full.ptr();
+  if (t > 1) {
+    model_parallel::TensorDict dense;
+    for (const auto& item : full->named_parameters()) dense.insert(item.key(), item.value());
+    try {
+      TpGpt tp(model_config, tensor_group);  // outside any EnableWrap scope: plain blocks
+      tp->load_dense_state_dict(dense);
+      source = tp.ptr();
+    } catch (const c10::Error& e) {
+      return absl::UnknownError(
+          absl::StrCat("tensor_parallel ", t, ": ", e.what_without_backtrace()));
+    }
+  }
   torch::nn::Sequential layers;
-  for (const auto& item : full->named_children()) {
+  // Pushes `m` as an `Impl` layer when it is one.
+  const auto push = [&layers](const std::string& name, const std::shared_ptr<torch::nn::Module>& m,
+                              auto* type) {
+    using Impl = std::remove_pointer_t<decltype(type)>;
+    auto typed = std::dynamic_pointer_cast<Impl>(m);
+    if (typed) layers->push_back(name, typed);
+    return typed != nullptr;
+  };
+  for (const auto& item : source->named_children()) {
     const std::shared_ptr<torch::nn::Module>& m = item.value();
-    if (auto e = std::dynamic_pointer_cast<EmbeddingsImpl>(m)) {
-      layers->push_back(item.key(), e);
-    } else if (auto b = std::dynamic_pointer_cast<TransformerBlockImpl>(m)) {
-      layers->push_back(item.key(), b);
-    } else if (auto h = std::dynamic_pointer_cast<LmHeadImpl>(m)) {
-      layers->push_back(item.key(), h);
-    } else {
+    const std::string& n = item.key();
+    if (!push(n, m, static_cast<EmbeddingsImpl*>(nullptr)) &&
+        !push(n, m, static_cast<TransformerBlockImpl*>(nullptr)) &&
+        !push(n, m, static_cast<LmHeadImpl*>(nullptr)) &&
+        !push(n, m, static_cast<TpEmbeddingsImpl*>(nullptr)) &&
+        !push(n, m, static_cast<TpTransformerBlockImpl*>(nullptr)) &&
+        !push(n, m, static_cast<TpLmHeadImpl*>(nullptr))) {
       return absl::InternalError(absl::StrCat("pipeline mode: Gpt child '", item.key(),
-                                              "' is not an Embeddings, block or LmHead"));
+                                              "' is not an embeddings, block or head layer"));
     }
   }
   FS_ASSIGN_OR_RETURN(pipe::CheckpointMode checkpoint,
@@ -246,8 +318,10 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
     FS_ASSIGN_OR_RETURN(c10::optional<c10::ScalarType> dtype, ParsePrecision(config.precision));
     fsdp::MixedPrecision mp;
     if (dtype) mp.param_dtype(dtype).reduce_dtype(at::kFloat);
-    opts.wrap_stage(pipe::fsdp_stage(
-        grid.data, fsdp::FsdpOptions().sharding_strategy(strategy).mixed_precision(mp)));
+    opts.wrap_stage(pipe::fsdp_stage(grid.data, fsdp::FsdpOptions()
+                                                    .sharding_strategy(strategy)
+                                                    .mixed_precision(mp)
+                                                    .flatten_parameters(t == 1)));
   }
   std::unique_ptr<pipe::Pipe> p;
   try {
@@ -259,7 +333,8 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
   std::string balance;
   for (int64_t n : p->balance()) absl::StrAppend(&balance, balance.empty() ? "" : "+", n);
   const std::string label = absl::StrCat(
-      "pipe ", stages, " stages",
+      t > 1 ? absl::StrCat("tensor parallel ", t, " x ") : std::string(), "pipe ", stages,
+      " stages",
       config.pipeline_virtual_stages > 1
           ? absl::StrCat(" x ", config.pipeline_virtual_stages, " virtual")
           : std::string(),
@@ -273,7 +348,7 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> MakePipeModel(
   const int64_t vocab = model_config.vocab();
   return std::unique_ptr<ParallelModel>(std::make_unique<PipeModel>(
       std::move(grid), std::move(p), vocab, num_params, adam, label,
-      config.deterministic ? config.micro_batches : 0));
+      config.deterministic ? config.micro_batches : 0, std::move(tensor_group)));
 }
 
 }  // namespace fairscale::examples::gpt::internal

@@ -144,40 +144,53 @@ TpGptImpl::TpGptImpl(const GptConfig& config, std::shared_ptr<comm::Communicator
                                ": activation checkpointing is not supported by TpGpt"));
   }
   const int64_t c = config.width();
-  // Containers named like Gpt's Embeddings and LmHead, so the parameter names match.
-  auto embed = register_module("embed", std::make_shared<torch::nn::Module>());
-  tok_ = embed->register_module(
-      "tok",
-      mp::VocabParallelEmbedding(
-          mp::VocabParallelEmbeddingOptions(config.vocab(), c).init_seed(LayerSeed(init_seed, 0)),
-          comm_));
-  // Replicated: drawn from a private generator (torch::nn::Embedding would use the global one).
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(LayerSeed(init_seed, 1));
-  pos_ = embed->register_module(
-      "pos",
-      torch::nn::Embedding(
-          torch::nn::EmbeddingOptions(config.seq(), c)._weight(at::randn({config.seq(), c}, gen))));
+  // Seeds as before the split into modules, so a given init_seed gives the same model.
+  embed_ = register_module(
+      "embed", TpEmbeddings(config.vocab(), config.seq(), c, comm_, init_seed));
   for (int64_t i = 0; i < config.blocks(); ++i) {
     blocks_.push_back(fsdp::wrap(
         TpTransformerBlock(c, config.heads(), comm_, LayerSeed(init_seed, 100 * (i + 1)))));
     register_module("block" + std::to_string(i), blocks_.back().ptr());
   }
-  auto lm_head = register_module("lm_head", std::make_shared<torch::nn::Module>());
-  ln_f_ = lm_head->register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c})));
-  head_ = lm_head->register_module(
-      "head", mp::ColumnParallelLinear(mp::ColumnParallelLinearOptions(c, config.vocab())
+  lm_head_ = register_module("lm_head", TpLmHead(c, config.vocab(), comm_, init_seed));
+}
+
+TpEmbeddingsImpl::TpEmbeddingsImpl(int64_t vocab, int64_t seq, int64_t width,
+                                   std::shared_ptr<comm::Communicator> comm, uint64_t init_seed) {
+  tok_ = register_module(
+      "tok", mp::VocabParallelEmbedding(
+                 mp::VocabParallelEmbeddingOptions(vocab, width).init_seed(LayerSeed(init_seed, 0)),
+                 std::move(comm)));
+  // Replicated: drawn from a private generator (torch::nn::Embedding would use the global one).
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(LayerSeed(init_seed, 1));
+  pos_ = register_module(
+      "pos", torch::nn::Embedding(
+                 torch::nn::EmbeddingOptions(seq, width)._weight(at::randn({seq, width}, gen))));
+}
+
+torch::Tensor TpEmbeddingsImpl::forward(torch::Tensor tokens) {
+  return tok_(tokens) + pos_(at::arange(tokens.size(1), tokens.options()));
+}
+
+TpLmHeadImpl::TpLmHeadImpl(int64_t width, int64_t vocab, std::shared_ptr<comm::Communicator> comm,
+                           uint64_t init_seed) {
+  ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+  head_ = register_module(
+      "head", mp::ColumnParallelLinear(mp::ColumnParallelLinearOptions(width, vocab)
                                            .gather_output(false)
                                            .init_seed(LayerSeed(init_seed, 2)),
-                                       comm_));
+                                       std::move(comm)));
 }
+
+torch::Tensor TpLmHeadImpl::forward(torch::Tensor x) { return head_(ln_f_(x)); }
 
 torch::Tensor TpGptImpl::parallel_logits(torch::Tensor tokens) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) <= config_.seq(),
               "TpGpt: tokens must be [batch, t] with t <= ", config_.seq(), ", got ",
               tokens.sizes());
-  at::Tensor x = tok_(tokens) + pos_(at::arange(tokens.size(1), tokens.options()));
+  at::Tensor x = embed_(tokens);
   for (auto& block : blocks_) x = block(x);
-  return head_(ln_f_(x));
+  return lm_head_(x);
 }
 
 torch::Tensor TpGptImpl::forward(torch::Tensor tokens) {

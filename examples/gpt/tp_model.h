@@ -75,7 +75,37 @@ class TpTransformerBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TpTransformerBlock);
 
+// Token + position embeddings, the token table split over the vocabulary: int64 tokens
+// [batch, t] -> [batch, t, width] (full, the same on every rank of the group).
+class TpEmbeddingsImpl : public torch::nn::Module {
+ public:
+  TpEmbeddingsImpl(int64_t vocab, int64_t seq, int64_t width,
+                   std::shared_ptr<comm::Communicator> comm, uint64_t init_seed);
+  torch::Tensor forward(torch::Tensor tokens);
+
+ private:
+  model_parallel::VocabParallelEmbedding tok_{nullptr};
+  torch::nn::Embedding pos_{nullptr};
+};
+TORCH_MODULE(TpEmbeddings);
+
+// Final LayerNorm and the head split over the vocabulary: [batch, t, width] -> this rank's
+// logits [batch, t, vocab/T] (score them with model_parallel::vocab_parallel_cross_entropy).
+class TpLmHeadImpl : public torch::nn::Module {
+ public:
+  TpLmHeadImpl(int64_t width, int64_t vocab, std::shared_ptr<comm::Communicator> comm,
+               uint64_t init_seed);
+  torch::Tensor forward(torch::Tensor x);
+
+ private:
+  torch::nn::LayerNorm ln_f_{nullptr};
+  model_parallel::ColumnParallelLinear head_{nullptr};
+};
+TORCH_MODULE(TpLmHead);
+
 // Submodule and parameter names are Gpt's: embed (tok, pos), block0.., lm_head (ln_f, head).
+// The children in order (embed, block0.., lm_head) are the layers of a pipeline
+// (pipe::Pipe over torch::nn::Sequential): see tp_pipe_model.cc.
 class TpGptImpl : public torch::nn::Module {
  public:
   // Each block goes through fsdp::wrap() (as Gpt's do): inside an fsdp::EnableWrap scope with
@@ -111,11 +141,9 @@ class TpGptImpl : public torch::nn::Module {
  private:
   GptConfig config_;
   std::shared_ptr<comm::Communicator> comm_;
-  model_parallel::VocabParallelEmbedding tok_{nullptr};
-  torch::nn::Embedding pos_{nullptr};
+  TpEmbeddings embed_{nullptr};
   std::vector<fsdp::Wrapped> blocks_;
-  torch::nn::LayerNorm ln_f_{nullptr};
-  model_parallel::ColumnParallelLinear head_{nullptr};
+  TpLmHead lm_head_{nullptr};
 };
 TORCH_MODULE(TpGpt);
 

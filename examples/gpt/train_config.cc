@@ -131,6 +131,10 @@ nlohmann::json TrainConfig::ToJson() const {
   if (pipeline_stages > 1 && pipeline_balance != "even") j["pipeline_balance"] = pipeline_balance;
   if (pipeline_virtual_stages > 1) j["pipeline_virtual_stages"] = pipeline_virtual_stages;
   if (tensor_parallel > 1) j["tensor_parallel"] = tensor_parallel;
+  if (moe_experts > 0) {
+    j["moe_experts"] = moe_experts;
+    j["moe_aux_loss_coef"] = moe_aux_loss_coef;
+  }
   if (deterministic) {
     j["deterministic"] = true;
     j["micro_batches"] = micro_batches;
@@ -232,6 +236,17 @@ absl::Status CheckBeforeLaunch(const TrainConfig& config, int world_size) {
         world_size, " (each of ranks / tensor_parallel replicas is a tensor-parallel group of ",
         config.tensor_parallel, " ranks); use --nproc_per_node=", config.tensor_parallel,
         " or a multiple of it"));
+  }
+  if (config.tensor_parallel > 1 && config.pipeline_stages > 1 &&
+      world_size % (config.tensor_parallel * config.pipeline_stages) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor_parallel ", config.tensor_parallel, " x pipeline_stages ", config.pipeline_stages,
+        " does not divide the rank count ", world_size));
+  }
+  if (config.moe_experts > 0 && config.moe_experts % world_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "moe_experts ", config.moe_experts, " is not divisible by the rank count ", world_size,
+        " (each rank holds moe_experts / ranks experts)"));
   }
   if (config.deterministic && config.micro_batches % world_size != 0) {
     std::string ok;

@@ -230,7 +230,8 @@ class Trainer {
                              .seq(config_.seq)
                              .width(config_.width)
                              .heads(config_.heads)
-                             .blocks(config_.blocks);
+                             .blocks(config_.blocks)
+                             .moe_experts(config_.moe_experts);
     // A pipeline checkpoints whole stages per micro-batch (parallel_model.cc), not blocks.
     if (config_.pipeline_stages == 1) {
       FS_ASSIGN_OR_RETURN(int64_t checkpoint_every_k,
@@ -319,9 +320,14 @@ class Trainer {
     for (int64_t step = result.start_step + 1; step <= last; ++step) {
       const auto t0 = Clock::now();
       const double lr = LearningRate(config_, step);
-      for (auto& group : optim_->param_groups()) {
-        static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
+      for (torch::optim::Optimizer* o : {optim_, model_->expert_optimizer()}) {
+        if (o == nullptr) continue;
+        for (auto& group : o->param_groups()) {
+          static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
+        }
       }
+      model_->start_step(step);
+      double aux_loss = std::numeric_limits<double>::quiet_NaN();
       at::Tensor loss;
       std::vector<double> micro_losses;  // deterministic mode: this rank's, in order
       if (layout_) {
@@ -354,10 +360,15 @@ class Trainer {
       }
       if (!layout_ && !model_->computes_loss()) {  // the pipeline ran its backward in Loss()
         trace::Scope scope(recorder_.get(), "backward", trace::kCategoryCompute, {{"step", step}});
+        at::Tensor objective = loss;
+        if (at::Tensor aux = model_->aux_loss(); aux.defined()) {  // mixture of experts
+          aux_loss = aux.item<double>();
+          objective = loss + config_.moe_aux_loss_coef * aux;
+        }
         if (scaler_) {
-          scaler_->scale(loss).backward();
+          scaler_->scale(objective).backward();
         } else {
-          loss.backward();
+          objective.backward();
         }
       }
       const double loss_scale = scaler_ ? scaler_->get_scale() : 1.0;  // this step's
@@ -374,6 +385,7 @@ class Trainer {
           scaler_->update();
         } else {
           optim_->step();
+          if (torch::optim::Optimizer* experts = model_->expert_optimizer()) experts->step();
         }
       }
       if (rank_ == config_.fault_rank && step == config_.fault_step && !config_.fault_in_save) {
@@ -427,6 +439,7 @@ class Trainer {
           j["loss_scale"] = MetricNumber(loss_scale);
           j["step_skipped"] = !stepped;
         }
+        if (config_.moe_experts > 0) j["aux_loss"] = MetricNumber(aux_loss);  // rank 0's
         metrics_.Write(j);
         if (eval) {
           metrics_.Write({{"type", "val"}, {"step", step}, {"loss", MetricNumber(val_loss)}});

@@ -128,6 +128,22 @@ struct TrainConfig {
   // fp32; not supported yet (rejected by Validate): pipeline_stages > 1, deterministic,
   // loss_scale, optimizer_offload, checkpoint_activations. In ToJson() when > 1.
   int64_t tensor_parallel = 1;
+  // Mixture of experts (//moe, GptConfig::moe_experts): with moe_experts E > 0 every odd block's
+  // MLP is a Top2Gate MOELayer over E experts (each an MLP of hidden width 2 * width), E / world
+  // experts on each rank (expert parallelism over all ranks: E must be divisible by the rank
+  // count; blocks >= 2). FSDP shards everything else (FsdpOptions::ignored_modules keeps the
+  // experts out); each rank steps its experts with an Adam of its own, their gradients scaled
+  // by 1 / world (they already hold every rank's tokens), the clipping norm covers both. The
+  // loss differentiated is the cross-entropy + moe_aux_loss_coef * the gates' load-balancing
+  // loss (the logged loss is the cross-entropy alone; the aux loss is logged as "aux_loss").
+  // The second-expert noise is seeded per step and rank, so a resumed run routes as the
+  // uninterrupted one. Checkpoints: the FSDP item plus each rank's experts and their Adam state
+  // ("experts", "expert_optimizer": stage_item per rank), so a resume needs the same rank count.
+  // Needs data_parallel fsdp; not supported (rejected by Validate): pipeline_stages > 1,
+  // tensor_parallel > 1, deterministic, loss_scale, optimizer_offload, checkpoint_activations.
+  // In ToJson() when > 0.
+  int64_t moe_experts = 0;
+  double moe_aux_loss_coef = 0.01;
   // Deterministic mode (//deterministic): bitwise the same losses, parameters and parameter hash
   // at any world size that divides `micro_batches`. A step's global batch is `micro_batches`
   // (M) micro-batches of `batch` sequences each (so `batch` is per micro-batch, not per rank):
