@@ -699,6 +699,15 @@ class Trainer {
       return NoCompleteCheckpointError(root);
     }
     const LatestCheckpoint latest = **found;
+    if (config_.moe_experts > 0 && latest.marker.world_size != world_) {
+      // Each rank's experts are its own checkpoint stage: resharding them is not implemented.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: ", latest.dir, " was saved by ", latest.marker.world_size,
+          " ranks; with --moe_experts=", config_.moe_experts, " each rank saved its own ",
+          config_.moe_experts / std::max(1, latest.marker.world_size),
+          " experts, which restore only at the same rank count (run with --nproc_per_node=",
+          latest.marker.world_size, ")"));
+    }
     FS_ASSIGN_OR_RETURN(config_.schedule_steps,
                         ResumeScheduleSteps(config_, latest.dir, latest.marker.step,
                                             MarkerConfig(latest.marker)));
