@@ -86,7 +86,8 @@ ABSL_FLAG(int64_t, tensor_parallel, 1,
           "consecutive ranks (1: off); the rank count must be a multiple of T (world / T "
           "replicas; FSDP shards each rank's slices over the replicas with --strategy=full_shard|"
           "shard_grad_op, or they all-reduce the gradients under no_shard); --precision=fp32; "
-          "checkpoints per tensor rank (resumable with another replica count, the same T)");
+          "checkpoints per tensor rank (resumable with another replica count, the same T); "
+          "composes with --pipeline_stages (T x P must divide the rank count)");
 ABSL_FLAG(int64_t, moe_experts, 0,
           "mixture of experts (//moe): every odd block's MLP a Top2Gate MoE layer over E experts "
           "(0: dense), E / ranks experts per rank (E divisible by the rank count, --blocks >= 2); "

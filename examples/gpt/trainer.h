@@ -124,9 +124,11 @@ struct TrainConfig {
   // clipping uses the norm over the whole model, Adam steps each rank's shards. Checkpoints: one
   // FSDP checkpoint per tensor rank (stage_item), restorable with the same T at any replica
   // count. The sample at the end runs the gathered logits on every rank. T must divide the world
-  // size, heads and the vocabulary. Needs data_parallel fsdp, a non-hybrid strategy and precision
-  // fp32; not supported yet (rejected by Validate): pipeline_stages > 1, deterministic,
-  // loss_scale, optimizer_offload, checkpoint_activations. In ToJson() when > 1.
+  // size, heads and the vocabulary. With pipeline_stages P > 1 the TpGpt's layers are the
+  // pipeline's stages on a T x P x (world / TP) grid (pipe_model.cc; pipeline_balance even).
+  // Needs data_parallel fsdp, a non-hybrid strategy and precision fp32; not supported yet
+  // (rejected by Validate): deterministic, loss_scale, optimizer_offload,
+  // checkpoint_activations. In ToJson() when > 1.
   int64_t tensor_parallel = 1;
   // Mixture of experts (//moe, GptConfig::moe_experts): with moe_experts E > 0 every odd block's
   // MLP is a Top2Gate MOELayer over E experts (each an MLP of hidden width 2 * width), E / world
