@@ -3,6 +3,7 @@
 // configurations (see README.md in this directory for the table, the command and the reading):
 //
 //   dense_1   plain Gpt, 1 rank, batch B                       (the baseline)
+//   dense_1_2t  the same with twice the intra-op threads (one process using both cores)
 //   tp_2      TpGpt, T = 2 (Megatron), both ranks the same batch B (the same global batch)
 //   fsdp_2    Gpt under FSDP FULL_SHARD (GptWrapPolicy), each rank B/2 rows of the same batch B
 //   moe_1     Gpt with moe_experts E, 1 rank (all experts local), batch B; vs dense_1, which has
@@ -60,7 +61,7 @@
 #include "fsdp/wrap.h"
 #include "pipe/grid.h"
 
-ABSL_FLAG(std::string, configs, "dense_1,tp_2,fsdp_2,moe_1,dense_2,moe_2",
+ABSL_FLAG(std::string, configs, "dense_1,dense_1_2t,tp_2,fsdp_2,moe_1,dense_2,moe_2",
           "configurations, run in this order in every round (dense_1 is the baseline of every "
           "row but moe_2, whose baseline is dense_2)");
 ABSL_FLAG(int, repeats, 5, "rounds over the configurations (medians over rounds)");
@@ -74,10 +75,7 @@ ABSL_FLAG(int, vocab, 1024, "vocabulary size");
 ABSL_FLAG(int, batch, 4, "sequences per step per data-parallel replica (B)");
 ABSL_FLAG(int, experts, 4, "experts per MoE block (moe_1, moe_2)");
 ABSL_FLAG(double, aux_coef, 0.01, "weight of the MoE load-balancing loss");
-ABSL_FLAG(int, threads, 1, "intra-op threads per rank at 2 ranks");
-ABSL_FLAG(int, threads_1rank, 2,
-          "intra-op threads of a 1-rank configuration (2: it may use both cores, as the 2-rank "
-          "configurations do together)");
+ABSL_FLAG(int, threads, 1, "intra-op threads per rank (dense_1_2t: twice this)");
 ABSL_FLAG(int, rank_timeout_s, 1800, "ranks still running after this long are killed");
 ABSL_FLAG(std::string, out, "", "also write the table here");
 // Set by the parent for its ranks.
@@ -108,6 +106,7 @@ struct ConfigInfo {
 
 ConfigInfo InfoOf(const std::string& name) {
   if (name == "dense_1") return {name, 1, true, "dense_1"};
+  if (name == "dense_1_2t") return {name, 1, true, "dense_1"};
   if (name == "tp_2") return {name, 2, false, "dense_1"};
   if (name == "fsdp_2") return {name, 2, false, "dense_1"};
   if (name == "moe_1") return {name, 1, true, "dense_1"};
@@ -157,7 +156,7 @@ Model Build(const std::string& config, const std::shared_ptr<comm::Communicator>
   Model m;
   torch::manual_seed(0);  // the same initial weights on every rank
   const double aux = absl::GetFlag(FLAGS_aux_coef);
-  if (config == "dense_1" || config == "dense_2") {
+  if (config == "dense_1" || config == "dense_1_2t" || config == "dense_2") {
     gpt::Gpt model(DenseConfig());
     m.holder = model.ptr();
     m.params = model->parameters();
@@ -219,8 +218,7 @@ int RunRankBody(const comm::bench::BenchRank& me) {
   const std::string config = absl::GetFlag(FLAGS_run_config);
   const ConfigInfo info = InfoOf(config);
   if (info.ranks != me.size) Die(absl::StrCat(config, " runs at ", info.ranks, " ranks"));
-  at::set_num_threads(me.size == 1 ? absl::GetFlag(FLAGS_threads_1rank)
-                                   : absl::GetFlag(FLAGS_threads));
+  at::set_num_threads((config == "dense_1_2t" ? 2 : 1) * absl::GetFlag(FLAGS_threads));
   auto created = comm::bench::Connect(me);
   if (!created.ok()) Die(created.status().ToString());
   std::shared_ptr<comm::Communicator> world = *std::move(created);
@@ -295,7 +293,7 @@ Run RunOnce(const std::string& config) {
   const ConfigInfo info = InfoOf(config);
   std::vector<std::string> args = comm::bench::ForwardFlags(
       {"warmup", "steps", "blocks", "width", "heads", "seq", "vocab", "batch", "experts",
-       "aux_coef", "threads", "threads_1rank"});
+       "aux_coef", "threads"});
   args.push_back(absl::StrCat("--run_config=", config));
   absl::StatusOr<std::string> ran =
       comm::bench::RunRanks("FS_TP_BENCH", info.ranks, args,
@@ -413,12 +411,12 @@ int Main() {
                  moe_blocks * c * absl::GetFlag(FLAGS_experts) * 4;
   }
 
-  const int threads = absl::GetFlag(FLAGS_threads), threads1 = absl::GetFlag(FLAGS_threads_1rank);
+  const int threads = absl::GetFlag(FLAGS_threads);
   std::string table = absl::StrFormat(
       "GPT: %d blocks, width %d, %d heads, seq %d, vocab %d, batch B = %d per replica; MoE: %d "
       "experts of hidden 2C in blocks 1, 3, ..., capacity factor 1, aux coef %g; Adam, f32; %d "
-      "round(s) x (%d warm-up + %d timed steps) per configuration, interleaved; threads per "
-      "rank: %d at 1 rank, %d at 2 ranks; tcp on 127.0.0.1\n"
+      "round(s) x (%d warm-up + %d timed steps) per configuration, interleaved; %d intra-op "
+      "thread(s) per rank (dense_1_2t: %d); tcp on 127.0.0.1\n"
       "loadavg before: %s; after: %s; wall %.0f s\n\n"
       "| config | ranks | tokens/step | step ms | tokens/s | vs | ratio (tokens/s) | param MiB "
       "per rank | all_reduce MiB | all_gather MiB | reduce_scatter MiB | all_to_all MiB | "
@@ -427,7 +425,7 @@ int Main() {
       absl::GetFlag(FLAGS_blocks), absl::GetFlag(FLAGS_width), absl::GetFlag(FLAGS_heads),
       absl::GetFlag(FLAGS_seq), absl::GetFlag(FLAGS_vocab), absl::GetFlag(FLAGS_batch),
       absl::GetFlag(FLAGS_experts), absl::GetFlag(FLAGS_aux_coef), repeats,
-      absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_steps), threads1, threads, load_before,
+      absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_steps), threads, 2 * threads, load_before,
       load_after, wall_s);
   for (const std::string& c : configs) {
     const ConfigInfo info = InfoOf(c);
