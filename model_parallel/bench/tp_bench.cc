@@ -386,8 +386,10 @@ int Main() {
   if (repeats < 1) Die("--repeats must be >= 1");
   const std::string load_before = LoadAvg();
   std::map<std::string, std::vector<Run>> runs;
+  std::vector<std::string> round_load;  // /proc/loadavg at the start of each round
   const auto t0 = Clock::now();
   for (int r = 0; r < repeats; ++r) {
+    round_load.push_back(LoadAvg());
     for (const std::string& c : configs) {
       std::fprintf(stderr, "round %d/%d: %s...\n", r + 1, repeats, c.c_str());
       runs[c].push_back(RunOnce(c));
@@ -459,6 +461,21 @@ int Main() {
                         MiB(last.param_bytes), cells, Theory(c, dense_params, replicated),
                         last.loss));
   }
+  // Every round's step time (the spread shows the load changing during the run).
+  absl::StrAppend(&table, "\nstep ms per round:\n\n| config |");
+  for (int r = 0; r < repeats; ++r) absl::StrAppend(&table, " round ", r + 1, " |");
+  absl::StrAppend(&table, "\n|---|");
+  for (int r = 0; r < repeats; ++r) absl::StrAppend(&table, "---|");
+  absl::StrAppend(&table, "\n");
+  for (const std::string& c : configs) {
+    absl::StrAppend(&table, "| ", c, " |");
+    for (const Run& run : runs[c]) absl::StrAppend(&table, absl::StrFormat(" %.0f |", run.step_s * 1e3));
+    absl::StrAppend(&table, "\n");
+  }
+  absl::StrAppend(&table, "| loadavg at round start |");
+  for (const std::string& l : round_load) absl::StrAppend(&table, " ", l, " |");
+  absl::StrAppend(&table, "\n");
+
   // The main collectives, measured against the theory in bytes.
   absl::StrAppend(&table, "\n");
   const int64_t tp_bytes = [] {
