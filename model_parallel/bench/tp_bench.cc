@@ -31,6 +31,8 @@
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
+#include <time.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -137,6 +139,13 @@ int64_t Bytes(const std::vector<at::Tensor>& params) {
   return n;
 }
 
+// CPU time of this process, every thread (the tcp backend's included).
+double ProcessCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 bool IsExpert(const std::string& name) { return name.find(".moe.experts.") != std::string::npos; }
 
 // What one configuration trains on a rank: its parameters and the loss of a batch.
@@ -229,7 +238,7 @@ int RunRankBody(const comm::bench::BenchRank& me) {
   const int64_t batch = absl::GetFlag(FLAGS_batch), seq = absl::GetFlag(FLAGS_seq),
                 vocab = absl::GetFlag(FLAGS_vocab);
   const int warmup = absl::GetFlag(FLAGS_warmup), steps = absl::GetFlag(FLAGS_steps);
-  std::vector<double> times;
+  std::vector<double> times, cpu_times;
   double last_loss = 0;
   for (int step = 0; step < warmup + steps; ++step) {
     // The step's global batch: its own for an own-batch configuration, else the same B rows on
@@ -246,28 +255,34 @@ int RunRankBody(const comm::bench::BenchRank& me) {
     Check(world->Barrier().Wait());
     if (last) counting->Reset();
     const auto t0 = Clock::now();
+    const double cpu0 = ProcessCpuSeconds();
     opt.zero_grad();
     at::Tensor loss = model.loss(tokens, targets);
     loss.backward();
     model.after_backward();
     opt.step();
     double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double cpu = ProcessCpuSeconds() - cpu0;
     double slowest = dt;
     Check(world->AllReduce(comm::MakeConstBuffer(&dt, 1), comm::MakeBuffer(&slowest, 1),
                            comm::ReduceOp::kMax)
               .Wait());
     last_loss = loss.item<double>();
     if (!std::isfinite(last_loss)) Die(absl::StrCat(config, ": loss is not finite"));
-    if (step >= warmup) times.push_back(slowest);
+    if (step >= warmup) {
+      times.push_back(slowest);
+      cpu_times.push_back(cpu);
+    }
   }
   std::sort(times.begin(), times.end());
+  std::sort(cpu_times.begin(), cpu_times.end());
   std::ofstream out(absl::StrCat(me.dir, "/rank", me.rank, ".tsv"));
   out << times[times.size() / 2] << '\t' << Bytes(model.params) << '\t' << last_loss;
   for (OpType t : kCounted) {
     const auto c = counting->count(t);
     out << '\t' << c.ops << '\t' << c.bytes;
   }
-  out << '\n';
+  out << '\t' << cpu_times[cpu_times.size() / 2] << '\n';
   out.close();
   Check(world->Barrier().Wait());
   return 0;
@@ -284,6 +299,7 @@ int RunRank(const comm::bench::BenchRank& me) {
 // One run of a configuration, aggregated over its ranks.
 struct Run {
   double step_s = 0;
+  double cpu_s = 0;  // CPU seconds per step, summed over the ranks (each rank's median)
   int64_t param_bytes = 0;  // the largest rank's
   double loss = 0;          // rank 0's
   int64_t ops[4] = {0, 0, 0, 0}, bytes[4] = {0, 0, 0, 0};  // rank 0's, per kCounted
@@ -305,13 +321,16 @@ Run RunOnce(const std::string& config) {
     std::string line;
     std::getline(in, line);
     std::vector<std::string> f = absl::StrSplit(line, '\t');
-    if (f.size() != 3 + 2 * std::size(kCounted)) Die(absl::StrCat(config, ": bad rank file"));
+    if (f.size() != 4 + 2 * std::size(kCounted)) Die(absl::StrCat(config, ": bad rank file"));
     double step = 0, loss = 0;
     int64_t params = 0;
     (void)absl::SimpleAtod(f[0], &step);
     (void)absl::SimpleAtoi(f[1], &params);
     (void)absl::SimpleAtod(f[2], &loss);
     run.step_s = std::max(run.step_s, step);
+    double cpu = 0;
+    (void)absl::SimpleAtod(f.back(), &cpu);
+    run.cpu_s += cpu;
     run.param_bytes = std::max(run.param_bytes, params);
     if (r == 0) {
       run.loss = loss;
@@ -393,7 +412,8 @@ int Main() {
     for (const std::string& c : configs) {
       std::fprintf(stderr, "round %d/%d: %s...\n", r + 1, repeats, c.c_str());
       runs[c].push_back(RunOnce(c));
-      std::fprintf(stderr, "  %.1f ms/step (loadavg %s)\n", runs[c].back().step_s * 1e3,
+      std::fprintf(stderr, "  %.1f ms/step, %.1f CPU ms/step (loadavg %s)\n",
+                   runs[c].back().step_s * 1e3, runs[c].back().cpu_s * 1e3,
                    LoadAvg().c_str());
     }
   }
@@ -420,10 +440,11 @@ int Main() {
       "round(s) x (%d warm-up + %d timed steps) per configuration, interleaved; %d intra-op "
       "thread(s) per rank (dense_1_2t: %d); tcp on 127.0.0.1\n"
       "loadavg before: %s; after: %s; wall %.0f s\n\n"
-      "| config | ranks | tokens/step | step ms | tokens/s | vs | ratio (tokens/s) | param MiB "
+      "| config | ranks | tokens/step | step ms | tokens/s | vs | ratio (tokens/s) | CPU ms/step "
+      "(all ranks) | CPU/token ratio | param MiB "
       "per rank | all_reduce MiB | all_gather MiB | reduce_scatter MiB | all_to_all MiB | "
       "theory MiB | loss |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
       absl::GetFlag(FLAGS_blocks), absl::GetFlag(FLAGS_width), absl::GetFlag(FLAGS_heads),
       absl::GetFlag(FLAGS_seq), absl::GetFlag(FLAGS_vocab), absl::GetFlag(FLAGS_batch),
       absl::GetFlag(FLAGS_experts), absl::GetFlag(FLAGS_aux_coef), repeats,
@@ -432,13 +453,16 @@ int Main() {
   for (const std::string& c : configs) {
     const ConfigInfo info = InfoOf(c);
     const std::vector<Run>& rs = runs[c];
-    std::vector<double> steps, ratios;
+    std::vector<double> steps, ratios, cpus, cpu_ratios;
     const bool has_base = runs.count(info.baseline) > 0;
     for (int r = 0; r < repeats; ++r) {
       steps.push_back(rs[r].step_s);
+      cpus.push_back(rs[r].cpu_s);
       if (has_base) {
         const double base_tps = TokensPerStep(info.baseline) / runs[info.baseline][r].step_s;
         ratios.push_back(TokensPerStep(c) / rs[r].step_s / base_tps);
+        const double base_cpt = runs[info.baseline][r].cpu_s / TokensPerStep(info.baseline);
+        cpu_ratios.push_back(rs[r].cpu_s / TokensPerStep(c) / base_cpt);
       }
     }
     const double step = Median(steps);
@@ -454,10 +478,13 @@ int Main() {
     }
     absl::StrAppend(
         &table,
-        absl::StrFormat("| %s | %d | %d | %.0f | %.0f | %s | %s | %.1f | %s%s | %.3f |\n", c,
+        absl::StrFormat("| %s | %d | %d | %.0f | %.0f | %s | %s | %.0f | %s | %.1f | %s%s | %.3f |\n",
+                        c,
                         info.ranks, TokensPerStep(c), step * 1e3, TokensPerStep(c) / step,
                         c == info.baseline ? "-" : info.baseline,
                         has_base ? absl::StrFormat("%.2f", Median(ratios)) : "-",
+                        Median(cpus) * 1e3,
+                        has_base ? absl::StrFormat("%.2f", Median(cpu_ratios)) : "-",
                         MiB(last.param_bytes), cells, Theory(c, dense_params, replicated),
                         last.loss));
   }
