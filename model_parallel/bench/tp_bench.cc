@@ -21,7 +21,11 @@
 // model communicator is wrapped in comm::testing::CountingCommunicator, reset before the last
 // timed step, so the bytes are those of one step. Reported per configuration: the median over
 // rounds of each round's median step, tokens/s, the median over rounds of the round's ratio
-// (tokens/s vs the baseline of the same round), per-rank parameter bytes, bytes per collective.
+// (tokens/s vs the baseline of the same round), the step's process CPU time summed over the ranks
+// and CPU per token vs the baseline (the load-robust number on a shared machine), per-rank
+// parameter bytes, bytes per collective (checked against the theory: "check ...: equal").
+//
+//   OMP_NUM_THREADS=1 ./bazelw run //model_parallel/bench:tp_bench -- --repeats=5 --warmup=1 --steps=3
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/randint.h>
@@ -43,7 +47,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
