@@ -226,7 +226,8 @@ void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
          << ", out_features=" << options_.out_features()
          << ", bias=" << (options_.bias() ? "true" : "false")
          << ", gather_output=" << (options_.gather_output() ? "true" : "false")
-         << (options_.sequence_parallel() ? ", sequence_parallel=true" : "") << ", tp=" << comm_->size() << ")";
+         << (options_.sequence_parallel() ? ", sequence_parallel=true" : "")
+         << ", tp=" << comm_->size() << ")";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -295,7 +296,8 @@ void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
          << ", out_features=" << options_.out_features()
          << ", bias=" << (options_.bias() ? "true" : "false")
          << ", input_is_parallel=" << (options_.input_is_parallel() ? "true" : "false")
-         << (options_.sequence_parallel() ? ", sequence_parallel=true" : "") << ", tp=" << comm_->size() << ")";
+         << (options_.sequence_parallel() ? ", sequence_parallel=true" : "")
+         << ", tp=" << comm_->size() << ")";
 }
 
 // ---------------------------------------------------------------------------------------------

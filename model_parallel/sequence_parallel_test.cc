@@ -110,21 +110,17 @@ TORCH_MODULE(DenseBlock);
 struct TpBlockImpl : torch::nn::Module {
   TpBlockImpl(const std::shared_ptr<Communicator>& comm, bool sequence_parallel)
       : ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kWidth})))),
-        fc1(register_module(
-            "fc1", ColumnParallelLinear(ColumnParallelLinearOptions(kWidth, kHidden)
-                                            .gather_output(false)
-                                            .sequence_parallel(sequence_parallel),
-                                        comm))),
-        fc2(register_module(
-            "fc2", RowParallelLinear(RowParallelLinearOptions(kHidden, kWidth)
-                                         .input_is_parallel(true)
-                                         .sequence_parallel(sequence_parallel),
-                                     comm))) {}
+        fc1(register_module("fc1", ColumnParallelLinear(ColumnParallelLinearOptions(kWidth, kHidden)
+                                                            .gather_output(false)
+                                                            .sequence_parallel(sequence_parallel),
+                                                        comm))),
+        fc2(register_module("fc2", RowParallelLinear(RowParallelLinearOptions(kHidden, kWidth)
+                                                         .input_is_parallel(true)
+                                                         .sequence_parallel(sequence_parallel),
+                                                     comm))) {}
   at::Tensor forward(const at::Tensor& x) { return x + fc2(at::gelu(fc1(ln(x)))); }
   // The replicated parameters applied to the sequence chunk.
-  std::vector<at::Tensor> sequence_parallel_params() {
-    return {ln->weight, ln->bias, fc2->bias};
-  }
+  std::vector<at::Tensor> sequence_parallel_params() { return {ln->weight, ln->bias, fc2->bias}; }
   torch::nn::LayerNorm ln;
   ColumnParallelLinear fc1;
   RowParallelLinear fc2;
@@ -158,9 +154,7 @@ TEST(SequenceParallel, MlpBlockEqualsDense) {
   const at::Tensor dx = x.clone().requires_grad_(true);
   const at::Tensor y = dense(dx);
   (y * l).sum().backward();
-  auto grad = [&](const char* key) {
-    return dense->named_parameters()[key].grad();
-  };
+  auto grad = [&](const char* key) { return dense->named_parameters()[key].grad(); };
   MaxError max_error;
   double min_partial_diff = 1e9;  // the smallest gap to the dense gradient without the all-reduce
   std::mutex mu;
@@ -305,24 +299,23 @@ TEST(SequenceParallel, SameBytesAsTensorParallel) {
                 load_full_state_dict(*plain, state);
                 plain(x).sum().backward();
                 const auto ar = counting->count(OpType::kAllReduce);
-                FS_RETURN_IF_ERROR(Check(
-                    ar.ops == 2 && ar.bytes == 2 * activation_bytes &&
-                        counting->count(OpType::kAllGather).ops == 0 &&
-                        counting->count(OpType::kReduceScatter).ops == 0,
-                    absl::StrCat(label, " plain TP: ", ar.ops, " all-reduces, ", ar.bytes,
-                                 " bytes")));
+                FS_RETURN_IF_ERROR(Check(ar.ops == 2 && ar.bytes == 2 * activation_bytes &&
+                                             counting->count(OpType::kAllGather).ops == 0 &&
+                                             counting->count(OpType::kReduceScatter).ops == 0,
+                                         absl::StrCat(label, " plain TP: ", ar.ops,
+                                                      " all-reduces, ", ar.bytes, " bytes")));
                 counting->Reset();
                 TpBlock seq(counting, /*sequence_parallel=*/true);
                 load_full_state_dict(*seq, state);
                 seq(Slice(x, 0, r, n)).sum().backward();
                 const auto ag = counting->count(OpType::kAllGather);
                 const auto rs = counting->count(OpType::kReduceScatter);
-                FS_RETURN_IF_ERROR(Check(
-                    ag.ops == 2 && rs.ops == 2 && ag.bytes == ar.bytes && rs.bytes == ar.bytes &&
-                        counting->count(OpType::kAllReduce).ops == 0,
-                    absl::StrCat(label, " seq-par: ", ag.ops, " all-gathers (", ag.bytes,
-                                 " bytes), ", rs.ops, " reduce-scatters (", rs.bytes,
-                                 " bytes); plain all-reduce bytes ", ar.bytes)));
+                FS_RETURN_IF_ERROR(
+                    Check(ag.ops == 2 && rs.ops == 2 && ag.bytes == ar.bytes &&
+                              rs.bytes == ar.bytes && counting->count(OpType::kAllReduce).ops == 0,
+                          absl::StrCat(label, " seq-par: ", ag.ops, " all-gathers (", ag.bytes,
+                                       " bytes), ", rs.ops, " reduce-scatters (", rs.bytes,
+                                       " bytes); plain all-reduce bytes ", ar.bytes)));
                 all_reduce_sequence_parallel_grads(seq->sequence_parallel_params(), *counting);
                 const auto grads = counting->count(OpType::kAllReduce);
                 return Check(grads.ops == 1 && grads.bytes == 3 * kWidth * 4,
@@ -363,10 +356,13 @@ TEST(SequenceParallel, BadInputIsAClearError) {
             RowParallelLinear row(
                 RowParallelLinearOptions(16, 8).input_is_parallel(true).sequence_parallel(true),
                 comm);
-            FS_RETURN_IF_ERROR(ExpectError([&] { row(at::zeros({10, 2, 4})); },
-                                           {"model_parallel::RowParallelLinear::forward rank",
-                                            "sequence length (dim 0 of the input [10, 2, 4]) = 10",
-                                            "not divisible by the tensor-parallel size 4"}));
+            FS_RETURN_IF_ERROR(ExpectError(
+                [&] {
+                  row(at::zeros({10, 2, 4}));
+                },
+                {"model_parallel::RowParallelLinear::forward rank",
+                 "sequence length (dim 0 of the input [10, 2, 4]) = 10",
+                 "not divisible by the tensor-parallel size 4"}));
             // The group still works: a correct forward afterwards.
             return Check(row(at::zeros({8, 2, 4})).sizes() == at::IntArrayRef({2, 2, 8}),
                          "row output after the errors");
