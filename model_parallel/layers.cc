@@ -173,6 +173,12 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions o
   CheckPositive(context, "in_features", options_.in_features());
   CheckPositive(context, "out_features", options_.out_features());
   CheckDivisible(context, "out_features", options_.out_features(), c.size());
+  if (options_.sequence_parallel() && options_.gather_output()) {
+    Fail(context,
+         "sequence_parallel(true) is incompatible with gather_output(true): a sequence-parallel "
+         "column layer leaves its output split along the features for a following "
+         "RowParallelLinear(sequence_parallel, input_is_parallel); set gather_output(false)");
+  }
   const int64_t in = options_.in_features(), out = options_.out_features();
   const int64_t rows = out / c.size(), start = c.rank() * rows;
   // The full master weight, identical on every rank and at every T (header: Initialization).
@@ -187,7 +193,13 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions o
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
-  const at::Tensor x = ac::copy_to_parallel_region(input, *comm_);
+  // Sequence parallel: the full sequence is assembled here (the backward reduce-scatters the
+  // input gradient, each rank's partial sum over its output features, back to the chunks).
+  const at::Tensor x =
+      options_.sequence_parallel()
+          ? ac::gather_from_sequence_parallel_region(input, *comm_,
+                                                     /*tensor_parallel_output_grad=*/true)
+          : ac::copy_to_parallel_region(input, *comm_);
   at::Tensor y = at::linear(x, weight, bias);
   return options_.gather_output() ? ac::gather_from_parallel_region(y, *comm_, -1) : y;
 }
@@ -214,6 +226,7 @@ void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
          << ", out_features=" << options_.out_features()
          << ", bias=" << (options_.bias() ? "true" : "false")
          << ", gather_output=" << (options_.gather_output() ? "true" : "false")
+         << (options_.sequence_parallel() ? ", sequence_parallel=true" : "")
          << ", tp=" << comm_->size() << ")";
 }
 
@@ -228,6 +241,11 @@ RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options,
   CheckPositive(context, "in_features", options_.in_features());
   CheckPositive(context, "out_features", options_.out_features());
   CheckDivisible(context, "in_features", options_.in_features(), c.size());
+  if (options_.sequence_parallel() && !options_.input_is_parallel()) {
+    Fail(context,
+         "sequence_parallel(true) requires input_is_parallel(true): the input must be the "
+         "feature-split output of a ColumnParallelLinear(sequence_parallel, gather_output false)");
+  }
   const int64_t in = options_.in_features(), out = options_.out_features();
   const int64_t cols = in / c.size(), start = c.rank() * cols;
   at::Generator gen = MakeGenerator(options_.init_seed());
@@ -242,7 +260,20 @@ RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options,
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
   const at::Tensor x =
       options_.input_is_parallel() ? input : ac::scatter_to_parallel_region(input, *comm_, -1);
-  at::Tensor y = ac::reduce_from_parallel_region(at::linear(x, weight), *comm_);
+  at::Tensor y;
+  if (options_.sequence_parallel()) {
+    // Each rank keeps the sum over the group of its chunk of the sequence (dim 0); the bias is
+    // added to the chunk, so its gradient covers this rank's tokens only (sequence_parallel.h).
+    if (x.dim() == 0 || x.size(0) % comm_->size() != 0) {
+      Fail(Context("RowParallelLinear::forward", *comm_),
+           absl::StrCat("sequence_parallel: the sequence length (dim 0 of the input ", Shape(x),
+                        ") = ", x.dim() == 0 ? 0 : x.size(0),
+                        " is not divisible by the tensor-parallel size ", comm_->size()));
+    }
+    y = ac::reduce_scatter_to_sequence_parallel_region(at::linear(x, weight), *comm_);
+  } else {
+    y = ac::reduce_from_parallel_region(at::linear(x, weight), *comm_);
+  }
   return options_.bias() ? y + bias : y;
 }
 
@@ -265,6 +296,7 @@ void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
          << ", out_features=" << options_.out_features()
          << ", bias=" << (options_.bias() ? "true" : "false")
          << ", input_is_parallel=" << (options_.input_is_parallel() ? "true" : "false")
+         << (options_.sequence_parallel() ? ", sequence_parallel=true" : "")
          << ", tp=" << comm_->size() << ")";
 }
 

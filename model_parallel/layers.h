@@ -17,6 +17,17 @@
 //                                                                      linear without bias ->
 //                                                                      reduce_from (all-reduce)
 //                                                                      -> + bias
+//   ... sequence_parallel       (the same)                             Column: x = chunk r of the
+//                                                                      sequence (dim 0) ->
+//                                                                      gather_from_sequence_
+//                                                                      parallel_region (all-gather
+//                                                                      along 0; backward reduce-
+//                                                                      scatters dx) -> linear.
+//                                                                      Row (input_is_parallel):
+//                                                                      linear without bias ->
+//                                                                      reduce_scatter_to_sequence_
+//                                                                      parallel_region (chunk r of
+//                                                                      the sum along 0) -> + bias
 //   VocabParallelEmbedding      weight [V/T, dim] = rows               rows of tokens in
 //                               [r*V/T, (r+1)*V/T)                     [r*V/T, (r+1)*V/T), zeros
 //                                                                      for others -> reduce_from
@@ -40,10 +51,17 @@
 //   same group on every rank of it. Errors from the group raise c10::Error (base/torch_error.h).
 // * dtypes: parameters are f32 at construction; module.to(kDouble) etc. work as for any Module
 //   (f32, f64, f16, bf16: what the comm layer carries).
-// * Dropout across the group: rng.h (ModelParallelRng). Missing (see README.md): sequence
-//   parallelism in the layers (use //autograd_comm's sequence-parallel mappings directly),
+// * Sequence parallelism (Megatron-LM's `sequence_parallel`): Column(sequence_parallel,
+//   gather_output false) -> ... -> Row(sequence_parallel, input_is_parallel) keeps the
+//   activations outside the pair (LayerNorm, dropout, residual) as this rank's chunk [s/T, ...]
+//   of the sequence, with the same bytes on the wire as the all-reduces it replaces (an
+//   all-reduce is a reduce-scatter plus an all-gather). The replicated parameters used on the
+//   chunk (LayerNorm weights, the row layer's bias) then have partial gradients: call
+//   all_reduce_sequence_parallel_grads (sequence_parallel.h) after backward.
+// * Dropout across the group: rng.h (ModelParallelRng). Missing (see README.md):
 //   ParallelEmbedding (embedding-dim split), padding_idx / max_norm, strided (fused QKV)
-//   partitions.
+//   partitions; a sequence-parallel VocabParallelEmbedding output (reduce-scatter instead of
+//   all-reduce).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -84,6 +102,11 @@ struct ColumnParallelLinearOptions {
   // All-gather the output (full [.., out] on every rank); false leaves this rank's [.., out/T],
   // for a following RowParallelLinear(input_is_parallel) or vocab_parallel_cross_entropy.
   TORCH_ARG(bool, gather_output) = true;
+  // Megatron's sequence parallelism: the input is this rank's chunk [s/T, ...] of the sequence
+  // (dim 0) and is all-gathered along dim 0 (gather_from_sequence_parallel_region, whose backward
+  // reduce-scatters the input gradient) instead of copy_to_parallel_region. Requires
+  // gather_output(false) (c10::Error at construction otherwise). See sequence_parallel.h.
+  TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(uint64_t, init_seed) = 0;  // seed of the full master weight (see the header)
 };
 
@@ -123,12 +146,19 @@ struct RowParallelLinearOptions {
   // The input is already this rank's [.., in/T] (a ColumnParallelLinear without gather_output);
   // false: the input is the full [.., in] and is scattered along its last dim.
   TORCH_ARG(bool, input_is_parallel) = false;
+  // Megatron's sequence parallelism: the output is reduce-scattered along dim 0 (the sequence;
+  // reduce_scatter_to_sequence_parallel_region), so each rank gets the sum over the group of its
+  // chunk [s/T, ..., out], instead of the all-reduced full output; the replicated bias is added
+  // to the chunk (its gradient is then partial per rank: sequence_parallel.h). Requires
+  // input_is_parallel(true) (c10::Error at construction otherwise) and the input's dim 0
+  // divisible by T (c10::Error in forward naming the size and T).
+  TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(uint64_t, init_seed) = 0;
 };
 
 // Y = X A^T + b with A split along its columns (the input features): FairScale's / Megatron's
-// RowParallelLinear. The output is full and identical on every rank; the bias is added once,
-// after the reduction.
+// RowParallelLinear. The output is full and identical on every rank (this rank's chunk of the
+// sequence under sequence_parallel); the bias is added once, after the reduction.
 class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
  public:
   RowParallelLinearImpl(RowParallelLinearOptions options, std::shared_ptr<comm::Communicator> comm);
