@@ -108,6 +108,7 @@ struct Case {
   bool affine = true;
   bool track_running_stats = true;
   int steps = 3;
+  bool input_requires_grad = true;  // false: no input gradient, no backward all-reduce
 };
 
 torch::nn::BatchNormOptions BnOptions(const Case& c) {
@@ -172,7 +173,7 @@ void RunCase(const Case& c) {
       return at::cat(parts);
     };
     for (int s = 0; s < c.steps; ++s) {
-      at::Tensor x = cat(xs[s]).requires_grad_(true);
+      at::Tensor x = cat(xs[s]).requires_grad_(c.input_requires_grad);
       at::Tensor y = bn.forward(x);
       (y * cat(ws[s])).sum().backward();
       StepResult step{y.detach(), x.grad(), at::Tensor(), at::Tensor()};
@@ -220,7 +221,7 @@ void RunCase(const Case& c) {
               }
               Result& result = results[rank];
               for (int s = 0; s < c.steps; ++s) {
-                at::Tensor x = xs[s][rank].clone().requires_grad_(true);
+                at::Tensor x = xs[s][rank].clone().requires_grad_(c.input_requires_grad);
                 const int64_t before = counting->count(OpType::kAllReduce).ops;
                 at::Tensor y = bn(x);
                 const int64_t after_forward = counting->count(OpType::kAllReduce).ops;
@@ -265,10 +266,14 @@ void RunCase(const Case& c) {
     for (int s = 0; s < c.steps; ++s) {
       const std::string step = absl::StrCat("step ", s, " ");
       ExpectNear(got.steps[s].y, want.steps[s].y.narrow(0, offset, c.rows[r]), step + "y");
-      ExpectNear(got.steps[s].dx, want.steps[s].dx.narrow(0, offset, c.rows[r]), step + "dx");
+      if (c.input_requires_grad) {
+        ExpectNear(got.steps[s].dx, want.steps[s].dx.narrow(0, offset, c.rows[r]), step + "dx");
+      } else {
+        EXPECT_FALSE(got.steps[s].dx.defined());
+      }
     }
     EXPECT_EQ(got.forward_all_reduces, 1);
-    EXPECT_EQ(got.backward_all_reduces, 1);
+    EXPECT_EQ(got.backward_all_reduces, c.input_requires_grad ? 1 : 0);
     EXPECT_EQ(got.eval_all_reduces, c.track_running_stats ? 0 : 1);
     if (c.track_running_stats) {
       ExpectNear(got.running_mean, want.running_mean, "running_mean");
@@ -338,6 +343,15 @@ TEST(SyncBatchNormTest, Options) {
            .dtype = at::kDouble,
            .momentum = 0.3,
            .affine = false});
+}
+
+// The first layer of a network: only weight and bias need gradients, which are local.
+TEST(SyncBatchNormTest, InputWithoutGradHasNoBackwardCollective) {
+  RunCase({.name = "x without grad",
+           .world = 3,
+           .rows = {2, 0, 3},
+           .dim = 3,
+           .input_requires_grad = false});
 }
 
 TEST(SyncBatchNormTest, SubCommunicatorGroupsNormalizeSeparately) {
