@@ -10,6 +10,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
+#include <ios>
 #include <string>
 #include <utility>
 #include <vector>
@@ -273,7 +274,7 @@ void SyncBatchNormImpl::pretty_print(std::ostream& stream) const {
   } else {
     stream << "None";
   }
-  stream << ", affine=" << options.affine()
+  stream << std::boolalpha << ", affine=" << options.affine()
          << ", track_running_stats=" << options.track_running_stats() << ", world=" << comm_->size()
          << ")";
 }

@@ -8,12 +8,13 @@
 // = every rank's x concatenated along dim 0, of M = sum over ranks of N * prod(*) values per
 // channel):
 // * Batch statistics are used when is_training() or !track_running_stats (as BatchNorm). Then
-//   forward computes this rank's per-channel sum and sum of squares (accumulated in f64) and
-//   count, runs ONE all-reduce (sum) of [sum, sumsq, count] (2C + 1 doubles) over comm, and
-//   normalizes with the batch's mean and biased variance var = sumsq / M - mean^2:
+//   forward computes this rank's per-channel sum and sum of squares (in f64, from a temporary
+//   f64 copy of x for narrower dtypes: E[x^2] - mean^2 cancels) and count, runs ONE all-reduce
+//   (sum) of [sum, sumsq, count] (2C + 1 doubles) over comm, and normalizes with the batch's
+//   mean and biased variance var = sumsq / M - mean^2:
 //   y = (x - mean) / sqrt(var + eps) * weight + bias (weight/bias only when affine). The result
-//   equals torch::nn::BatchNorm on the batch in one process (tested within 1e-5 in f32 at 1-4
-//   ranks, odd and zero per-rank batch sizes).
+//   equals torch::nn::BatchNorm on the batch in one process (tested at 1-4 ranks with odd
+//   and zero per-rank batch sizes: within 7.4e-7 relative in f32, 3.2e-14 in f64).
 // * Running statistics (training and track_running_stats): num_batches_tracked += 1;
 //   f = momentum, or 1 / num_batches_tracked when momentum is nullopt (cumulative average);
 //   running_mean = (1 - f) running_mean + f mean; running_var = (1 - f) running_var +

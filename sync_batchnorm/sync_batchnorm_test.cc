@@ -89,7 +89,6 @@ void ExpectNear(const at::Tensor& got, const at::Tensor& want, const std::string
 
 // [n, C, spatial...] for an input of `dim` dimensions.
 std::vector<int64_t> InputShape(int64_t n, int64_t dim) {
-  static const std::vector<int64_t> kSpatial = {5, 3, 2};
   std::vector<int64_t> shape = {n, kC};
   if (dim == 3) shape.push_back(5);
   if (dim == 4) shape.insert(shape.end(), {3, 2});
@@ -369,7 +368,7 @@ TEST(SyncBatchNormTest, SubCommunicatorGroupsNormalizeSeparately) {
 }
 
 TEST(SyncBatchNormTest, StateDictNamesMatchBatchNorm) {
-  auto comm_names = [](const torch::nn::Module& m) {
+  auto names_of = [](const torch::nn::Module& m) {
     std::vector<std::string> names;
     for (const auto& p : m.named_parameters()) names.push_back("p:" + p.key());
     for (const auto& b : m.named_buffers()) names.push_back("b:" + b.key());
@@ -382,10 +381,10 @@ TEST(SyncBatchNormTest, StateDictNamesMatchBatchNorm) {
             torch::nn::BatchNorm2dOptions(4).affine(affine).track_running_stats(track));
         SyncBatchNorm sbn(SyncBatchNormOptions(4).affine(affine).track_running_stats(track),
                           comm);
-        return Check(comm_names(*bn) == comm_names(*sbn),
+        return Check(names_of(*bn) == names_of(*sbn),
                      absl::StrCat("affine ", affine, " track ", track, ": ",
-                                  absl::StrJoin(comm_names(*bn), ","), " vs ",
-                                  absl::StrJoin(comm_names(*sbn), ",")));
+                                  absl::StrJoin(names_of(*bn), ","), " vs ",
+                                  absl::StrJoin(names_of(*sbn), ",")));
       }));
     }
   }
@@ -397,9 +396,10 @@ struct HeadImpl : torch::nn::Cloneable<HeadImpl> {
   HeadImpl() { reset(); }
   void reset() override {
     seq = register_module(
-        "seq", torch::nn::Sequential(
-                   torch::nn::Conv2d(torch::nn::Conv2dOptions(kC, 4, 1).bias(false)),
-                   torch::nn::BatchNorm2d(torch::nn::BatchNorm2dOptions(4).momentum(c10::nullopt))));
+        "seq",
+        torch::nn::Sequential(
+            torch::nn::Conv2d(torch::nn::Conv2dOptions(kC, 4, 1).bias(false)),
+            torch::nn::BatchNorm2d(torch::nn::BatchNorm2dOptions(4).momentum(c10::nullopt))));
   }
   at::Tensor forward(const at::Tensor& x) { return seq->forward(x); }
   torch::nn::Sequential seq{nullptr};
@@ -411,8 +411,9 @@ TORCH_MODULE(Head);
 // BatchNorm: its gradient is exactly 0 in theory, so both sides would compare rounding noise.
 torch::nn::Sequential MakeModel() {
   torch::manual_seed(5);  // main thread only
-  return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, kC, 3).padding(1).bias(false)),
-                               torch::nn::BatchNorm2d(kC), torch::nn::ReLU(), Head());
+  return torch::nn::Sequential(
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(2, kC, 3).padding(1).bias(false)),
+      torch::nn::BatchNorm2d(kC), torch::nn::ReLU(), Head());
 }
 
 TEST(SyncBatchNormTest, ConvertSyncBatchNormOnSequentialEqualsTheOriginal) {
