@@ -30,26 +30,26 @@ absl::Status CheckOptions(const MevoOptions& o) {
   return absl::OkStatus();
 }
 
-std::string Shape(const at::Tensor& t) { return absl::StrCat("[", absl::StrJoin(t.sizes(), ", "), "]"); }
+std::string Shape(const at::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.sizes(), ", "), "]");
+}
 
-absl::Status CheckArgs(const at::Tensor& input, const at::Tensor& weight,
+absl::Status CheckArgs(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
                        const at::Tensor& targets) {
   if (!input.defined() || !weight.defined() || !targets.defined()) {
     return absl::InvalidArgumentError("input, weight and targets must be defined");
   }
   if (weight.dim() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("weight must be [V, D], got ", Shape(weight)));
+    return absl::InvalidArgumentError(absl::StrCat("weight must be [V, D], got ", Shape(weight)));
   }
   if (input.dim() < 1 || input.size(-1) != weight.size(1)) {
-    return absl::InvalidArgumentError(absl::StrCat("input ", Shape(input),
-                                                   " must be [..., D] with D = weight.size(1) = ",
-                                                   weight.size(1), " (weight ", Shape(weight), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input ", Shape(input), " must be [..., D] with D = weight.size(1) = ", weight.size(1),
+        " (weight ", Shape(weight), ")"));
   }
   if (targets.sizes() != input.sizes().slice(0, input.dim() - 1)) {
-    return absl::InvalidArgumentError(absl::StrCat("targets ", Shape(targets),
-                                                   " must have input's leading shape (input ",
-                                                   Shape(input), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "targets ", Shape(targets), " must have input's leading shape (input ", Shape(input), ")"));
   }
   if (targets.scalar_type() != at::kLong) {
     return absl::InvalidArgumentError(
@@ -59,6 +59,12 @@ absl::Status CheckArgs(const at::Tensor& input, const at::Tensor& weight,
     return absl::InvalidArgumentError(absl::StrCat(
         "input and weight must have the same floating dtype, got ",
         c10::toString(input.scalar_type()), " and ", c10::toString(weight.scalar_type())));
+  }
+  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != weight.size(0) ||
+                         bias.scalar_type() != weight.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat("bias must be [V] = [", weight.size(0),
+                                                   "] of weight's dtype, got ", Shape(bias), " ",
+                                                   c10::toString(bias.scalar_type())));
   }
   return absl::OkStatus();
 }
@@ -88,23 +94,24 @@ InChunk TargetsIn(const at::Tensor& tgt, const at::Tensor& valid, int64_t v0, in
 
 class MevoFunction : public torch::autograd::Function<MevoFunction> {
  public:
-  // x [T, D], weight [V, D], t int64 [T] (already validated) -> 0-dim loss.
+  // x [T, D], weight [V, D], bias [V] or numel() == 0 for none (autograd::Function takes no
+  // undefined tensor input), t int64 [T] (already validated) -> 0-dim loss.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& weight, const at::Tensor& t,
+                            const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& t,
                             const MevoOptions& o) {
     const at::ScalarType compute = ComputeType(x.scalar_type());
     const int64_t num_tokens = x.size(0);
     const int64_t vocab = weight.size(0);
+    const bool has_bias = bias.numel() > 0;
     const at::TensorOptions copts = x.options().dtype(compute);
     const at::Tensor valid = t.ne(o.ignore_index());
     const at::Tensor bad = valid.logical_and(t.lt(0).logical_or_(t.ge(vocab)));
     if (bad.any().item<bool>()) {
       const int64_t i = bad.nonzero()[0][0].item<int64_t>();
-      base::ThrowIfError(
-          absl::InvalidArgumentError(absl::StrCat(
-              "target ", t[i].item<int64_t>(), " of token ", i, " is outside [0, ", vocab,
-              ") and is not ignore_index ", o.ignore_index())),
-          kContext);
+      base::ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
+                             "target ", t[i].item<int64_t>(), " of token ", i, " is outside [0, ",
+                             vocab, ") and is not ignore_index ", o.ignore_index())),
+                         kContext);
     }
     const int64_t num_valid = valid.sum().item<int64_t>();
 
@@ -122,6 +129,7 @@ class MevoFunction : public torch::autograd::Function<MevoFunction> {
       for (int64_t v0 = 0; v0 < vocab; v0 += o.vocab_chunk()) {
         const int64_t vc = std::min(o.vocab_chunk(), vocab - v0);
         at::Tensor logits = at::mm(xc, Rows(weight, v0, vc, compute).t());  // [tc, vc]
+        if (has_bias) logits.add_(Rows(bias, v0, vc, compute));
         const InChunk in = TargetsIn(tgt, valid_c, v0, vc);
         tl.copy_(at::where(in.mask, logits.gather(1, in.col).squeeze(1), tl));
         const at::Tensor m_new = at::maximum(m, std::get<0>(logits.max(1)));
@@ -133,7 +141,7 @@ class MevoFunction : public torch::autograd::Function<MevoFunction> {
     const at::Tensor total = at::where(valid, lse - target_logit, at::zeros({}, copts)).sum();
     at::Tensor loss = o.reduction() == "sum" ? total : total / static_cast<double>(num_valid);
 
-    ctx->save_for_backward({x, weight, t, lse});
+    ctx->save_for_backward({x, weight, bias, t, lse});
     ctx->saved_data["token_chunk"] = o.token_chunk();
     ctx->saved_data["vocab_chunk"] = o.vocab_chunk();
     ctx->saved_data["ignore_index"] = o.ignore_index();
@@ -147,8 +155,9 @@ class MevoFunction : public torch::autograd::Function<MevoFunction> {
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
     const at::Tensor& weight = saved[1];
-    const at::Tensor& t = saved[2];
-    const at::Tensor& lse = saved[3];
+    const at::Tensor& bias = saved[2];
+    const at::Tensor& t = saved[3];
+    const at::Tensor& lse = saved[4];
     const int64_t token_chunk = ctx->saved_data["token_chunk"].toInt();
     const int64_t vocab_chunk = ctx->saved_data["vocab_chunk"].toInt();
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
@@ -156,6 +165,8 @@ class MevoFunction : public torch::autograd::Function<MevoFunction> {
     const int64_t num_valid = ctx->saved_data["num_valid"].toInt();
     const bool need_x = ctx->needs_input_grad(0);
     const bool need_w = ctx->needs_input_grad(1);
+    const bool has_bias = bias.numel() > 0;
+    const bool need_b = has_bias && ctx->needs_input_grad(2);
     const at::ScalarType compute = lse.scalar_type();
     const at::TensorOptions copts = x.options().dtype(compute);
     const int64_t num_tokens = x.size(0);
@@ -170,7 +181,8 @@ class MevoFunction : public torch::autograd::Function<MevoFunction> {
 
     at::Tensor grad_x = need_x ? at::zeros({num_tokens, x.size(1)}, copts) : at::Tensor();
     at::Tensor grad_w = need_w ? at::zeros(weight.sizes(), copts) : at::Tensor();
-    if (need_x || need_w) {
+    at::Tensor grad_b = need_b ? at::zeros(bias.sizes(), copts) : at::Tensor();
+    if (need_x || need_w || need_b) {
       for (int64_t t0 = 0; t0 < num_tokens; t0 += token_chunk) {
         const int64_t tc = std::min(token_chunk, num_tokens - t0);
         const at::Tensor valid_c = valid.narrow(0, t0, tc);
@@ -182,29 +194,40 @@ class MevoFunction : public torch::autograd::Function<MevoFunction> {
         for (int64_t v0 = 0; v0 < vocab; v0 += vocab_chunk) {
           const int64_t vc = std::min(vocab_chunk, vocab - v0);
           const at::Tensor wc = Rows(weight, v0, vc, compute);
-          at::Tensor p = at::mm(xc, wc.t()).sub_(lse_c).exp_();  // softmax, [tc, vc]
+          at::Tensor p = at::mm(xc, wc.t());
+          if (has_bias) p.add_(Rows(bias, v0, vc, compute));
+          p.sub_(lse_c).exp_();  // softmax, [tc, vc]
           const InChunk in = TargetsIn(tgt, valid_c, v0, vc);
           p.scatter_add_(1, in.col, in.mask.to(compute).neg_().unsqueeze(1));
           p.mul_(coef_c);
           if (need_x) grad_x.narrow(0, t0, tc).addmm_(p, wc);
           if (need_w) grad_w.narrow(0, v0, vc).addmm_(p.t(), xc);
+          if (need_b) grad_b.narrow(0, v0, vc).add_(p.sum(0));
         }
       }
     }
     if (need_x) grad_x = grad_x.to(x.scalar_type());
     if (need_w) grad_w = grad_w.to(weight.scalar_type());
-    return {grad_x, grad_w, at::Tensor(), at::Tensor()};
+    if (need_b) grad_b = grad_b.to(bias.scalar_type());
+    return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
 at::Tensor mevo_cross_entropy(const at::Tensor& input, const at::Tensor& weight,
-                              const at::Tensor& targets, const MevoOptions& options) {
+                              const at::Tensor& bias, const at::Tensor& targets,
+                              const MevoOptions& options) {
   base::ThrowIfError(CheckOptions(options), kContext);
-  base::ThrowIfError(CheckArgs(input, weight, targets), kContext);
-  return MevoFunction::apply(input.reshape({-1, weight.size(1)}), weight, targets.reshape({-1}),
-                             options);
+  base::ThrowIfError(CheckArgs(input, weight, bias, targets), kContext);
+  return MevoFunction::apply(input.reshape({-1, weight.size(1)}), weight,
+                             bias.defined() ? bias : at::empty({0}, weight.options()),
+                             targets.reshape({-1}), options);
+}
+
+at::Tensor mevo_cross_entropy(const at::Tensor& input, const at::Tensor& weight,
+                              const at::Tensor& targets, const MevoOptions& options) {
+  return mevo_cross_entropy(input, weight, at::Tensor(), targets, options);
 }
 
 MevoLossImpl::MevoLossImpl(MevoOptions options_) : options(std::move(options_)) {
@@ -212,8 +235,8 @@ MevoLossImpl::MevoLossImpl(MevoOptions options_) : options(std::move(options_)) 
 }
 
 at::Tensor MevoLossImpl::forward(const at::Tensor& input, const at::Tensor& weight,
-                                 const at::Tensor& targets) {
-  return mevo_cross_entropy(input, weight, targets, options);
+                                 const at::Tensor& targets, const at::Tensor& bias) {
+  return mevo_cross_entropy(input, weight, bias, targets, options);
 }
 
 }  // namespace fairscale::mevo

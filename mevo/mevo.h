@@ -10,16 +10,17 @@
 //   loss.backward();  // hidden.grad(), embed->weight.grad() as from linear + cross_entropy
 //
 // Contract (T tokens, D = model width, V = vocabulary):
-// * Value: equals torch::nn::functional::cross_entropy(at::linear(input, weight), targets,
-//   CrossEntropyFuncOptions().ignore_index(i).reduction(r)) (no bias, no class weights, no label
+// * Value: equals torch::nn::functional::cross_entropy(at::linear(input, weight[, bias]),
+//   targets, CrossEntropyFuncOptions().ignore_index(i).reduction(r)) (no class weights, no label
 //   smoothing), input [..., D] (any leading shape, flattened to [T, D]), weight [V, D], targets
 //   int64 of input's leading shape (T values). Tokens whose target equals ignore_index
 //   (default -100, as in PyTorch) contribute nothing; "mean" divides by the number of the other
 //   tokens (NaN when there are none, T = 0 included, as PyTorch), "sum" is 0 then.
-// * Memory: forward saves input, weight, targets (references, no copies) and the per-token
+// * Memory: forward saves input, weight, bias, targets (references, no copies) and the per-token
 //   log-sum-exp [T]; the tiles are [token_chunk, vocab_chunk] (at most two alive at a time).
 //   Backward recomputes each tile's logits, forms (softmax - onehot) * coefficient in place and
-//   accumulates grad_input [T, D] and grad_weight [V, D] tile by tile (addmm_ into the result).
+//   accumulates grad_input [T, D], grad_weight [V, D] (and grad_bias [V]) tile by tile (addmm_
+//   into the result).
 //   Peak extra bytes = O(token_chunk * vocab_chunk + T + token_chunk * D), never O(T * V).
 //   The price: each tile's matmul is computed twice (forward and backward), as FairScale's.
 // * Precision: f32 and f64 compute in their own dtype (online log-sum-exp over the vocabulary
@@ -27,10 +28,11 @@
 //   gradient accumulators are f32 (FairScale's fp_max / fp_sum / fp_target); the loss is f32,
 //   the gradients are cast back to the input dtype at the end (a transient f32 [V, D] and [T, D]).
 // * Errors (c10::Error via base::ThrowIfError, "mevo::mevo_cross_entropy: INVALID_ARGUMENT: ..."):
-//   weight not 2-D, input.size(-1) != weight.size(1), targets' shape not input's leading shape,
-//   targets not int64, input and weight dtypes differ or are not floating point, a target outside
-//   [0, V) that is not ignore_index (the first such token and its value are named), and, from
-//   MevoOptions, vocab_chunk or token_chunk <= 0 or a reduction other than "mean" / "sum".
+//   weight not 2-D, bias not [V] of weight's dtype, input.size(-1) != weight.size(1), targets'
+//   shape not input's leading shape, targets not int64, input and weight dtypes differ or are
+//   not floating point, a target outside [0, V) that is not ignore_index (the first such token
+//   and its value are named), and, from MevoOptions, vocab_chunk or token_chunk <= 0 or a
+//   reduction other than "mean" / "sum" (MevoLoss checks its options at construction).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -57,6 +59,11 @@ struct MevoOptions {
 // The fused projection + cross-entropy: a 0-dim loss, differentiable in input and weight.
 at::Tensor mevo_cross_entropy(const at::Tensor& input, const at::Tensor& weight,
                               const at::Tensor& targets, const MevoOptions& options = {});
+// With a bias [V] (a torch::nn::Linear head's; FairScale's MEVO has none): the logits are
+// at::linear(input, weight, bias). An undefined bias is the overload above.
+at::Tensor mevo_cross_entropy(const at::Tensor& input, const at::Tensor& weight,
+                              const at::Tensor& bias, const at::Tensor& targets,
+                              const MevoOptions& options = {});
 
 // The loss as a module holding its options, like torch::nn::CrossEntropyLoss: the weight is an
 // argument of forward (it belongs to the embedding or head that owns it; registering a tied
@@ -65,7 +72,9 @@ class MevoLossImpl : public torch::nn::Cloneable<MevoLossImpl> {
  public:
   explicit MevoLossImpl(MevoOptions options = {});
   void reset() override {}
-  at::Tensor forward(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& targets);
+  // bias: optional [V] (undefined: none).
+  at::Tensor forward(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& targets,
+                     const at::Tensor& bias = {});
   MevoOptions options;
 };
 TORCH_MODULE(MevoLoss);

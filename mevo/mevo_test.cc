@@ -81,24 +81,24 @@ struct Case {
 std::string Name(const Case& c) {
   char buf[160];
   std::snprintf(buf, sizeof(buf), "T=%ld D=%ld V=%ld Tc=%ld Vc=%ld %s ignored=%.2f",
-                static_cast<long>(c.tokens), static_cast<long>(c.dim),
-                static_cast<long>(c.vocab), static_cast<long>(c.token_chunk),
-                static_cast<long>(c.vocab_chunk), c.reduction.c_str(), c.ignored);
+                static_cast<long>(c.tokens), static_cast<long>(c.dim), static_cast<long>(c.vocab),
+                static_cast<long>(c.token_chunk), static_cast<long>(c.vocab_chunk),
+                c.reduction.c_str(), c.ignored);
   return buf;
 }
 
 const Case kCases[] = {
-    {37, 16, 101, 8, 16, "mean", 0.0},     // neither chunk divides its size
-    {37, 16, 101, 8, 16, "sum", 0.0},      //
-    {64, 16, 128, 16, 32, "mean", 0.0},    // both divide
-    {37, 16, 101, 64, 500, "mean", 0.0},   // chunks larger than T and V: one tile
-    {40, 8, 1, 7, 3, "mean", 0.0},         // V = 1: loss 0, gradients 0
-    {1, 16, 50, 4, 7, "mean", 0.0},        // one token
-    {1, 16, 50, 4, 7, "sum", 0.0},         //
-    {50, 12, 77, 9, 10, "mean", 0.3},      // some tokens ignored
-    {50, 12, 77, 9, 10, "sum", 0.3},       //
-    {50, 12, 77, 9, 10, "sum", 1.0},       // all ignored: sum 0
-    {200, 32, 1000, 33, 129, "mean", 0.1}, // larger
+    {37, 16, 101, 8, 16, "mean", 0.0},      // neither chunk divides its size
+    {37, 16, 101, 8, 16, "sum", 0.0},       //
+    {64, 16, 128, 16, 32, "mean", 0.0},     // both divide
+    {37, 16, 101, 64, 500, "mean", 0.0},    // chunks larger than T and V: one tile
+    {40, 8, 1, 7, 3, "mean", 0.0},          // V = 1: loss 0, gradients 0
+    {1, 16, 50, 4, 7, "mean", 0.0},         // one token
+    {1, 16, 50, 4, 7, "sum", 0.0},          //
+    {50, 12, 77, 9, 10, "mean", 0.3},       // some tokens ignored
+    {50, 12, 77, 9, 10, "sum", 0.3},        //
+    {50, 12, 77, 9, 10, "sum", 1.0},        // all ignored: sum 0
+    {200, 32, 1000, 33, 129, "mean", 0.1},  // larger
 };
 
 at::Tensor Targets(int64_t tokens, int64_t vocab, double ignored, int64_t ignore_index) {
@@ -136,6 +136,46 @@ TEST(MevoTest, MatchesPlainF32) {
 
 TEST(MevoTest, MatchesPlainF64) {
   for (const Case& c : kCases) CheckCase(c, at::kDouble, 1e-12);
+}
+
+// The bias overload against at::linear(x, w, b) + cross_entropy (a torch::nn::Linear head).
+TEST(MevoTest, WithBiasMatchesLinearWithBias) {
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    const double tol = dtype == at::kFloat ? 1e-5 : 1e-12;
+    for (const Case& c : {kCases[0], kCases[1], kCases[3], kCases[7], kCases[10]}) {
+      SCOPED_TRACE(Name(c));
+      torch::manual_seed(c.tokens + c.vocab);
+      const at::Tensor input = at::randn({c.tokens, c.dim}, dtype);
+      const at::Tensor weight = at::randn({c.vocab, c.dim}, dtype) * 0.5;
+      const at::Tensor bias = at::randn({c.vocab}, dtype);
+      const MevoOptions o = MevoOptions()
+                                .token_chunk(c.token_chunk)
+                                .vocab_chunk(c.vocab_chunk)
+                                .reduction(c.reduction);
+      const at::Tensor targets = Targets(c.tokens, c.vocab, c.ignored, o.ignore_index());
+      auto ce = F::CrossEntropyFuncOptions().ignore_index(o.ignore_index());
+      if (c.reduction == "sum") ce.reduction(torch::kSum);
+      Result got, want;
+      at::Tensor gb_got, gb_want;
+      for (const bool mevo : {false, true}) {
+        at::Tensor b = bias.clone().requires_grad_(true);
+        Result r = RunStep(input, weight, [&](const at::Tensor& x, const at::Tensor& w) {
+          return mevo ? mevo_cross_entropy(x, w, b, targets, o)
+                      : F::cross_entropy(at::linear(x, w, b), targets, ce);
+        });
+        (mevo ? got : want) = r;
+        (mevo ? gb_got : gb_want) = b.grad();
+      }
+      const double e_loss = Err(got.loss, want.loss), e_gx = Err(got.grad_input, want.grad_input);
+      const double e_gw = Err(got.grad_weight, want.grad_weight), e_gb = Err(gb_got, gb_want);
+      std::printf("bias %s %s: loss %.3g grad_input %.3g grad_weight %.3g grad_bias %.3g\n",
+                  c10::toString(dtype), Name(c).c_str(), e_loss, e_gx, e_gw, e_gb);
+      EXPECT_LE(e_loss, tol);
+      EXPECT_LE(e_gx, tol);
+      EXPECT_LE(e_gw, tol);
+      EXPECT_LE(e_gb, tol);
+    }
+  }
 }
 
 TEST(MevoTest, AllIgnoredMeanIsNanWithZeroGradientsLikePyTorch) {
@@ -275,7 +315,9 @@ TEST(MevoTest, Bf16ComputesInF32) {
 TEST(MevoTest, Errors) {
   const at::Tensor x = at::randn({4, 3}), w = at::randn({5, 3});
   const at::Tensor t = at::randint(5, {4}, at::kLong);
-  EXPECT_THAT(ErrorOf([&] { mevo_cross_entropy(x, at::randn({5, 2}), t); }),
+  EXPECT_THAT(ErrorOf([&] {
+                mevo_cross_entropy(x, at::randn({5, 2}), t);
+              }),
               HasSubstr("mevo::mevo_cross_entropy: INVALID_ARGUMENT: input [4, 3] must be "
                         "[..., D] with D = weight.size(1) = 2"));
   EXPECT_THAT(ErrorOf([&] { mevo_cross_entropy(x, at::randn({5}), t); }),
@@ -286,10 +328,16 @@ TEST(MevoTest, Errors) {
               HasSubstr("targets must be int64, got Int"));
   EXPECT_THAT(ErrorOf([&] { mevo_cross_entropy(x, w.to(at::kDouble), t); }),
               HasSubstr("same floating dtype, got Float and Double"));
-  EXPECT_THAT(ErrorOf([&] { mevo_cross_entropy(x, w, torch::tensor({0, 5, 1, 2}, at::kLong)); }),
+  EXPECT_THAT(ErrorOf([&] {
+                mevo_cross_entropy(x, w, torch::tensor({0, 5, 1, 2}, at::kLong));
+              }),
               HasSubstr("target 5 of token 1 is outside [0, 5) and is not ignore_index -100"));
-  EXPECT_THAT(ErrorOf([&] { mevo_cross_entropy(x, w, torch::tensor({0, 1, -1, 2}, at::kLong)); }),
+  EXPECT_THAT(ErrorOf([&] {
+                mevo_cross_entropy(x, w, torch::tensor({0, 1, -1, 2}, at::kLong));
+              }),
               HasSubstr("target -1 of token 2 is outside [0, 5)"));
+  EXPECT_THAT(ErrorOf([&] { mevo_cross_entropy(x, w, at::randn({4}), t); }),
+              HasSubstr("bias must be [V] = [5] of weight's dtype, got [4] Float"));
   EXPECT_THAT(ErrorOf([&] { mevo_cross_entropy(x, w, t, MevoOptions().vocab_chunk(0)); }),
               HasSubstr("chunk sizes must be positive: vocab_chunk 0, token_chunk 1024"));
   EXPECT_THAT(ErrorOf([&] { mevo_cross_entropy(x, w, t, MevoOptions().token_chunk(-1)); }),
@@ -326,10 +374,10 @@ TEST(MevoTest, PeakMemoryIsPerTileNotPerLogits) {
   const int64_t mevo = PeakBytes(input, weight, [&](const at::Tensor& x, const at::Tensor& w) {
     return mevo_cross_entropy(x, w, targets, o);
   });
-  const int64_t logits = T * V * 4;                 // 16 MiB
-  const int64_t grads = (V * D + T * D) * 4;        // grad_weight + grad_input: both have them
-  const int64_t tile = Tc * Vc * 4;                 // 64 KiB
-  const int64_t per_token = T * 8 * 8;              // [T] vectors: lse, masks, coefficients...
+  const int64_t logits = T * V * 4;           // 16 MiB
+  const int64_t grads = (V * D + T * D) * 4;  // grad_weight + grad_input: both have them
+  const int64_t tile = Tc * Vc * 4;           // 64 KiB
+  const int64_t per_token = T * 8 * 8;        // [T] vectors: lse, masks, coefficients...
   std::printf("peak bytes: plain %ld, mevo %ld (logits %ld, grads %ld, tile %ld)\n",
               static_cast<long>(plain), static_cast<long>(mevo), static_cast<long>(logits),
               static_cast<long>(grads), static_cast<long>(tile));
