@@ -79,16 +79,19 @@ at::Tensor Rows(const at::Tensor& t, int64_t begin, int64_t n, at::ScalarType co
   return t.narrow(0, begin, n).to(compute);
 }
 
-// Tokens of a token chunk whose target lies in the vocabulary chunk [v0, v0 + vc), and the
-// target's column in that chunk (clamped to a valid column where the mask is false).
-struct InChunk {
-  at::Tensor mask;  // bool [tc]
-  at::Tensor col;   // int64 [tc, 1]
+// The target rows of a token chunk: weight[tgt] (and bias[tgt]) in the compute dtype, with
+// ignored tokens pointing at row 0 (their coefficient is 0, so the row only has to exist).
+struct TargetRows {
+  at::Tensor index;   // int64 [tc]
+  at::Tensor weight;  // [tc, D]
+  at::Tensor bias;    // [tc] or undefined
 };
-InChunk TargetsIn(const at::Tensor& tgt, const at::Tensor& valid, int64_t v0, int64_t vc) {
-  InChunk r;
-  r.mask = valid.logical_and(tgt.ge(v0)).logical_and_(tgt.lt(v0 + vc));
-  r.col = (tgt - v0).clamp_(0, vc - 1).unsqueeze(1);
+TargetRows TargetRowsOf(const at::Tensor& tgt, const at::Tensor& valid_c, const at::Tensor& weight,
+                        const at::Tensor& bias, at::ScalarType compute) {
+  TargetRows r;
+  r.index = tgt.masked_fill(valid_c.logical_not(), 0);
+  r.weight = weight.index_select(0, r.index).to(compute);
+  if (bias.numel() > 0) r.bias = bias.index_select(0, r.index).to(compute);
   return r;
 }
 
@@ -115,24 +118,27 @@ class MevoFunction : public torch::autograd::Function<MevoFunction> {
     }
     const int64_t num_valid = valid.sum().item<int64_t>();
 
-    at::Tensor lse = at::empty({num_tokens}, copts);
+    // Per token chunk: the target logits (one row dot product per token), then the log-sum-exp
+    // over the vocabulary chunks. A chunk of ignored tokens only is skipped (lse 0, unused).
+    at::Tensor lse = at::zeros({num_tokens}, copts);
     at::Tensor target_logit = at::zeros({num_tokens}, copts);
     for (int64_t t0 = 0; t0 < num_tokens; t0 += o.token_chunk()) {
       const int64_t tc = std::min(o.token_chunk(), num_tokens - t0);
-      const at::Tensor xc = Rows(x, t0, tc, compute);
-      const at::Tensor tgt = t.narrow(0, t0, tc);
       const at::Tensor valid_c = valid.narrow(0, t0, tc);
+      if (!valid_c.any().item<bool>()) continue;
+      const at::Tensor xc = Rows(x, t0, tc, compute);
+      const TargetRows rows = TargetRowsOf(t.narrow(0, t0, tc), valid_c, weight, bias, compute);
+      at::Tensor tl = target_logit.narrow(0, t0, tc);
+      at::sum_out(tl, xc * rows.weight, 1);
+      if (has_bias) tl.add_(rows.bias);
       // Online log-sum-exp: m is the running max, s the sum of exp(logit - m) so far.
       at::Tensor m = at::full({tc}, -std::numeric_limits<double>::infinity(), copts);
       at::Tensor s = at::zeros({tc}, copts);
-      at::Tensor tl = target_logit.narrow(0, t0, tc);
       for (int64_t v0 = 0; v0 < vocab; v0 += o.vocab_chunk()) {
         const int64_t vc = std::min(o.vocab_chunk(), vocab - v0);
         at::Tensor logits = at::mm(xc, Rows(weight, v0, vc, compute).t());  // [tc, vc]
         if (has_bias) logits.add_(Rows(bias, v0, vc, compute));
-        const InChunk in = TargetsIn(tgt, valid_c, v0, vc);
-        tl.copy_(at::where(in.mask, logits.gather(1, in.col).squeeze(1), tl));
-        const at::Tensor m_new = at::maximum(m, std::get<0>(logits.max(1)));
+        const at::Tensor m_new = at::maximum(m, at::amax(logits, 1));
         s.mul_((m - m_new).exp_()).add_(logits.sub_(m_new.unsqueeze(1)).exp_().sum(1));
         m = m_new;
       }
@@ -188,22 +194,24 @@ class MevoFunction : public torch::autograd::Function<MevoFunction> {
         const at::Tensor valid_c = valid.narrow(0, t0, tc);
         if (!valid_c.any().item<bool>()) continue;  // all ignored: no gradient
         const at::Tensor xc = Rows(x, t0, tc, compute);
-        const at::Tensor tgt = t.narrow(0, t0, tc);
         const at::Tensor lse_c = lse.narrow(0, t0, tc).unsqueeze(1);
         const at::Tensor coef_c = coef.narrow(0, t0, tc).unsqueeze(1);
+        // The softmax part, tile by tile.
         for (int64_t v0 = 0; v0 < vocab; v0 += vocab_chunk) {
           const int64_t vc = std::min(vocab_chunk, vocab - v0);
           const at::Tensor wc = Rows(weight, v0, vc, compute);
           at::Tensor p = at::mm(xc, wc.t());
           if (has_bias) p.add_(Rows(bias, v0, vc, compute));
-          p.sub_(lse_c).exp_();  // softmax, [tc, vc]
-          const InChunk in = TargetsIn(tgt, valid_c, v0, vc);
-          p.scatter_add_(1, in.col, in.mask.to(compute).neg_().unsqueeze(1));
-          p.mul_(coef_c);
+          p.sub_(lse_c).exp_().mul_(coef_c);  // coef * softmax, [tc, vc]
           if (need_x) grad_x.narrow(0, t0, tc).addmm_(p, wc);
           if (need_w) grad_w.narrow(0, v0, vc).addmm_(p.t(), xc);
           if (need_b) grad_b.narrow(0, v0, vc).add_(p.sum(0));
         }
+        // The one-hot part, once per token chunk: -coef at each token's target column.
+        const TargetRows rows = TargetRowsOf(t.narrow(0, t0, tc), valid_c, weight, bias, compute);
+        if (need_x) grad_x.narrow(0, t0, tc).sub_(rows.weight * coef_c);
+        if (need_w) grad_w.index_add_(0, rows.index, xc * coef_c.neg());
+        if (need_b) grad_b.index_add_(0, rows.index, coef_c.squeeze(1).neg());
       }
     }
     if (need_x) grad_x = grad_x.to(x.scalar_type());
