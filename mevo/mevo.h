@@ -16,17 +16,21 @@
 //   int64 of input's leading shape (T values). Tokens whose target equals ignore_index
 //   (default -100, as in PyTorch) contribute nothing; "mean" divides by the number of the other
 //   tokens (NaN when there are none, T = 0 included, as PyTorch), "sum" is 0 then.
-// * Memory: forward saves input, weight, bias, targets (references, no copies) and the per-token
-//   log-sum-exp [T]; the tiles are [token_chunk, vocab_chunk] (at most two alive at a time).
-//   Backward recomputes each tile's logits, forms (softmax - onehot) * coefficient in place and
-//   accumulates grad_input [T, D], grad_weight [V, D] (and grad_bias [V]) tile by tile (addmm_
-//   into the result).
-//   Peak extra bytes = O(token_chunk * vocab_chunk + T + token_chunk * D), never O(T * V).
-//   The price: each tile's matmul is computed twice (forward and backward), as FairScale's.
+// * Algorithm and memory: forward takes, per token chunk, the target logits as row dot products
+//   and an online log-sum-exp over the vocabulary chunks (one [token_chunk, vocab_chunk] tile
+//   alive at a time), and saves input, weight, bias, targets (references, no copies) and the
+//   per-token log-sum-exp [T]. Backward recomputes each tile's logits, turns them into
+//   coefficient * softmax in place and accumulates grad_input [T, D], grad_weight [V, D] (and
+//   grad_bias [V]) with addmm_ into the results; the one-hot part (-coefficient at each target)
+//   is applied once per token chunk (index_add_). Peak extra bytes beyond the gradients:
+//   O(token_chunk * vocab_chunk + T + token_chunk * D), never O(T * V). The price: each tile's
+//   matmul is computed twice (forward and backward), as in FairScale. Token chunks whose tokens
+//   are all ignored are skipped.
 // * Precision: f32 and f64 compute in their own dtype (online log-sum-exp over the vocabulary
 //   chunks, f32 agrees with the plain loss to ~1e-6). bf16 / f16: tiles, log-sum-exp and the
 //   gradient accumulators are f32 (FairScale's fp_max / fp_sum / fp_target); the loss is f32,
-//   the gradients are cast back to the input dtype at the end (a transient f32 [V, D] and [T, D]).
+//   the gradients are cast back to the input dtype at the end (a transient f32 [V, D] and [T, D],
+//   and f32 copies of each tile's [token_chunk, D] and [vocab_chunk, D] rows).
 // * Errors (c10::Error via base::ThrowIfError, "mevo::mevo_cross_entropy: INVALID_ARGUMENT: ..."):
 //   weight not 2-D, bias not [V] of weight's dtype, input.size(-1) != weight.size(1), targets'
 //   shape not input's leading shape, targets not int64, input and weight dtypes differ or are

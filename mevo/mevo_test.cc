@@ -290,26 +290,29 @@ TEST(MevoTest, FiniteDifferencesF64) {
   }
 }
 
-TEST(MevoTest, Bf16ComputesInF32) {
-  torch::manual_seed(8);
-  const at::Tensor input = at::randn({45, 16}).to(at::kBFloat16);
-  const at::Tensor weight = (at::randn({90, 16}) * 0.5).to(at::kBFloat16);
-  const at::Tensor targets = Targets(45, 90, 0.2, -100);
-  const MevoOptions o = MevoOptions().token_chunk(8).vocab_chunk(13);
-  // Reference: the plain loss in f32 on the same (bf16) values.
-  const Result want = Plain(input.to(at::kFloat), weight.to(at::kFloat), targets, o);
-  const Result got = Mevo(input, weight, targets, o);
-  EXPECT_EQ(got.loss.scalar_type(), at::kFloat);
-  EXPECT_EQ(got.grad_input.scalar_type(), at::kBFloat16);
-  EXPECT_EQ(got.grad_weight.scalar_type(), at::kBFloat16);
-  const double e_loss = Err(got.loss, want.loss);
-  const double e_gx = Err(got.grad_input, want.grad_input);
-  const double e_gw = Err(got.grad_weight, want.grad_weight);
-  std::printf("bf16 vs f32 plain: loss %.3g grad_input %.3g grad_weight %.3g\n", e_loss, e_gx,
-              e_gw);
-  EXPECT_LE(e_loss, 1e-5);  // the loss is f32 throughout
-  EXPECT_LE(e_gx, 8e-3);    // the gradients are rounded to bf16 (2^-8) once, at the end
-  EXPECT_LE(e_gw, 8e-3);
+TEST(MevoTest, Bf16AndF16ComputeInF32) {
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    torch::manual_seed(8);
+    const at::Tensor input = at::randn({45, 16}).to(dtype);
+    const at::Tensor weight = (at::randn({90, 16}) * 0.5).to(dtype);
+    const at::Tensor targets = Targets(45, 90, 0.2, -100);
+    const MevoOptions o = MevoOptions().token_chunk(8).vocab_chunk(13);
+    // Reference: the plain loss in f32 on the same (rounded) values.
+    const Result want = Plain(input.to(at::kFloat), weight.to(at::kFloat), targets, o);
+    const Result got = Mevo(input, weight, targets, o);
+    EXPECT_EQ(got.loss.scalar_type(), at::kFloat);
+    EXPECT_EQ(got.grad_input.scalar_type(), dtype);
+    EXPECT_EQ(got.grad_weight.scalar_type(), dtype);
+    const double e_loss = Err(got.loss, want.loss);
+    const double e_gx = Err(got.grad_input, want.grad_input);
+    const double e_gw = Err(got.grad_weight, want.grad_weight);
+    std::printf("%s vs f32 plain: loss %.3g grad_input %.3g grad_weight %.3g\n",
+                c10::toString(dtype), e_loss, e_gx, e_gw);
+    EXPECT_LE(e_loss, 1e-5);  // the loss is f32 throughout
+    EXPECT_LE(e_gx, 8e-3);    // the gradients are rounded once, at the end (bf16: 2^-8)
+    EXPECT_LE(e_gw, 8e-3);
+  }
 }
 
 TEST(MevoTest, Errors) {
