@@ -165,6 +165,29 @@ TEST(LayerwiseGradientScalerTest, GradientsEqualPlainBackward) {
   EXPECT_LE(input_err, 1e-6);
 }
 
+// forward() returns model->forward(x); two forward/backward passes before a step (gradient
+// accumulation) unscale to the plain accumulated gradients.
+TEST(LayerwiseGradientScalerTest, ForwardValuesAndGradientAccumulation) {
+  auto make = [] {
+    torch::manual_seed(9);
+    return nn::Sequential(
+        {{"fc1", nn::Linear(3, 6)}, {"relu", nn::ReLU()}, {"fc2", nn::Linear(6, 2)}});
+  };
+  torch::manual_seed(10);
+  const at::Tensor x1 = at::randn({8, 3});
+  const at::Tensor x2 = at::randn({8, 3});
+  nn::Sequential plain = make();
+  nn::Sequential model = make();
+  LayerwiseGradientScaler scaler(model, {{"fc1", 256}, {"fc2", 16}});
+  EXPECT_TRUE(at::equal(scaler.forward(x1), plain->forward(x1)));
+  for (const at::Tensor& x : {x1, x2}) {
+    plain->forward(x).pow(2).mean().backward();
+    scaler.forward(x).pow(2).mean().backward();
+  }
+  scaler.unscale();
+  EXPECT_EQ(MaxRelativeDiff(Grads(model), Grads(plain)), 0.0);  // powers of two: exact
+}
+
 // A layer computing x * w in f16 with an f32 parameter w (what autocast does: f32 master weights,
 // f16 arithmetic), so w's gradient is computed in f16 and converted to f32.
 struct HalfMulImpl : nn::Module {
@@ -279,8 +302,8 @@ struct Manual {
 
 TEST(LayerwiseGradientScalerTest, GrowthAfterGrowthIntervalFiniteSteps) {
   Manual m;
-  LayerwiseGradientScaler scaler(m.model, {{"a", 8.0}},
-                                 LayerwiseGradientScalerOptions().growth_interval(3).growth_factor(4));
+  LayerwiseGradientScaler scaler(
+      m.model, {{"a", 8.0}}, LayerwiseGradientScalerOptions().growth_interval(3).growth_factor(4));
   std::vector<double> scales;
   for (int i = 0; i < 7; ++i) {
     m.SetGrads(8.0f);
