@@ -43,7 +43,8 @@
 // Contract: one scaler per model; the optimizer's parameters are the model's (other parameters
 // of the optimizer are neither checked nor unscaled). A parameter shared by two layers is refused
 // (its gradient would mix two scales). Every forward() of an iteration (gradient accumulation)
-// uses the same scales; they change only in step(). The scales are doubles on the host (as
+// uses the same scales; they change only in step(). The boundary inf flags accumulate over
+// every backward since the last unscale(). The scales are doubles on the host (as
 // FairScale's Python floats); the gradient multiplications run in float for f32/f16/bf16
 // gradients (f16/bf16 are converted to f32, multiplied and rounded back once) and in double for
 // f64 or when the factor is outside float's range. Not thread-safe.
