@@ -20,7 +20,7 @@ reach a backend.
 FEATURE_LIBRARIES = [
     "//fsdp",  # FullyShardedDataParallel, wrap policies, state dicts, sharded checkpoints
     "//oss",  # OSS (optimizer state sharding), ShardedDataParallel
-    "//amp",  # GradScaler, ShardedGradScaler, Autocast
+    "//amp",  # GradScaler, ShardedGradScaler, LayerwiseGradientScaler, Autocast
     "//checkpoint",  # activation checkpointing: checkpoint(), CheckpointWrapper
     "//checkpoint:memory_tracker",  # per-module memory tracer, where to checkpoint for a budget
     "//base:tracking_allocator",  # TrackingCpuAllocator, which MemoryTracker counts with
