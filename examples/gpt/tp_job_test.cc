@@ -62,6 +62,7 @@ TEST(TensorParallelJobTest, MatchesTheDenseJob) {
   tp.tensor_parallel = 2;
   TrainConfig tp_fsdp = tp;
   tp_fsdp.strategy = "full_shard";
+  tp_fsdp.sample_tokens = 8;  // the sample's forward runs through the FSDP root on every rank
   const JobOutput ref1 = RunJob(dense, 1, "tp_ref1");
   const JobOutput tp2 = RunJob(tp, 2, "tp_2x1");
   const JobOutput ref2 = RunJob(dense, 2, "tp_ref2");

@@ -31,11 +31,13 @@ namespace fairscale::examples::gpt::internal {
 namespace {
 
 // The FSDP root's module: forward(tokens, targets) is TpGpt's vocab-parallel loss, so that the
-// root's forward (which gathers the parameters and hooks the gradient reduction) runs it.
+// root's forward (which gathers the parameters and hooks the gradient reduction) runs it; with
+// undefined targets, the gathered logits (sampling).
 class TpLossImpl : public torch::nn::Module {
  public:
   explicit TpLossImpl(TpGpt gpt) : gpt_(register_module("gpt", std::move(gpt))) {}
   torch::Tensor forward(torch::Tensor tokens, torch::Tensor targets) {
+    if (!targets.defined()) return gpt_(tokens);
     return gpt_->loss(tokens, targets);
   }
   const TpGpt& gpt() const { return gpt_; }
@@ -56,11 +58,10 @@ class TpParallelModel final : public ParallelModel {
         num_params_(num_params),
         label_(std::move(label)) {}
 
-  // The gathered logits (collective on the whole grid). Not used by the trainer (it calls
-  // loss()); kept for checks.
+  // The gathered logits, through the FSDP root (collective on the whole grid): the sample at
+  // the end of the job.
   at::Tensor forward(const at::Tensor& tokens) override {
-    auto full = fsdp_->summon_full_params(/*writeback=*/false);
-    return gpt_(tokens);
+    return fsdp_->forward(tokens, at::Tensor());
   }
   bool computes_loss() const override { return true; }
   // TpGpt's vocab-parallel cross-entropy on this replica's batch, through the FSDP root. Training:
