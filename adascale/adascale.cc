@@ -23,7 +23,10 @@ double DefaultSmoothing(int world, int64_t accum) {
 
 AdaScale::AdaScale(torch::optim::Optimizer& inner, std::shared_ptr<comm::Communicator> comm,
                    AdaScaleOptions options)
-    : inner_(inner), comm_(std::move(comm)), sharded_(options.sharded_gradients()) {
+    : inner_(inner),
+      comm_(std::move(comm)),
+      sharded_(options.sharded_gradients()),
+      debias_(options.debias_ewma()) {
   if (comm_ == nullptr) {
     base::ThrowIfError(absl::InvalidArgumentError("communicator is null"),
                        "adascale::AdaScale");
@@ -75,6 +78,8 @@ void AdaScale::ensure_groups() {
   sqr_biased_.resize(n, 0.0);
   var_biased_.resize(n, 0.0);
   unbias_.resize(n, 0.0);
+  sqr_total_.resize(n, 0.0);
+  var_total_.resize(n, 0.0);
 }
 
 void AdaScale::require_idle(const std::string& op) const {
@@ -211,6 +216,9 @@ at::Tensor AdaScale::step(torch::optim::Optimizer::LossClosure closure) {
   const double n = static_cast<double>(comm_->size() * accum_);
   const double c2 = static_cast<double>(accum_) * static_cast<double>(accum_);
   const double f = smoothing_;
+  ++ewma_count_;
+  // Appendix B.3: the plain mean while count < 1 / (1 - f), then the EWMA.
+  const bool running_mean = static_cast<double>(ewma_count_) < 1.0 / (1.0 - f);
   for (int64_t g = 0; g < ng; ++g) {
     const double local = s[g];
     const double tot = t[g] / c2;
@@ -218,11 +226,21 @@ at::Tensor AdaScale::step(torch::optim::Optimizer::LossClosure closure) {
     double sqr = tot - var / scale_;
     var = std::max(var, kMinVar);
     sqr = std::max(sqr, 0.0);
-    sqr_biased_[g] = f * sqr_biased_[g] + (1.0 - f) * sqr;
-    var_biased_[g] = f * var_biased_[g] + (1.0 - f) * var;
-    unbias_[g] = f * unbias_[g] + (1.0 - f);
-    sqr_avg_[g] = sqr_biased_[g] / unbias_[g];
-    var_avg_[g] = var_biased_[g] / unbias_[g];
+    if (debias_) {
+      sqr_biased_[g] = f * sqr_biased_[g] + (1.0 - f) * sqr;
+      var_biased_[g] = f * var_biased_[g] + (1.0 - f) * var;
+      unbias_[g] = f * unbias_[g] + (1.0 - f);
+      sqr_avg_[g] = sqr_biased_[g] / unbias_[g];
+      var_avg_[g] = var_biased_[g] / unbias_[g];
+    } else if (running_mean) {
+      sqr_total_[g] += sqr;
+      var_total_[g] += var;
+      sqr_avg_[g] = sqr_total_[g] / static_cast<double>(ewma_count_);
+      var_avg_[g] = var_total_[g] / static_cast<double>(ewma_count_);
+    } else {
+      sqr_avg_[g] = f * sqr_avg_[g] + (1.0 - f) * sqr;
+      var_avg_[g] = f * var_avg_[g] + (1.0 - f) * var;
+    }
   }
   calls_ = 0;
   local_sqr_ = at::Tensor();
@@ -284,6 +302,7 @@ void AdaScale::set_scale(double scale, bool update_estimate) {
     const double r = scale_ / scale;
     for (size_t g = 0; g < var_avg_.size(); ++g) {
       var_biased_[g] *= r;
+      var_total_[g] *= r;
       var_avg_[g] *= r;
     }
   }
@@ -320,19 +339,24 @@ void AdaScale::save(torch::serialize::OutputArchive& archive) const {
   archive.write("adascale/grad_sqr_avg_biased", Vec(sqr_biased_));
   archive.write("adascale/grad_var_avg_biased", Vec(var_biased_));
   archive.write("adascale/unbias", Vec(unbias_));
+  archive.write("adascale/grad_sqr_avg_total", Vec(sqr_total_));
+  archive.write("adascale/grad_var_avg_total", Vec(var_total_));
   archive.write("adascale/scalars",
-                Vec({progress_, scale_, smoothing_, static_cast<double>(accum_)}));
+                Vec({progress_, scale_, smoothing_, static_cast<double>(accum_),
+                     debias_ ? 1.0 : 0.0, static_cast<double>(ewma_count_)}));
 }
 
 void AdaScale::load(torch::serialize::InputArchive& archive) {
   require_idle("load");
-  at::Tensor sqr, var, sqr_b, var_b, unbias, scalars;
+  at::Tensor sqr, var, sqr_b, var_b, unbias, sqr_t, var_t, scalars;
   try {
     archive.read("adascale/grad_sqr_avg", sqr);
     archive.read("adascale/grad_var_avg", var);
     archive.read("adascale/grad_sqr_avg_biased", sqr_b);
     archive.read("adascale/grad_var_avg_biased", var_b);
     archive.read("adascale/unbias", unbias);
+    archive.read("adascale/grad_sqr_avg_total", sqr_t);
+    archive.read("adascale/grad_var_avg_total", var_t);
     archive.read("adascale/scalars", scalars);
   } catch (const c10::Error& e) {
     base::ThrowIfError(absl::DataLossError(absl::StrCat("not an AdaScale archive: ",
@@ -341,19 +365,39 @@ void AdaScale::load(torch::serialize::InputArchive& archive) {
   }
   const int64_t n = sqr.numel();
   if (var.numel() != n || sqr_b.numel() != n || var_b.numel() != n || unbias.numel() != n ||
-      scalars.numel() != 4) {
+      sqr_t.numel() != n || var_t.numel() != n || scalars.numel() != 6) {
     base::ThrowIfError(absl::DataLossError("inconsistent AdaScale archive sizes"), label("load"));
+  }
+  const int64_t groups = static_cast<int64_t>(inner_.param_groups().size());
+  if (n != groups) {
+    base::ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
+                           "the archive has statistics for ", n,
+                           " param groups, the optimizer has ", groups)),
+                       label("load"));
+  }
+  const std::vector<double> sc = FromVec(scalars);
+  const int64_t accum = static_cast<int64_t>(sc[3]);
+  if (!(sc[1] >= 1.0) || !(sc[2] >= 0.0 && sc[2] < 1.0) || accum < 1 ||
+      comm_->size() * accum < 2) {
+    base::ThrowIfError(
+        absl::InvalidArgumentError(absl::StrCat(
+            "archive holds scale ", sc[1], ", smoothing ", sc[2],
+            ", num_gradients_to_accumulate ", accum, ": invalid at world size ", comm_->size())),
+        label("load"));
   }
   sqr_avg_ = FromVec(sqr);
   var_avg_ = FromVec(var);
   sqr_biased_ = FromVec(sqr_b);
   var_biased_ = FromVec(var_b);
   unbias_ = FromVec(unbias);
-  const std::vector<double> sc = FromVec(scalars);
+  sqr_total_ = FromVec(sqr_t);
+  var_total_ = FromVec(var_t);
   progress_ = sc[0];
   scale_ = sc[1];
   smoothing_ = sc[2];
-  accum_ = static_cast<int64_t>(sc[3]);
+  accum_ = accum;
+  debias_ = sc[4] != 0.0;
+  ewma_count_ = static_cast<int64_t>(sc[5]);
   ensure_groups();
 }
 

@@ -25,7 +25,7 @@
 //   var = local * (S/n) / (n-1) - total * S / (n-1)   (clamped to >= 1e-6)
 //   sqr = total - var / S                             (clamped to >= 0)
 // each smoothed by a debiased exponential moving average with factor smoothing() (default
-// max(1 - n/1000, 0)); n must be >= 2 (a single worker without accumulation has no variance).
+// max(1 - n/1000, 0); AdaScaleOptions::debias_ewma(false): appendix B.3's); n must be >= 2 (a single worker without accumulation has no variance).
 // accumulate_local_gradients() takes each backward's own gradient as the change of .grad since
 // the previous call, so with c > 1 it keeps a copy of the gradients between backward passes.
 //
@@ -63,6 +63,9 @@ struct AdaScaleOptions {
   TORCH_ARG(int64_t, num_gradients_to_accumulate) = 1;
   // Each rank's .grad is a disjoint shard of the averaged gradient (see above).
   TORCH_ARG(bool, sharded_gradients) = false;
+  // FairScale's debias_ewma: true, the debiased EWMA above; false, the paper's appendix B.3
+  // (the plain mean of the first 1 / (1 - smoothing) steps' values, then the EWMA).
+  TORCH_ARG(bool, debias_ewma) = true;
 };
 
 class AdaScale {
@@ -111,8 +114,10 @@ class AdaScale {
   // With update_smoothing, smoothing becomes max(1 - world * n / 1000, 0).
   void set_num_gradients_to_accumulate(int64_t n, bool update_smoothing = true);
 
-  // AdaScale's own state (statistics, progress, scale, smoothing, accumulation count); save the
-  // inner optimizer separately (torch::save(inner, ...)). Not during an accumulation.
+  // AdaScale's own state (statistics, progress, scale, smoothing, accumulation count, EWMA
+  // mode); save the inner optimizer separately (torch::save(inner, ...)). Not during an
+  // accumulation. load raises kDataLoss for an archive that is not AdaScale's, kInvalidArgument
+  // when its param-group count differs from the optimizer's or its values are invalid here.
   void save(torch::serialize::OutputArchive& archive) const;
   void load(torch::serialize::InputArchive& archive);
 
@@ -137,6 +142,10 @@ class AdaScale {
   std::vector<std::vector<at::Tensor>> previous_;
   std::vector<double> sqr_avg_, var_avg_;            // debiased averages
   std::vector<double> sqr_biased_, var_biased_, unbias_;
+  // debias_ewma false: the steps averaged so far and the running sums of the first steps.
+  bool debias_;
+  int64_t ewma_count_ = 0;
+  std::vector<double> sqr_total_, var_total_;
   double progress_ = 0.0;
 };
 

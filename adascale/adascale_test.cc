@@ -150,12 +150,14 @@ struct StepRecord {
 };
 
 // The formulas, written out for the reference (f64 on the per-worker gradients).
-std::vector<StepRecord> Simulate(Kind kind, int workers, int accum, double smoothing, int steps) {
+std::vector<StepRecord> Simulate(Kind kind, int workers, int accum, double smoothing, int steps,
+                                 bool debias = true) {
   Model m;
   auto opt = MakeOptimizer(kind, m);
   const double n = workers * accum;
   const double scale = n;
   double sqr_b[2] = {0, 0}, var_b[2] = {0, 0}, unbias[2] = {0, 0};
+  double sqr_avg[2] = {1, 1}, var_avg[2] = {0, 0}, sqr_tot[2] = {0, 0}, var_tot[2] = {0, 0};
   double progress = 0;
   std::vector<StepRecord> out;
   for (int step = 0; step < steps; ++step) {
@@ -183,10 +185,22 @@ std::vector<StepRecord> Simulate(Kind kind, int workers, int accum, double smoot
       double sqr = total - var / scale;
       var = std::max(var, 1e-6);
       sqr = std::max(sqr, 0.0);
-      sqr_b[g] = smoothing * sqr_b[g] + (1 - smoothing) * sqr;
-      var_b[g] = smoothing * var_b[g] + (1 - smoothing) * var;
-      unbias[g] = smoothing * unbias[g] + (1 - smoothing);
-      const double s = sqr_b[g] / unbias[g], v = var_b[g] / unbias[g];
+      if (debias) {
+        sqr_b[g] = smoothing * sqr_b[g] + (1 - smoothing) * sqr;
+        var_b[g] = smoothing * var_b[g] + (1 - smoothing) * var;
+        unbias[g] = smoothing * unbias[g] + (1 - smoothing);
+        sqr_avg[g] = sqr_b[g] / unbias[g];
+        var_avg[g] = var_b[g] / unbias[g];
+      } else if (step + 1 < 1 / (1 - smoothing)) {  // appendix B.3: the mean of the first steps
+        sqr_tot[g] += sqr;
+        var_tot[g] += var;
+        sqr_avg[g] = sqr_tot[g] / (step + 1);
+        var_avg[g] = var_tot[g] / (step + 1);
+      } else {
+        sqr_avg[g] = smoothing * sqr_avg[g] + (1 - smoothing) * sqr;
+        var_avg[g] = smoothing * var_avg[g] + (1 - smoothing) * var;
+      }
+      const double s = sqr_avg[g], v = var_avg[g];
       gains[g] = (v + s) / (v / scale + s);
       var_sum += v;
       sqr_sum += s;
@@ -240,6 +254,7 @@ struct SimCase {
   Kind kind;
   int workers;
   int accum;
+  bool debias = true;
 };
 
 class AdaScaleSimulationTest : public ::testing::TestWithParam<SimCase> {};
@@ -247,17 +262,23 @@ class AdaScaleSimulationTest : public ::testing::TestWithParam<SimCase> {};
 TEST_P(AdaScaleSimulationTest, MatchesSingleProcessSimulation) {
   const SimCase c = GetParam();
   // SGD: the default smoothing (1 - n/1000); Adam: 0.5, so that the average moves visibly.
-  const double smoothing = c.kind == Kind::kSgd ? 1.0 - c.workers * c.accum / 1000.0 : 0.5;
+  // Without debiasing: 0.7, so that steps 1-3 take the plain mean and steps 4-5 the EWMA.
+  const double smoothing = !c.debias               ? 0.7
+                           : c.kind == Kind::kSgd ? 1.0 - c.workers * c.accum / 1000.0
+                                                  : 0.5;
+  const bool explicit_smoothing = c.kind == Kind::kAdam || !c.debias;
   constexpr int kSteps = 5;
-  const std::vector<StepRecord> ref = Simulate(c.kind, c.workers, c.accum, smoothing, kSteps);
+  const std::vector<StepRecord> ref =
+      Simulate(c.kind, c.workers, c.accum, smoothing, kSteps, c.debias);
   std::vector<double> max_err(c.workers, 0.0);
   ExpectAllOk(RunInprocRanks(c.workers, [&](int rank, int, std::shared_ptr<comm::Communicator> comm)
                                             -> absl::Status {
     return CatchErrors([&]() -> absl::Status {
       Model m;
       auto opt = MakeOptimizer(c.kind, m);
-      AdaScaleOptions options = AdaScaleOptions().num_gradients_to_accumulate(c.accum);
-      if (c.kind == Kind::kAdam) options.smoothing(smoothing);
+      AdaScaleOptions options =
+          AdaScaleOptions().num_gradients_to_accumulate(c.accum).debias_ewma(c.debias);
+      if (explicit_smoothing) options.smoothing(smoothing);
       AdaScale ada(*opt, comm, options);
       if (std::abs(ada.smoothing() - smoothing) > 1e-15) {
         return absl::InternalError(absl::StrCat("smoothing ", ada.smoothing()));
@@ -273,7 +294,8 @@ TEST_P(AdaScaleSimulationTest, MatchesSingleProcessSimulation) {
   double worst = 0;
   for (double e : max_err) worst = std::max(worst, e);
   std::cout << "[measured] workers " << c.workers << " accum " << c.accum << " "
-            << (c.kind == Kind::kSgd ? "SGD" : "Adam") << ": max |error| " << worst
+            << (c.kind == Kind::kSgd ? "SGD" : "Adam") << (c.debias ? "" : " (B.3 mean)")
+            << ": max |error| " << worst
             << " (params, gains, progress); final gain " << ref.back().gain << "\n";
   // The gain must have moved off 1 (the test would be vacuous otherwise).
   EXPECT_GT(ref.back().gain, 1.0 + 1e-3);
@@ -286,10 +308,12 @@ INSTANTIATE_TEST_SUITE_P(
                       SimCase{Kind::kSgd, 2, 2}, SimCase{Kind::kSgd, 3, 2},
                       SimCase{Kind::kSgd, 4, 2}, SimCase{Kind::kAdam, 1, 2},
                       SimCase{Kind::kAdam, 2, 1}, SimCase{Kind::kAdam, 3, 2},
-                      SimCase{Kind::kAdam, 4, 1}, SimCase{Kind::kAdam, 4, 2}),
+                      SimCase{Kind::kAdam, 4, 1}, SimCase{Kind::kAdam, 4, 2},
+                      SimCase{Kind::kSgd, 3, 2, false}, SimCase{Kind::kAdam, 2, 1, false}),
     [](const ::testing::TestParamInfo<SimCase>& info) {
       return absl::StrCat(info.param.kind == Kind::kSgd ? "Sgd" : "Adam", "N",
-                          info.param.workers, "Accum", info.param.accum);
+                          info.param.workers, "Accum", info.param.accum,
+                          info.param.debias ? "" : "NoDebias");
     });
 
 // ---- (2b) over OSS, and with sharded gradients --------------------------------------------------
@@ -459,6 +483,27 @@ TEST(AdaScaleStateTest, SaveLoadContinuesIdentically) {
 }
 
 // ---- (4) bad input ---------------------------------------------------------------------------
+
+TEST(AdaScaleStateTest, LoadRejectsAnotherGroupCount) {
+  ExpectAllOk(RunInprocRanks(2, [&](int, int, std::shared_ptr<comm::Communicator> comm)
+                                    -> absl::Status {
+    Model m;
+    auto opt = MakeOptimizer(Kind::kSgd, m);
+    AdaScale ada(*opt, comm);
+    const std::string bytes = ToBytes([&](auto& a) { a << ada; });
+    torch::optim::SGD one({m.w}, torch::optim::SGDOptions(0.1));
+    AdaScale ada1(one, comm);
+    FS_RETURN_IF_ERROR(ExpectError([&] { FromBytes(bytes, [&](auto& a) { a >> ada1; }); },
+                                   {"adascale::AdaScale::load", "INVALID_ARGUMENT",
+                                    "statistics for 2 param groups, the optimizer has 1"}));
+    torch::serialize::OutputArchive other;
+    other.write("something", torch::zeros({1}));
+    std::ostringstream os;
+    other.save_to(os);
+    return ExpectError([&] { FromBytes(os.str(), [&](auto& a) { a >> ada1; }); },
+                       {"DATA_LOSS", "not an AdaScale archive"});
+  }));
+}
 
 TEST(AdaScaleErrorTest, BadInput) {
   ExpectAllOk(RunInprocRanks(2, [&](int rank, int, std::shared_ptr<comm::Communicator> comm)
