@@ -28,13 +28,12 @@ AdaScale::AdaScale(torch::optim::Optimizer& inner, std::shared_ptr<comm::Communi
       sharded_(options.sharded_gradients()),
       debias_(options.debias_ewma()) {
   if (comm_ == nullptr) {
-    base::ThrowIfError(absl::InvalidArgumentError("communicator is null"),
-                       "adascale::AdaScale");
+    base::ThrowIfError(absl::InvalidArgumentError("communicator is null"), "adascale::AdaScale");
   }
   accum_ = options.num_gradients_to_accumulate();
   if (accum_ < 1) {
-    base::ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
-                           "num_gradients_to_accumulate must be >= 1, got ", accum_)),
+    base::ThrowIfError(absl::InvalidArgumentError(
+                           absl::StrCat("num_gradients_to_accumulate must be >= 1, got ", accum_)),
                        label("AdaScale"));
   }
   if (comm_->size() * accum_ < 2) {
@@ -46,15 +45,14 @@ AdaScale::AdaScale(torch::optim::Optimizer& inner, std::shared_ptr<comm::Communi
   }
   scale_ = options.scale().value_or(static_cast<double>(comm_->size() * accum_));
   if (!(scale_ >= 1.0)) {
-    base::ThrowIfError(
-        absl::InvalidArgumentError(absl::StrCat("scale must be >= 1, got ", scale_)),
-        label("AdaScale"));
+    base::ThrowIfError(absl::InvalidArgumentError(absl::StrCat("scale must be >= 1, got ", scale_)),
+                       label("AdaScale"));
   }
   smoothing_ = options.smoothing().value_or(DefaultSmoothing(comm_->size(), accum_));
   if (!(smoothing_ >= 0.0 && smoothing_ < 1.0)) {
-    base::ThrowIfError(absl::InvalidArgumentError(
-                           absl::StrCat("smoothing must be in [0, 1), got ", smoothing_)),
-                       label("AdaScale"));
+    base::ThrowIfError(
+        absl::InvalidArgumentError(absl::StrCat("smoothing must be in [0, 1), got ", smoothing_)),
+        label("AdaScale"));
   }
   ensure_groups();
 }
@@ -150,10 +148,10 @@ bool AdaScale::is_accumulation_step() const { return calls_ + 1 < accum_; }
 
 void AdaScale::average_gradients() {
   if (sharded_) {
-    base::ThrowIfError(absl::FailedPreconditionError(
-                           "sharded_gradients: the gradients are reduced by their owner "
-                           "(FSDP / ShardedDataParallel), not here"),
-                       label("average_gradients"));
+    base::ThrowIfError(
+        absl::FailedPreconditionError("sharded_gradients: the gradients are reduced by their owner "
+                                      "(FSDP / ShardedDataParallel), not here"),
+        label("average_gradients"));
   }
   if (comm_->size() == 1) return;
   std::vector<comm::Work> works;
@@ -272,9 +270,9 @@ void AdaScale::zero_grad() {
 
 double AdaScale::gain(size_t group) const {
   if (group >= var_avg_.size()) {
-    base::ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
-                           "param group ", group, " of ", var_avg_.size())),
-                       label("gain"));
+    base::ThrowIfError(
+        absl::InvalidArgumentError(absl::StrCat("param group ", group, " of ", var_avg_.size())),
+        label("gain"));
   }
   const double var = var_avg_[group];
   const double sqr = sqr_avg_[group];
@@ -294,9 +292,8 @@ double AdaScale::gain() const {
 void AdaScale::set_scale(double scale, bool update_estimate) {
   require_idle("set_scale");
   if (!(scale >= 1.0)) {
-    base::ThrowIfError(
-        absl::InvalidArgumentError(absl::StrCat("scale must be >= 1, got ", scale)),
-        label("set_scale"));
+    base::ThrowIfError(absl::InvalidArgumentError(absl::StrCat("scale must be >= 1, got ", scale)),
+                       label("set_scale"));
   }
   if (update_estimate) {
     const double r = scale_ / scale;
@@ -313,9 +310,9 @@ void AdaScale::set_num_gradients_to_accumulate(int64_t n, bool update_smoothing)
   require_idle("set_num_gradients_to_accumulate");
   if (n < 1 || comm_->size() * n < 2) {
     base::ThrowIfError(
-        absl::InvalidArgumentError(absl::StrCat(
-            "num_gradients_to_accumulate must be >= 1 and world size * it >= 2, got ", n,
-            " at world size ", comm_->size())),
+        absl::InvalidArgumentError(
+            absl::StrCat("num_gradients_to_accumulate must be >= 1 and world size * it >= 2, got ",
+                         n, " at world size ", comm_->size())),
         label("set_num_gradients_to_accumulate"));
   }
   accum_ = n;
@@ -323,9 +320,7 @@ void AdaScale::set_num_gradients_to_accumulate(int64_t n, bool update_smoothing)
 }
 
 namespace {
-at::Tensor Vec(const std::vector<double>& v) {
-  return torch::tensor(v, torch::kFloat64).clone();
-}
+at::Tensor Vec(const std::vector<double>& v) { return torch::tensor(v, torch::kFloat64).clone(); }
 std::vector<double> FromVec(const at::Tensor& t) {
   at::Tensor c = t.to(torch::kFloat64).contiguous().cpu();
   return std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
@@ -341,9 +336,8 @@ void AdaScale::save(torch::serialize::OutputArchive& archive) const {
   archive.write("adascale/unbias", Vec(unbias_));
   archive.write("adascale/grad_sqr_avg_total", Vec(sqr_total_));
   archive.write("adascale/grad_var_avg_total", Vec(var_total_));
-  archive.write("adascale/scalars",
-                Vec({progress_, scale_, smoothing_, static_cast<double>(accum_),
-                     debias_ ? 1.0 : 0.0, static_cast<double>(ewma_count_)}));
+  archive.write("adascale/scalars", Vec({progress_, scale_, smoothing_, static_cast<double>(accum_),
+                                         debias_ ? 1.0 : 0.0, static_cast<double>(ewma_count_)}));
 }
 
 void AdaScale::load(torch::serialize::InputArchive& archive) {
@@ -359,9 +353,9 @@ void AdaScale::load(torch::serialize::InputArchive& archive) {
     archive.read("adascale/grad_var_avg_total", var_t);
     archive.read("adascale/scalars", scalars);
   } catch (const c10::Error& e) {
-    base::ThrowIfError(absl::DataLossError(absl::StrCat("not an AdaScale archive: ",
-                                                        e.what_without_backtrace())),
-                       label("load"));
+    base::ThrowIfError(
+        absl::DataLossError(absl::StrCat("not an AdaScale archive: ", e.what_without_backtrace())),
+        label("load"));
   }
   const int64_t n = sqr.numel();
   if (var.numel() != n || sqr_b.numel() != n || var_b.numel() != n || unbias.numel() != n ||
@@ -370,19 +364,18 @@ void AdaScale::load(torch::serialize::InputArchive& archive) {
   }
   const int64_t groups = static_cast<int64_t>(inner_.param_groups().size());
   if (n != groups) {
-    base::ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
-                           "the archive has statistics for ", n,
-                           " param groups, the optimizer has ", groups)),
-                       label("load"));
+    base::ThrowIfError(
+        absl::InvalidArgumentError(absl::StrCat("the archive has statistics for ", n,
+                                                " param groups, the optimizer has ", groups)),
+        label("load"));
   }
   const std::vector<double> sc = FromVec(scalars);
   const int64_t accum = static_cast<int64_t>(sc[3]);
-  if (!(sc[1] >= 1.0) || !(sc[2] >= 0.0 && sc[2] < 1.0) || accum < 1 ||
-      comm_->size() * accum < 2) {
+  if (!(sc[1] >= 1.0) || !(sc[2] >= 0.0 && sc[2] < 1.0) || accum < 1 || comm_->size() * accum < 2) {
     base::ThrowIfError(
-        absl::InvalidArgumentError(absl::StrCat(
-            "archive holds scale ", sc[1], ", smoothing ", sc[2],
-            ", num_gradients_to_accumulate ", accum, ": invalid at world size ", comm_->size())),
+        absl::InvalidArgumentError(absl::StrCat("archive holds scale ", sc[1], ", smoothing ",
+                                                sc[2], ", num_gradients_to_accumulate ", accum,
+                                                ": invalid at world size ", comm_->size())),
         label("load"));
   }
   sqr_avg_ = FromVec(sqr);
@@ -407,8 +400,7 @@ torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& arc
   return archive;
 }
 
-torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
-                                           AdaScale& ada) {
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, AdaScale& ada) {
   ada.load(archive);
   return archive;
 }

@@ -19,13 +19,15 @@
 //   ada.step();                             // ONE all-reduce of the statistics, lr *= gain, step
 //   schedule_lr(ada.progress());            // scale-invariant iterations
 //
-// Statistics (FairScale's, paper appendix B.3, debiased EWMA): with c = num_gradients_to_accumulate,
-// N = world size, n = cN gradients g_i per step, S = scale() (default n), per param group:
+// Statistics (FairScale's, paper appendix B.3, debiased EWMA): with c =
+// num_gradients_to_accumulate, N = world size, n = cN gradients g_i per step, S = scale() (default
+// n), per param group:
 //   local = sum_i |g_i|^2 (the one all-reduce, f64),  total = |grad|^2 / c^2 (grad averaged, f64)
 //   var = local * (S/n) / (n-1) - total * S / (n-1)   (clamped to >= 1e-6)
 //   sqr = total - var / S                             (clamped to >= 0)
 // each smoothed by a debiased exponential moving average with factor smoothing() (default
-// max(1 - n/1000, 0); AdaScaleOptions::debias_ewma(false): appendix B.3's); n must be >= 2 (a single worker without accumulation has no variance).
+// max(1 - n/1000, 0); AdaScaleOptions::debias_ewma(false): appendix B.3's); n must be >= 2 (a
+// single worker without accumulation has no variance).
 // accumulate_local_gradients() takes each backward's own gradient as the change of .grad since
 // the previous call, so with c > 1 it keeps a copy of the gradients between backward passes.
 //
@@ -136,11 +138,11 @@ class AdaScale {
   double scale_;
   double smoothing_;
   int64_t accum_;
-  int64_t calls_ = 0;      // accumulations since the last step
-  at::Tensor local_sqr_;   // [groups] f64 on device(), this step's local sums
+  int64_t calls_ = 0;     // accumulations since the last step
+  at::Tensor local_sqr_;  // [groups] f64 on device(), this step's local sums
   // Gradients after the previous accumulation of this step (only with accum_ > 1).
   std::vector<std::vector<at::Tensor>> previous_;
-  std::vector<double> sqr_avg_, var_avg_;            // debiased averages
+  std::vector<double> sqr_avg_, var_avg_;  // the averages gain() uses
   std::vector<double> sqr_biased_, var_biased_, unbias_;
   // debias_ewma false: the steps averaged so far and the running sums of the first steps.
   bool debias_;
@@ -152,7 +154,6 @@ class AdaScale {
 // torch::save(ada, path) / torch::load(ada, path).
 torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
                                             const AdaScale& ada);
-torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
-                                           AdaScale& ada);
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, AdaScale& ada);
 
 }  // namespace fairscale::adascale
