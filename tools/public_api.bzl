@@ -33,6 +33,7 @@ FEATURE_LIBRARIES = [
     "//model_parallel:pipe_grid",  # ToPipeGrid: the pipe::PipeGrid view of a ParallelGrid
     "//moe",  # MOELayer, Top1Gate, Top2Gate: mixture of experts over an expert-parallel group
     "//sync_batchnorm",  # SyncBatchNorm (batch statistics over a group), convert_sync_batchnorm
+    "//slowmo",  # SlowMo, LocalSGD: local steps, an exact parameter average every H steps, the slow-momentum outer step
     "//mevo",  # mevo_cross_entropy, MevoLoss: the LM head's projection + cross-entropy in tiles, no [T, V] logits
     "//trace",  # Chrome traces, TracingCommunicator, the compute/communication profile
     "//launch:launcher",  # what fs_launch does, as a library (a job that launches itself)
