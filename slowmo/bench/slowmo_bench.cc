@@ -4,8 +4,9 @@
 //   ddp      the gradients all-reduced (one flat f32 buffer, sum / n) before every Adam step
 //   localsgd Adam on local gradients, slowmo::SlowMo H = --h (alpha 1, beta 0)
 //   slowmo   the same with alpha 1, beta 0.5
-// Reported per mode: the median step time (forward + backward + Adam + communication; per repeat
-// the slowest rank's median, then the median over repeats), all-reduce bytes per step and rank
+// Reported per mode: the median and the mean step time (forward + backward + Adam +
+// communication; per repeat the slowest rank's, then the median over repeats; the mean counts
+// the averaging step that the median skips), all-reduce bytes per step and rank
 // (comm::testing::CountingCommunicator), and the loss on a fixed held-out batch after --steps
 // steps, i.e. after the same number of tokens for every mode. Data: synthetic sequences
 // t[i+1] = (5 t[i] + 3) mod vocab from a random start (learnable), each rank and step its own.
@@ -85,6 +86,7 @@ at::Tensor Loss(examples::gpt::Gpt& model, const at::Tensor& tokens) {
 
 struct Result {
   double median_s = 0;
+  double mean_s = 0;  // the median hides the averaging step (1 in H); the mean includes it
   double bytes_per_step = 0;
   double eval_loss = 0;
 };
@@ -130,8 +132,9 @@ Result Train(const std::string& mode, const comm::bench::BenchRank& me,
     if (slowmo) slowmo->step_completed();
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  std::sort(times.begin(), times.end());
   Result r;
+  for (double t : times) r.mean_s += t / times.size();
+  std::sort(times.begin(), times.end());
   r.median_s = times[times.size() / 2];
   r.bytes_per_step =
       static_cast<double>(counting->count(comm::OpType::kAllReduce).bytes) / steps;
@@ -148,7 +151,7 @@ int RunRank(const comm::bench::BenchRank& me) {
   for (int rep = 0; rep < absl::GetFlag(FLAGS_repeats); ++rep) {
     for (const std::string& mode : kModes) {
       const Result r = Train(mode, me, *comm);
-      out << absl::StrFormat("%s\t%d\t%.9g\t%.9g\t%.9g\n", mode, rep, r.median_s,
+      out << absl::StrFormat("%s\t%d\t%.9g\t%.9g\t%.9g\t%.9g\n", mode, rep, r.median_s, r.mean_s,
                              r.bytes_per_step, r.eval_loss);
     }
   }
@@ -181,8 +184,8 @@ int Main() {
       "Gpt(GptConfig()): vocab %d, seq %d, width %d, heads %d, blocks %d (%d f32 parameters, "
       "%.2f MiB); Adam lr %g; %d steps x %d sequences x %d tokens per rank; H = %d; %d "
       "interleaved repeats; tcp on 127.0.0.1, %d intra-op thread(s) per process; loadavg before: "
-      "%s\n\n| ranks | mode | ms/step (median) | all-reduce bytes/step/rank | vs ddp bytes | "
-      "held-out loss after %d steps |\n|---|---|---|---|---|---|\n",
+      "%s\n\n| ranks | mode | ms/step (median) | ms/step (mean) | all-reduce bytes/step/rank | vs ddp bytes | "
+      "held-out loss after %d steps |\n|---|---|---|---|---|---|---|\n",
       c.vocab(), c.seq(), c.width(), c.heads(), c.blocks(), nparams, nparams * 4.0 / 1048576.0,
       absl::GetFlag(FLAGS_lr), steps, absl::GetFlag(FLAGS_batch), c.seq(), h,
       absl::GetFlag(FLAGS_repeats), absl::GetFlag(FLAGS_threads), LoadAvg(), steps);
@@ -197,31 +200,34 @@ int Main() {
         absl::Minutes(30));
     if (!dir.ok()) Die(dir.status().ToString());
     // mode -> repeat -> slowest rank's median; bytes and loss from rank 0
-    std::map<std::string, std::map<int, double>> slowest;
+    std::map<std::string, std::map<int, double>> slowest, slowest_mean;
     std::map<std::string, double> bytes, loss;
     for (int r = 0; r < n; ++r) {
       std::ifstream in(absl::StrCat(*dir, "/rank", r, ".tsv"));
       std::string line;
       while (std::getline(in, line)) {
         std::vector<std::string> f = absl::StrSplit(line, '\t');
-        if (f.size() != 5) continue;
+        if (f.size() != 6) continue;
         int rep = 0;
-        double t = 0, b = 0, l = 0;
+        double t = 0, m = 0, b = 0, l = 0;
         (void)absl::SimpleAtoi(f[1], &rep);
         (void)absl::SimpleAtod(f[2], &t);
-        (void)absl::SimpleAtod(f[3], &b);
-        (void)absl::SimpleAtod(f[4], &l);
+        (void)absl::SimpleAtod(f[3], &m);
+        (void)absl::SimpleAtod(f[4], &b);
+        (void)absl::SimpleAtod(f[5], &l);
         slowest[f[0]][rep] = std::max(slowest[f[0]][rep], t);
+        slowest_mean[f[0]][rep] = std::max(slowest_mean[f[0]][rep], m);
         if (r == 0) { bytes[f[0]] = b; loss[f[0]] = l; }
       }
     }
     for (const std::string& mode : kModes) {
-      std::vector<double> per_rep;
+      std::vector<double> per_rep, per_rep_mean;
       for (const auto& [rep, t] : slowest[mode]) per_rep.push_back(t);
+      for (const auto& [rep, t] : slowest_mean[mode]) per_rep_mean.push_back(t);
       if (per_rep.empty()) Die(absl::StrCat("no result for ", mode, " at ", n, " ranks"));
-      absl::StrAppend(&table, absl::StrFormat("| %d | %s | %.1f | %.0f | %.3fx | %.4f |\n", n,
+      absl::StrAppend(&table, absl::StrFormat("| %d | %s | %.1f | %.1f | %.0f | %.3fx | %.4f |\n", n,
                                               mode == "slowmo" ? "slowmo (beta 0.5)" : mode,
-                                              Median(per_rep) * 1e3, bytes[mode],
+                                              Median(per_rep) * 1e3, Median(per_rep_mean) * 1e3, bytes[mode],
                                               bytes[mode] / bytes["ddp"], loss[mode]));
     }
   }
