@@ -192,6 +192,16 @@ TEST(TensorParallelJobTest, RejectsBadConfigurations) {
   EXPECT_THAT(CheckBeforeLaunch(bad, 6),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("tensor_parallel 2 x pipeline_stages 2 does not divide")));
+  // Resuming a tensor-parallel checkpoint without --tensor_parallel (or with another T) is refused
+  // before anything loads, naming the flag.
+  EXPECT_THAT(ResumeScheduleSteps(TinyConfig(), "/ck/step_4", 4, c.ToJson()),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("tensor_parallel = 2"), HasSubstr("--tensor_parallel=2"))));
+  TrainConfig t4 = c;
+  t4.tensor_parallel = 4;
+  EXPECT_THAT(ResumeScheduleSteps(t4, "/ck/step_4", 4, c.ToJson()),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("tensor_parallel = 2")));
+  EXPECT_OK(ResumeScheduleSteps(c, "/ck/step_4", 4, c.ToJson()).status());
   bad = c;
   bad.tensor_parallel = 0;
   EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,

@@ -179,6 +179,16 @@ absl::StatusOr<int64_t> ResumeScheduleSteps(const TrainConfig& config,
           "; resume with ", fix, ", or start a new run in another --out_dir"));
     }
   }
+  // A setting the saved run had and this run leaves at its default (ToJson() omits defaults
+  // such as tensor_parallel 1, pipeline_stages 1, moe_experts 0): another parallel layout.
+  for (const auto& [key, value] : saved.items()) {
+    if (key == "steps" || key == "schedule_steps" || want.contains(key)) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "resume: checkpoint ", checkpoint_dir, " has ", key, " = ", value.dump(),
+        ", this run has the default; resume with --", key, "=",
+        value.is_string() ? value.get<std::string>() : value.dump(),
+        ", or start a new run in another --out_dir"));
+  }
   if (config.steps < checkpoint_step) {
     return absl::InvalidArgumentError(absl::StrCat(
         "resume: checkpoint ", checkpoint_dir, " is at step ", checkpoint_step,
