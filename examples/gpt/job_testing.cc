@@ -1,5 +1,7 @@
 #include "examples/gpt/job_testing.h"
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -47,5 +49,14 @@ JobOutput RunJob(TrainConfig config, int world, const std::string& name) {
   return out;
 }
 
+double ExpectSameLosses(const JobOutput& got, const JobOutput& ref, const std::string& what) {
+  EXPECT_EQ(got.losses.size(), ref.losses.size()) << what;
+  double max_diff = 0;
+  for (size_t i = 0; i < std::min(got.losses.size(), ref.losses.size()); ++i) {
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << what << ", step " << i + 1;
+    max_diff = std::max(max_diff, std::abs(got.losses[i] - ref.losses[i]));
+  }
+  return max_diff;
+}
 
 }  // namespace fairscale::examples::gpt

@@ -29,4 +29,8 @@ std::string MetricsPath(const std::string& name);
 // one test). Must be called from a gtest test body.
 JobOutput RunJob(TrainConfig config, int world, const std::string& name);
 
+// EXPECTs every step's loss of `got` within 1e-5 of `ref`'s (as many steps); returns the largest
+// difference.
+double ExpectSameLosses(const JobOutput& got, const JobOutput& ref, const std::string& what);
+
 }  // namespace fairscale::examples::gpt

@@ -35,16 +35,6 @@ TrainConfig TinyConfig() {
   return c;
 }
 
-double ExpectSameLosses(const JobOutput& got, const JobOutput& ref, const std::string& what) {
-  EXPECT_EQ(got.losses.size(), ref.losses.size()) << what;
-  double max_diff = 0;
-  for (size_t i = 0; i < std::min(got.losses.size(), ref.losses.size()); ++i) {
-    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << what << ", step " << i + 1;
-    max_diff = std::max(max_diff, std::abs(got.losses[i] - ref.losses[i]));
-  }
-  return max_diff;
-}
-
 // The vocabulary (the corpus's characters) must split over T = 2.
 TEST(TensorParallelJobTest, VocabularySplitsOverTwo) {
   EXPECT_EQ(CharTokenizer(Corpus()).vocab_size() % 2, 0) << CharTokenizer(Corpus()).vocab_size();

@@ -165,18 +165,6 @@ TEST(TrainRankTest, TwoRanksMatchASingleProcessReference) {
   EXPECT_LT(got.back(), got.front() - 0.3);  // and it learns
 }
 
-// Every step's loss of `got` within 1e-5 of `ref`'s (as many steps); returns the largest
-// difference.
-double ExpectSameLosses(const JobOutput& got, const JobOutput& ref, const std::string& what) {
-  EXPECT_EQ(got.losses.size(), ref.losses.size()) << what;
-  double max_diff = 0;
-  for (size_t i = 0; i < std::min(got.losses.size(), ref.losses.size()); ++i) {
-    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << what << ", step " << i + 1;
-    max_diff = std::max(max_diff, std::abs(got.losses[i] - ref.losses[i]));
-  }
-  return max_diff;
-}
-
 // --pipeline_stages: the Gpt cut into 2 stages (1f1b, 2 micro-batches) at 2 ranks (1 replica)
 // must give the per-step losses of the unpipelined fp32 run at 1 rank, and 2 stages x 2
 // replicas at 4 ranks those of the unpipelined run at 2 ranks (replica k trains rank k's batch):
