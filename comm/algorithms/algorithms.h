@@ -41,9 +41,17 @@ struct Options {
   // Liveness (TransportCommunicator's HeartbeatMonitor, heartbeat.h): every rank beats through
   // the store every heartbeat_ms (0: off), and an operation that has waited stall_timeout_ms
   // on a rank that stopped beating fails naming it. stall_timeout_ms >= 4 * heartbeat_ms.
+  // Left unset, the stall timeout is EffectiveStallTimeout's: 10 s, or half the communicator's
+  // operation timeout when that is shorter, so that a frozen rank is named by the heartbeats
+  // before the operation timeout blames whichever peer it waited for.
   size_t heartbeat_ms = 1000;
   size_t stall_timeout_ms = 10000;
+  bool stall_timeout_given = false;  // algo.stall_timeout_ms was set
 };
+
+// The stall timeout the heartbeat monitor uses: stall_timeout_ms when given; otherwise
+// min(stall_timeout_ms, op_timeout / 2), but not under 4 beats (4 * heartbeat_ms).
+absl::Duration EffectiveStallTimeout(const Options& options, absl::Duration op_timeout);
 
 // Parses the "algo.*" keys of `options`, ignoring the others. kInvalidArgument names the key for
 // an unknown "algo." key or a value that is not a decimal byte count in range.

@@ -1,4 +1,5 @@
 // The public entry points of //comm/algorithms: pick the algorithm, handle size 1, finish kAvg.
+#include <algorithm>
 #include <cctype>
 #include <cstring>
 
@@ -53,6 +54,7 @@ absl::StatusOr<Options> ParseOptions(const absl::flat_hash_map<std::string, std:
       FS_ASSIGN_OR_RETURN(out.heartbeat_ms, ParseBytes(key, value, 0));
     } else if (key == "algo.stall_timeout_ms") {
       FS_ASSIGN_OR_RETURN(out.stall_timeout_ms, ParseBytes(key, value, 100));
+      out.stall_timeout_given = true;
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           "unknown option ", key,
@@ -67,6 +69,13 @@ absl::StatusOr<Options> ParseOptions(const absl::flat_hash_map<std::string, std:
         " (a rank is declared silent after half the stall timeout without a beat)"));
   }
   return out;
+}
+
+absl::Duration EffectiveStallTimeout(const Options& options, absl::Duration op_timeout) {
+  const absl::Duration given = absl::Milliseconds(options.stall_timeout_ms);
+  if (options.stall_timeout_given) return given;
+  return std::max(std::min(given, op_timeout / 2),
+                  absl::Milliseconds(4 * options.heartbeat_ms));
 }
 
 char* Scratch::Get(size_t bytes) {

@@ -6,7 +6,8 @@
 // `interval` from a thread of its own. While an operation of this rank has been running for
 // more than stall_timeout / 2, the monitor also reads the other ranks' counters at every beat; a
 // rank whose counter did not move for stall_timeout / 2 of that sampling is reported once through
-// `on_stall` (so about stall_timeout after the operation started waiting). A slow but live rank
+// `on_stall` (so 1-1.5 stall_timeouts after the operation started waiting; TransportCommunicator
+// uses algo::EffectiveStallTimeout, at most half the operation timeout). A slow but live rank
 // keeps beating (its monitor thread runs whatever its training thread does), so a long
 // collective is never mistaken for a dead peer; a rank stuck in its own code while its process
 // lives is left to the operation's timeout.

@@ -5,6 +5,8 @@
 // recovery is logged.
 #include "comm/algorithms/heartbeat.h"
 
+#include "comm/algorithms/algorithms.h"
+
 #include <atomic>
 #include <memory>
 #include <string>
@@ -25,6 +27,22 @@ namespace {
 
 using ::fairscale::base::testing::StatusIs;
 using ::testing::HasSubstr;
+
+TEST(EffectiveStallTimeout, HalfAShortOperationTimeoutUnlessGiven) {
+  algo::Options o;  // heartbeat 1 s, stall 10 s
+  EXPECT_EQ(algo::EffectiveStallTimeout(o, absl::Minutes(30)), absl::Seconds(10));
+  EXPECT_EQ(algo::EffectiveStallTimeout(o, absl::Seconds(12)), absl::Seconds(6));
+  EXPECT_EQ(algo::EffectiveStallTimeout(o, absl::Seconds(2)), absl::Seconds(4));  // 4 beats
+  o.heartbeat_ms = 250;
+  EXPECT_EQ(algo::EffectiveStallTimeout(o, absl::Seconds(6)), absl::Seconds(3));
+  absl::StatusOr<algo::Options> given =
+      algo::ParseOptions({{"algo.stall_timeout_ms", "20000"}});
+  ASSERT_TRUE(given.ok()) << given.status();
+  EXPECT_EQ(algo::EffectiveStallTimeout(*given, absl::Seconds(6)), absl::Seconds(20));
+  absl::StatusOr<algo::Options> unset = algo::ParseOptions({{"algo.heartbeat_ms", "500"}});
+  ASSERT_TRUE(unset.ok()) << unset.status();
+  EXPECT_EQ(algo::EffectiveStallTimeout(*unset, absl::Seconds(6)), absl::Seconds(3));
+}
 
 HeartbeatMonitor::Options Fast() {
   HeartbeatMonitor::Options o;

@@ -190,7 +190,7 @@ class TransportCommunicator final : public Communicator {
     if (config.size > 1 && options.heartbeat_ms > 0) {
       HeartbeatMonitor::Options hb;
       hb.interval = absl::Milliseconds(options.heartbeat_ms);
-      hb.stall_timeout = absl::Milliseconds(options.stall_timeout_ms);
+      hb.stall_timeout = algo::EffectiveStallTimeout(options, config.timeout);
       for (int p = 0; p < config.size; ++p) hb.peer_addresses.push_back(transport_->PeerAddress(p));
       Transport* t = transport_.get();
       heartbeat_ = std::make_unique<HeartbeatMonitor>(

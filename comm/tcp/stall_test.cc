@@ -68,6 +68,43 @@ TEST(Stall, AStoppedRankIsNamedWithinSecondsNotAtTheOperationTimeout) {
   EXPECT_FALSE(statuses[2].ok());  // stopped, then killed by the runner
 }
 
+// Without algo.stall_timeout_ms the stall timeout is half a short operation timeout, so stopped
+// ranks are named by the heartbeats before any rank's operation timeout fires. (With both at
+// 10 s, a live rank waiting on a ring for its live neighbour could time out first, blame that
+// neighbour, and abort the others before they noticed the stopped ranks: the multihost freeze
+// case failed that way about one run in three.) Ranks 2 and 3 stop; on the ring all-reduce rank
+// 0 waits for rank 3 and rank 1 for rank 0.
+TEST(Stall, StoppedRanksAreNamedBeforeAShortOperationTimeout) {
+  const std::vector<absl::Status> statuses = testing::RunProcesses(
+      4,
+      [](int rank) -> absl::Status {
+        CommConfig config = testing::RankConfig(absl::Seconds(6));
+        config.options["algo.heartbeat_ms"] = "250";  // stall timeout: 3 s, not given
+        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
+                            CreateCommunicator("tcp", config));
+        std::vector<float> v(1 << 18, 1.0f);  // 1 MiB: the ring
+        const Buffer b = MakeBuffer(v.data(), v.size());
+        FS_RETURN_IF_ERROR(comm->AllReduce(b, b, ReduceOp::kSum).Wait());
+        if (rank >= 2) raise(SIGSTOP);  // never continued: the runner kills them
+        const absl::Time start = absl::Now();
+        absl::Status s = comm->AllReduce(b, b, ReduceOp::kSum).Wait();
+        const absl::Duration took = absl::Now() - start;
+        FS_RETURN_IF_ERROR(testing::Check(!s.ok(), "the all-reduce with stopped ranks succeeded"));
+        FS_RETURN_IF_ERROR(testing::Check(
+            took < absl::Seconds(5.5), absl::StrCat("failed after ", absl::FormatDuration(took),
+                                                    " (the operation timeout is 6 s)")));
+        return s;
+      },
+      absl::Seconds(20));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(statuses[r],
+                StatusIs(absl::StatusCode::kUnavailable,
+                         AllOf(HasSubstr("all_reduce #2"), HasSubstr("no sign of life"),
+                               HasSubstr("algo.stall_timeout_ms=3000"))))
+        << "rank " << r;
+  }
+}
+
 TEST(Stall, ASlowButLiveRankIsNeverMistakenForAStoppedOne) {
   testing::ExpectAllOk(testing::RunThreads(
       3,
