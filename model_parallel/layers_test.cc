@@ -25,6 +25,7 @@
 #include "model_parallel/cross_entropy.h"
 #include "model_parallel/rng.h"
 #include "testing/c10_error.h"
+#include "testing/near.h"
 
 namespace fairscale::model_parallel {
 namespace {
@@ -35,6 +36,8 @@ using comm::testing::ExpectAllOk;
 using comm::testing::RunInprocRanks;
 using fairscale::testing::CatchErrors;
 using fairscale::testing::ExpectError;
+using fairscale::testing::Near;
+using fairscale::testing::Shape;
 
 constexpr double kTol = 1e-5;
 
@@ -48,23 +51,7 @@ at::Tensor Tokens(at::IntArrayRef shape, int64_t vocab, uint64_t seed) {
   return at::randint(0, vocab, shape, gen, at::TensorOptions().dtype(at::kLong));
 }
 
-std::string Shape(const at::Tensor& t) {
-  return absl::StrCat("[", absl::StrJoin(t.sizes(), ", "), "]");
-}
 
-absl::Status Near(const at::Tensor& got, const at::Tensor& want, double tol,
-                  const std::string& what) {
-  if (!got.defined() || !want.defined()) {
-    return absl::InternalError(
-        absl::StrCat(what, ": undefined (got ", got.defined(), ", want ", want.defined(), ")"));
-  }
-  if (got.sizes() != want.sizes()) {
-    return absl::InternalError(absl::StrCat(what, ": got ", Shape(got), ", want ", Shape(want)));
-  }
-  if (got.numel() == 0) return absl::OkStatus();
-  const double diff = (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
-  return Check(diff <= tol, absl::StrCat(what, ": max |got - want| = ", diff, " > ", tol));
-}
 
 at::Tensor Slice(const at::Tensor& t, int64_t dim, int r, int n) {
   const int64_t k = t.size(dim) / n;

@@ -31,6 +31,7 @@
 #include "comm/testing/rank_runner.h"
 #include "model_parallel/layers.h"
 #include "testing/c10_error.h"
+#include "testing/near.h"
 
 namespace fairscale::model_parallel {
 namespace {
@@ -50,10 +51,6 @@ at::Tensor Data(at::IntArrayRef shape, uint64_t seed) {
   return at::randn(shape, gen, at::TensorOptions().dtype(at::kDouble)).to(at::kFloat);
 }
 
-std::string Shape(const at::Tensor& t) {
-  return absl::StrCat("[", absl::StrJoin(t.sizes(), ", "), "]");
-}
-
 // The largest difference any comparison saw (printed per test, for the README).
 struct MaxError {
   std::mutex mu;
@@ -64,23 +61,12 @@ struct MaxError {
   }
 };
 
-double MaxDiff(const at::Tensor& got, const at::Tensor& want) {
-  if (got.numel() == 0) return 0;
-  return (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
-}
-
 absl::Status Near(const at::Tensor& got, const at::Tensor& want, const std::string& what,
                   MaxError* max_error = nullptr) {
-  if (!got.defined() || !want.defined()) {
-    return absl::InternalError(
-        absl::StrCat(what, ": undefined (got ", got.defined(), ", want ", want.defined(), ")"));
-  }
-  if (got.sizes() != want.sizes()) {
-    return absl::InternalError(absl::StrCat(what, ": got ", Shape(got), ", want ", Shape(want)));
-  }
-  const double diff = MaxDiff(got, want);
+  double diff = 0;
+  absl::Status s = fairscale::testing::Near(got, want, kTol, what, &diff);
   if (max_error != nullptr) max_error->Update(diff);
-  return Check(diff <= kTol, absl::StrCat(what, ": max |got - want| = ", diff, " > ", kTol));
+  return s;
 }
 
 at::Tensor Slice(const at::Tensor& t, int64_t dim, int r, int n) {
@@ -185,7 +171,7 @@ TEST(SequenceParallel, MlpBlockEqualsDense) {
                 const std::vector<at::Tensor> params = tp->sequence_parallel_params();
                 if (n > 1) {
                   for (size_t i = 0; i < keys.size(); ++i) {
-                    const double d = MaxDiff(params[i].grad(), grad(keys[i].c_str()));
+                    const double d = fairscale::testing::MaxAbsDiff(params[i].grad(), grad(keys[i].c_str()));
                     {
                       std::lock_guard<std::mutex> lock(mu);
                       min_partial_diff = std::min(min_partial_diff, d);

@@ -30,6 +30,7 @@
 #include "moe/gate.h"
 #include "moe/moe_layer.h"
 #include "testing/c10_error.h"
+#include "testing/near.h"
 
 namespace fairscale::moe {
 namespace {
@@ -38,6 +39,7 @@ using comm::Communicator;
 using comm::testing::Check;
 using comm::testing::ExpectAllOk;
 using comm::testing::RunInprocRanks;
+using fairscale::testing::Near;
 
 constexpr int64_t kModelDim = 6;
 constexpr int64_t kLocalExperts = 2;
@@ -68,20 +70,7 @@ at::Tensor LossWeights(int rank, uint64_t seed) {
   return Randn({2, kTokens / 2, kModelDim}, seed + 200 + rank);
 }
 
-std::string Shape(const at::Tensor& t) {
-  return absl::StrCat("[", absl::StrJoin(t.sizes(), ", "), "]");
-}
 
-absl::Status Near(const at::Tensor& got, const at::Tensor& want, double tol,
-                  const std::string& what) {
-  if (!got.defined() || !want.defined()) return absl::InternalError(what + ": undefined");
-  if (got.sizes() != want.sizes()) {
-    return absl::InternalError(absl::StrCat(what, ": got ", Shape(got), ", want ", Shape(want)));
-  }
-  if (got.numel() == 0) return absl::OkStatus();
-  const double diff = (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
-  return Check(diff <= tol, absl::StrCat(what, ": max |got - want| = ", diff, " > ", tol));
-}
 
 // ---- The reference: one process, every rank's tokens, plain loops ----
 

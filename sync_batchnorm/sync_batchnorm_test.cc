@@ -40,6 +40,7 @@
 #include "comm/testing/rank_runner.h"
 #include "sync_batchnorm/sync_batchnorm.h"
 #include "testing/c10_error.h"
+#include "testing/near.h"
 
 namespace fairscale::sync_batchnorm {
 namespace {
@@ -51,6 +52,7 @@ using comm::testing::CountingCommunicator;
 using comm::testing::ExpectAllOk;
 using comm::testing::RunInprocRanks;
 using fairscale::testing::ExpectError;
+using fairscale::testing::Shape;
 
 constexpr int64_t kC = 3;
 
@@ -68,9 +70,6 @@ at::Tensor Randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dtype) {
   return at::randn(shape, gen, at::TensorOptions().dtype(at::kDouble)).to(dtype);
 }
 
-std::string Shape(const at::Tensor& t) {
-  return t.defined() ? absl::StrCat("[", absl::StrJoin(t.sizes(), ", "), "]") : "(undefined)";
-}
 
 // got == want within Tolerance(dtype) * max(1, max |want|); records the error.
 void ExpectNear(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
