@@ -112,6 +112,7 @@ class AdaScale {
   // (FairScale's set_scale). Not during an accumulation.
   void set_scale(double scale, bool update_estimate = true);
   double smoothing() const { return smoothing_; }
+  bool sharded_gradients() const { return sharded_; }
   int64_t num_gradients_to_accumulate() const { return accum_; }
   // With update_smoothing, smoothing becomes max(1 - world * n / 1000, 0).
   void set_num_gradients_to_accumulate(int64_t n, bool update_smoothing = true);
