@@ -1,6 +1,7 @@
 // AdaScale tests: the gain on hand-constructed gradients (closed form), a single-process
-// simulation of N workers (1-4, with and without accumulation, SGD and Adam), the state round
-// trip, and bad input. Ranks are threads over inproc; they share torch's global RNG, so all data
+// simulation of N workers (1-4, with and without accumulation, SGD and Adam; test_util.h) against
+// plain data parallel, oss::OSS, oss::ShardedDataParallel and hand-made sharded gradients, the
+// state round trip, and bad input (FSDP: fsdp_adapter_test.cc). Ranks are threads over inproc; they share torch's global RNG, so all data
 // comes from private generators.
 #include "adascale/adascale.h"
 
@@ -24,6 +25,7 @@
 #include "comm/torch/tensor_buffer.h"
 #include "adascale/test_util.h"
 #include "oss/oss.h"
+#include "oss/sharded_data_parallel.h"
 #include "testing/c10_error.h"
 
 namespace fairscale::adascale {
@@ -222,6 +224,93 @@ TEST(AdaScaleOssTest, MatchesSimulation) {
   for (double e : max_err) worst = std::max(worst, e);
   std::cout << "[measured] OSS kFlat, 3 workers accum 2 SGD: max |error| " << worst << "\n";
 }
+
+// oss::ShardedDataParallel reduces each gradient to its owner only. The exact route: every
+// backward under no_sync() (local gradients accumulate in .grad), accumulate_local_gradients()
+// after each, then sdp->reduce() (owners get the mean, the rest no gradient or zeros in a kFlat
+// parameter's other ranges), then step() with sharded_gradients(true).
+class PlainLinearImpl : public torch::nn::Module {
+ public:
+  PlainLinearImpl() {
+    w = register_parameter("w", testing::InitialW());
+    b = register_parameter("b", testing::InitialB());
+  }
+  at::Tensor forward(at::Tensor x) { return torch::matmul(x, w.t()) + b; }
+  at::Tensor w, b;
+};
+TORCH_MODULE(PlainLinear);
+
+struct SdpCase {
+  Kind kind;
+  int workers;
+  int accum;
+  oss::PartitionMode mode;
+};
+
+class AdaScaleSdpTest : public ::testing::TestWithParam<SdpCase> {};
+
+TEST_P(AdaScaleSdpTest, MatchesSimulation) {
+  const SdpCase c = GetParam();
+  constexpr int kSteps = 4;
+  const double smoothing = c.kind == Kind::kSgd ? 1.0 - c.workers * c.accum / 1000.0 : 0.5;
+  const std::vector<StepRecord> ref = Simulate(c.kind, c.workers, c.accum, smoothing, kSteps);
+  std::vector<double> max_err(c.workers, 0.0);
+  ExpectAllOk(RunInprocRanks(
+      c.workers, [&](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+        return CatchErrors([&]() -> absl::Status {
+          PlainLinear net;
+          const Kind kind = c.kind;
+          auto opt = std::make_shared<oss::OSS>(
+              testing::MakeGroups(kind, {{net->w}, {net->b}}),
+              [kind](std::vector<torch::optim::OptimizerParamGroup> g) {
+                return testing::MakeInner(kind, std::move(g));
+              },
+              comm, oss::OssOptions().partition(c.mode));
+          oss::ShardedDataParallel sdp(torch::nn::AnyModule(net), opt,
+                                       oss::ShardedDataParallelOptions().reduce_bucket_numel(8));
+          AdaScaleOptions options =
+              AdaScaleOptions().num_gradients_to_accumulate(c.accum).sharded_gradients(true);
+          if (kind == Kind::kAdam) options.smoothing(smoothing);
+          AdaScale ada(*opt, comm, options);
+          for (int step = 0; step < kSteps; ++step) {
+            ada.zero_grad();
+            for (int micro = 0; micro < c.accum; ++micro) {
+              auto no_sync = sdp->no_sync();
+              const testing::Batch d = testing::Data(step, rank, micro);
+              torch::mse_loss(sdp->forward(d.x), d.y).backward();
+              ada.accumulate_local_gradients();
+            }
+            sdp->reduce();
+            ada.step();
+            FS_RETURN_IF_ERROR(CompareStep(absl::StrCat("sdp rank ", rank, " step ", step),
+                                           net->w, net->b, ada, ref[step], 1e-6,
+                                           &max_err[rank]));
+          }
+          return absl::OkStatus();
+        });
+      }));
+  double worst = 0;
+  for (double e : max_err) worst = std::max(worst, e);
+  std::cout << "[measured] ShardedDataParallel "
+            << (c.mode == oss::PartitionMode::kFlat ? "kFlat" : "kGreedy") << ", " << c.workers
+            << " workers accum " << c.accum << " " << testing::KindName(c.kind)
+            << ": max |error| " << worst << "; final gain " << ref.back().gain << "\n";
+  EXPECT_GT(ref.back().gain, 1.0 + 1e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sdp, AdaScaleSdpTest,
+    ::testing::Values(SdpCase{Kind::kSgd, 2, 1, oss::PartitionMode::kGreedy},
+                      SdpCase{Kind::kAdam, 2, 2, oss::PartitionMode::kFlat},
+                      SdpCase{Kind::kSgd, 3, 1, oss::PartitionMode::kGreedy},
+                      SdpCase{Kind::kSgd, 3, 2, oss::PartitionMode::kFlat},
+                      SdpCase{Kind::kAdam, 4, 1, oss::PartitionMode::kGreedy},
+                      SdpCase{Kind::kSgd, 4, 2, oss::PartitionMode::kFlat}),
+    [](const ::testing::TestParamInfo<SdpCase>& info) {
+      return absl::StrCat(testing::KindName(info.param.kind), "N", info.param.workers, "Accum",
+                          info.param.accum,
+                          info.param.mode == oss::PartitionMode::kFlat ? "Flat" : "Greedy");
+    });
 
 // sharded_gradients: each rank keeps only its part of the averaged gradient (elements i with
 // i % N == rank, zero elsewhere: what a reduce-scatter leaves), so the total squared norm must be
