@@ -474,6 +474,15 @@ TEST(AdaScaleErrorTest, BadInput) {
         FS_RETURN_IF_ERROR(ExpectError(
             [&] { AdaScale(*opt, comm, AdaScaleOptions().num_gradients_to_accumulate(0)); },
             {"num_gradients_to_accumulate must be >= 1, got 0"}));
+        FS_RETURN_IF_ERROR(
+            ExpectError([&] { AdaScale(*opt, comm, AdaScaleOptions().gradient_replicas(2)); },
+                        {"gradient_replicas must be >= 1, divide the world size 2",
+                         "got 2 without sharded_gradients"}));
+        FS_RETURN_IF_ERROR(ExpectError(
+            [&] {
+              AdaScale(*opt, comm, AdaScaleOptions().sharded_gradients(true).gradient_replicas(3));
+            },
+            {"INVALID_ARGUMENT", "gradient_replicas must be", "got 3"}));
         AdaScale ada(*opt, comm, AdaScaleOptions().num_gradients_to_accumulate(2));
         FS_RETURN_IF_ERROR(
             ExpectError([&] { ada.step(); }, {"adascale::AdaScale::step", "FAILED_PRECONDITION",

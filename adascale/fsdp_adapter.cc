@@ -79,14 +79,13 @@ AdaScaleFsdp::AdaScaleFsdp(fsdp::FullyShardedDataParallel model, AdaScale& ada)
   const int world = model_->world_size();
   const std::vector<fsdp::FullyShardedDataParallelImpl*> units = model_->fsdp_units();
   const bool sharded = units.front()->is_sharded();
+  const int replicas = units.front()->replicate_world_size();
   for (fsdp::FullyShardedDataParallelImpl* u : units) {
     const std::string unit = absl::StrCat("unit '", u->prefix(), "'");
-    if (u->replicate_world_size() > 1) {
-      invalid(absl::StrCat(
-          unit, " uses ", fsdp::ShardingStrategyName(u->options().sharding_strategy()), " with ",
-          u->replicate_world_size(),
-          " replicas of each shard: the shards' squared norms summed over the ranks would count "
-          "each shard that many times; hybrid sharding is not supported"));
+    if (u->replicate_world_size() != replicas) {
+      invalid(absl::StrCat(unit, " has ", u->replicate_world_size(),
+                           " replicas of each shard, the root ", replicas,
+                           "; every unit must shard alike"));
     }
     if (u->options().deterministic()) {
       invalid(unit + " runs in deterministic mode, which divides the gradient sum by "
@@ -121,10 +120,25 @@ AdaScaleFsdp::AdaScaleFsdp(fsdp::FullyShardedDataParallel model, AdaScale& ada)
                     : "the model is not sharded (every rank's .grad is the whole mean gradient): "
                       "construct AdaScale with AdaScaleOptions().sharded_gradients(false)");
   }
+  if (sharded && ada.gradient_replicas() != replicas) {
+    invalid(absl::StrCat(
+        "each shard of the model is held by ", replicas, " rank(s) (",
+        fsdp::ShardingStrategyName(units.front()->options().sharding_strategy()),
+        ", replicate_world_size()), AdaScale's gradient_replicas is ", ada.gradient_replicas(),
+        ": construct AdaScale with AdaScaleOptions().gradient_replicas(", replicas,
+        ") so that the shards' squares summed over the ranks count each shard once"));
+  }
   s.MapGroups();
   std::shared_ptr<State> state = state_;
   model_->register_local_grad_hook(
       [state](const std::vector<fsdp::LocalGradSqr>& report) { state->OnBackward(report); });
+}
+
+AdaScaleOptions AdaScaleFsdp::options_for(const fsdp::FullyShardedDataParallel& model,
+                                          AdaScaleOptions options) {
+  const bool sharded = model->is_sharded();
+  return options.sharded_gradients(sharded).gradient_replicas(
+      sharded ? model->replicate_world_size() : 1);
 }
 
 AdaScaleFsdp::~AdaScaleFsdp() {

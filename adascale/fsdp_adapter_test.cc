@@ -111,13 +111,13 @@ TEST_P(AdaScaleFsdpTest, MatchesSingleProcessSimulation) {
   ExpectAllOk(RunInprocRanks(
       c.world, [&](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
         return CatchErrors([&]() -> absl::Status {
-          const auto opts =
+          auto opts =
               fsdp::FsdpOptions().sharding_strategy(c.strategy).flatten_parameters(c.flatten);
+          if (fsdp::IsHybrid(c.strategy)) opts.hybrid_shard_group_size(2);
           Wrapped w = Wrap(comm, opts, c.nested);
           auto opt = testing::MakeInner(c.kind, testing::MakeGroups(c.kind, w.groups));
-          AdaScaleOptions options = AdaScaleOptions()
-                                        .num_gradients_to_accumulate(c.accum)
-                                        .sharded_gradients(w.model->is_sharded());
+          AdaScaleOptions options = AdaScaleFsdp::options_for(
+              w.model, AdaScaleOptions().num_gradients_to_accumulate(c.accum));
           if (c.kind == Kind::kAdam) options.smoothing(smoothing);
           AdaScale ada(*opt, comm, options);
           AdaScaleFsdp adapter(w.model, ada);
@@ -173,7 +173,11 @@ INSTANTIATE_TEST_SUITE_P(
                       FsdpCase{Kind::kAdam, 3, 2, false, true},
                       FsdpCase{Kind::kAdam, 4, 1, true, false},
                       FsdpCase{Kind::kAdam, 4, 2, false, true, ShardingStrategy::kNoShard},
-                      FsdpCase{Kind::kAdam, 3, 2, true, true, ShardingStrategy::kShardGradOp}),
+                      FsdpCase{Kind::kAdam, 3, 2, true, true, ShardingStrategy::kShardGradOp},
+                      FsdpCase{Kind::kSgd, 4, 1, true, true, ShardingStrategy::kHybridShard},
+                      FsdpCase{Kind::kSgd, 4, 2, false, true, ShardingStrategy::kHybridShard},
+                      FsdpCase{Kind::kAdam, 4, 2, true, false,
+                               ShardingStrategy::kHybridShardZero2}),
     [](const ::testing::TestParamInfo<FsdpCase>& info) {
       const FsdpCase& c = info.param;
       std::string strategy = fsdp::ShardingStrategyName(c.strategy);
@@ -229,7 +233,8 @@ TEST(AdaScaleFsdpErrorTest, RefusesWhatItCannotMeasureExactly) {
                            {who, "gradient_predivide_factor * gradient_postdivide_factor = 1",
                             "not the world size 2"});
       }));
-  // HYBRID_SHARD: 2 shard groups of 2 ranks.
+  // HYBRID_SHARD, 2 shard groups of 2 ranks, without gradient_replicas(2): each shard's square
+  // would be counted twice.
   ExpectAllOk(RunInprocRanks(
       4, [&](int, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
         const auto opts = fsdp::FsdpOptions()
@@ -238,9 +243,11 @@ TEST(AdaScaleFsdpErrorTest, RefusesWhatItCannotMeasureExactly) {
         Wrapped w = Wrap(comm, opts, /*nested=*/false);
         auto opt = testing::MakeInner(Kind::kSgd, testing::MakeGroups(Kind::kSgd, w.groups));
         AdaScale ada(*opt, comm, AdaScaleOptions().sharded_gradients(true));
-        return ExpectError([&] { AdaScaleFsdp(w.model, ada); },
-                           {"INVALID_ARGUMENT", "HYBRID_SHARD with 2 replicas of each shard",
-                            "hybrid sharding is not supported"});
+        FS_RETURN_IF_ERROR(ExpectError([&] { AdaScaleFsdp(w.model, ada); },
+                                       {"INVALID_ARGUMENT", "held by 2 rank(s) (HYBRID_SHARD",
+                                        "gradient_replicas(2)"}));
+        AdaScale bad(*opt, comm, AdaScaleOptions().sharded_gradients(true).gradient_replicas(2));
+        return Check(bad.gradient_replicas() == 2, "gradient_replicas");
       }));
 }
 
