@@ -3,8 +3,9 @@
 // gradient, before any reduction. Checked against a plain Net's autograd gradients of the same
 // rank's rows (f64 sums of squares, 1e-9 relative), for the flat and the per-parameter layout,
 // sharded and unsharded (kNoShard accumulates through views of the shard's .grad), nested
-// units, world sizes 1-3, and two backward passes under no_sync() (each reports its own
-// gradient, not the accumulated one); plus the misuse errors.
+// units, CPU offload (its offloaded path, forced on the CPU), world sizes 1-3, and two backward
+// passes under no_sync() then one more without zero_grad (each reports its own gradient, not
+// the accumulated one); plus the misuse errors.
 #include <torch/nn/module.h>
 
 #include <cmath>
@@ -18,6 +19,7 @@
 #include "comm/testing/inproc_ranks.h"
 #include "comm/testing/rank_runner.h"
 #include "fsdp/fully_sharded_data_parallel.h"
+#include "fsdp/internal/flat_param.h"
 #include "fsdp/test_util.h"
 #include "gtest/gtest.h"
 #include "testing/c10_error.h"
@@ -82,20 +84,38 @@ struct HookCase {
   ShardingStrategy strategy;
   bool flatten;
   bool nested;
+  bool offload = false;  // move_params_to_cpu on its offloaded path (the CPU test hook)
+};
+
+// Makes move_params_to_cpu take its offloaded path while alive (read at construction).
+class ForceOffloadPath {
+ public:
+  explicit ForceOffloadPath(bool on) : on_(on) {
+    if (on_) internal::SetOffloadOnCpuForTesting(true);
+  }
+  ~ForceOffloadPath() {
+    if (on_) internal::SetOffloadOnCpuForTesting(false);
+  }
+
+ private:
+  bool on_;
 };
 
 class LocalGradHookTest : public ::testing::TestWithParam<HookCase> {};
 
 TEST_P(LocalGradHookTest, ReportsEachBackwardsLocalGradient) {
   const HookCase c = GetParam();
+  ForceOffloadPath offload(c.offload);
   for (int world = 1; world <= 3; ++world) {
     comm::testing::ExpectAllOk(
         comm::testing::RunInprocRanks(
             world,
             [&](int rank, int w, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
              return fairscale::testing::CatchErrors([&]() -> absl::Status {
-              const auto opts =
-                  FsdpOptions().sharding_strategy(c.strategy).flatten_parameters(c.flatten);
+              const auto opts = FsdpOptions()
+                                    .sharding_strategy(c.strategy)
+                                    .flatten_parameters(c.flatten)
+                                    .move_params_to_cpu(c.offload);
               FullyShardedDataParallel model(testing::NestedNet(c.nested ? comm : nullptr, opts),
                                              comm, opts);
               std::vector<std::vector<LocalGradSqr>> reports;
@@ -135,11 +155,13 @@ INSTANTIATE_TEST_SUITE_P(
                       HookCase{ShardingStrategy::kFullShard, false, true},
                       HookCase{ShardingStrategy::kShardGradOp, true, false},
                       HookCase{ShardingStrategy::kNoShard, true, true},
-                      HookCase{ShardingStrategy::kNoShard, false, false}),
+                      HookCase{ShardingStrategy::kNoShard, false, false},
+                      HookCase{ShardingStrategy::kFullShard, true, true, true},
+                      HookCase{ShardingStrategy::kNoShard, true, false, true}),
     [](const ::testing::TestParamInfo<HookCase>& info) {
       return absl::StrCat(ShardingStrategyName(info.param.strategy),
                           info.param.flatten ? "_Flat" : "_PerParam",
-                          info.param.nested ? "_Nested" : "");
+                          info.param.nested ? "_Nested" : "", info.param.offload ? "_Offload" : "");
     });
 
 TEST(LocalGradHookErrorTest, Misuse) {
