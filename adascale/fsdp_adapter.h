@@ -28,7 +28,7 @@
 // Supported: every sharding strategy (all units of the model alike; HYBRID_SHARD's replicated
 // shards are counted once through gradient_replicas), the flat and the per-parameter layout,
 // nested units, CPU offload, mixed precision (the local norms are those of the low-precision
-// gradients). Refused with INVALID_ARGUMENT at construction: deterministic mode (it divides by
+// gradients; not covered by the tests). Refused with INVALID_ARGUMENT at construction: deterministic mode (it divides by
 // the micro-batch count, not the world size), divide factors that do not make the mean over the
 // ranks, units that shard differently, sharded_gradients / gradient_replicas settings that do
 // not match the model (use options_for), a param group holding a tensor the model does not
