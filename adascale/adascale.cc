@@ -26,6 +26,7 @@ AdaScale::AdaScale(torch::optim::Optimizer& inner, std::shared_ptr<comm::Communi
     : inner_(inner),
       comm_(std::move(comm)),
       sharded_(options.sharded_gradients()),
+      replicas_(options.gradient_replicas()),
       debias_(options.debias_ewma()) {
   if (comm_ == nullptr) {
     base::ThrowIfError(absl::InvalidArgumentError("communicator is null"), "adascale::AdaScale");
@@ -41,6 +42,14 @@ AdaScale::AdaScale(torch::optim::Optimizer& inner, std::shared_ptr<comm::Communi
         absl::InvalidArgumentError("a single worker without gradient accumulation has no "
                                    "gradient variance: use world size * "
                                    "num_gradients_to_accumulate >= 2"),
+        label("AdaScale"));
+  }
+  if (replicas_ < 1 || comm_->size() % replicas_ != 0 || (replicas_ > 1 && !sharded_)) {
+    base::ThrowIfError(
+        absl::InvalidArgumentError(absl::StrCat(
+            "gradient_replicas must be >= 1, divide the world size ", comm_->size(),
+            " and come with sharded_gradients(true); got ", replicas_,
+            sharded_ ? "" : " without sharded_gradients")),
         label("AdaScale"));
   }
   scale_ = options.scale().value_or(static_cast<double>(comm_->size() * accum_));
@@ -219,7 +228,7 @@ at::Tensor AdaScale::step(torch::optim::Optimizer::LossClosure closure) {
   const bool running_mean = static_cast<double>(ewma_count_) < 1.0 / (1.0 - f);
   for (int64_t g = 0; g < ng; ++g) {
     const double local = s[g];
-    const double tot = t[g] / c2;
+    const double tot = sharded_ ? t[g] / static_cast<double>(replicas_) / c2 : t[g] / c2;
     double var = local * (scale_ / n) / (n - 1.0) - tot * scale_ / (n - 1.0);
     double sqr = tot - var / scale_;
     var = std::max(var, kMinVar);

@@ -33,10 +33,12 @@
 //
 // Sharded gradients (FSDP after its reduce-scatter, OSS with ShardedDataParallel): with
 // AdaScaleOptions::sharded_gradients, each rank's .grad holds a disjoint part of the averaged
-// gradient; its squared norm is summed over the ranks in the same all-reduce (exact in f64).
-// The local squares must then come from the gradients before the reduction:
-// accumulate_local_grad_sqr(per_group) takes them from the caller (see README.md: FSDP keeps its
-// unsharded local gradients internal, so no adapter exists yet).
+// gradient; its squared norm is summed over the ranks in the same all-reduce (exact in f64;
+// divided by gradient_replicas when each shard is held by several ranks, HYBRID_SHARD).
+// The local squares must then come from the gradients before the reduction: for FSDP,
+// AdaScaleFsdp (fsdp_adapter.h, //adascale:fsdp) feeds them from FSDP's local gradient hook
+// through accumulate_local_grad_sqr(per_group); for ShardedDataParallel, run every backward
+// under no_sync() with accumulate_local_gradients() after each, then reduce() (README.md).
 //
 // Every rank must call step(), average_gradients() and the constructor together (collectives).
 // Errors raise c10::Error through //base:torch_error: "adascale::AdaScale::step rank 1/4: ...".
@@ -65,6 +67,10 @@ struct AdaScaleOptions {
   TORCH_ARG(int64_t, num_gradients_to_accumulate) = 1;
   // Each rank's .grad is a disjoint shard of the averaged gradient (see above).
   TORCH_ARG(bool, sharded_gradients) = false;
+  // With sharded_gradients: how many ranks hold each shard (FSDP's HYBRID_SHARD: the replicate
+  // group size), so that the squares summed over the ranks are divided by it. >= 1, and it must
+  // divide the world size.
+  TORCH_ARG(int64_t, gradient_replicas) = 1;
   // FairScale's debias_ewma: true, the debiased EWMA above; false, the paper's appendix B.3
   // (the plain mean of the first 1 / (1 - smoothing) steps' values, then the EWMA).
   TORCH_ARG(bool, debias_ewma) = true;
@@ -112,6 +118,8 @@ class AdaScale {
   // (FairScale's set_scale). Not during an accumulation.
   void set_scale(double scale, bool update_estimate = true);
   double smoothing() const { return smoothing_; }
+  bool sharded_gradients() const { return sharded_; }
+  int64_t gradient_replicas() const { return replicas_; }
   int64_t num_gradients_to_accumulate() const { return accum_; }
   // With update_smoothing, smoothing becomes max(1 - world * n / 1000, 0).
   void set_num_gradients_to_accumulate(int64_t n, bool update_smoothing = true);
@@ -135,6 +143,7 @@ class AdaScale {
   torch::optim::Optimizer& inner_;
   std::shared_ptr<comm::Communicator> comm_;
   bool sharded_;
+  int64_t replicas_;
   double scale_;
   double smoothing_;
   int64_t accum_;

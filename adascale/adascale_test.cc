@@ -1,10 +1,10 @@
 // AdaScale tests: the gain on hand-constructed gradients (closed form), a single-process
-// simulation of N workers (1-4, with and without accumulation, SGD and Adam), the state round
-// trip, and bad input. Ranks are threads over inproc; they share torch's global RNG, so all data
+// simulation of N workers (1-4, with and without accumulation, SGD and Adam; test_util.h) against
+// plain data parallel, oss::OSS, oss::ShardedDataParallel and hand-made sharded gradients, the
+// state round trip, and bad input (FSDP: fsdp_adapter_test.cc). Ranks are threads over inproc; they share torch's global RNG, so all data
 // comes from private generators.
 #include "adascale/adascale.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -23,7 +23,9 @@
 #include "comm/testing/inproc_ranks.h"
 #include "comm/testing/rank_runner.h"
 #include "comm/torch/tensor_buffer.h"
+#include "adascale/test_util.h"
 #include "oss/oss.h"
+#include "oss/sharded_data_parallel.h"
 #include "testing/c10_error.h"
 
 namespace fairscale::adascale {
@@ -34,6 +36,12 @@ using comm::testing::ExpectAllOk;
 using comm::testing::RunInprocRanks;
 using fairscale::testing::CatchErrors;
 using fairscale::testing::ExpectError;
+using testing::CompareStep;
+using testing::Kind;
+using testing::MakeOptimizer;
+using testing::Model;
+using testing::Simulate;
+using testing::StepRecord;
 
 // ---- (1) the gain on a hand-constructed case ---------------------------------------------------
 
@@ -104,140 +112,6 @@ TEST(AdaScaleGainTest, PureNoiseGivesScale) {
 
 // ---- (2) a single-process simulation of N workers ----------------------------------------------
 
-enum class Kind { kSgd, kAdam };
-
-at::Tensor Randn(std::vector<int64_t> shape, uint64_t seed) {
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen, torch::kFloat32);
-}
-
-// A linear model y = x W^T + b (two param groups: W and b, different lrs).
-struct Model {
-  at::Tensor w, b;
-  Model() {
-    w = Randn({3, 4}, 7).requires_grad_();
-    b = Randn({3}, 8).requires_grad_();
-  }
-  at::Tensor loss(int step, int worker, int micro) const {
-    const uint64_t seed = 1000 + 100 * step + 10 * worker + micro;
-    at::Tensor x = Randn({5, 4}, seed);
-    at::Tensor y = Randn({5, 3}, seed + 50000) + 0.5;
-    return torch::mse_loss(torch::matmul(x, w.t()) + b, y);
-  }
-};
-
-std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(Kind kind, Model& m) {
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  if (kind == Kind::kSgd) {
-    // A group's options replace the defaults entirely: momentum is set on each.
-    groups.emplace_back(
-        std::vector<at::Tensor>{m.w},
-        std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.05).momentum(0.9)));
-    groups.emplace_back(
-        std::vector<at::Tensor>{m.b},
-        std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).momentum(0.9)));
-    return std::make_unique<torch::optim::SGD>(groups,
-                                               torch::optim::SGDOptions(0.05).momentum(0.9));
-  }
-  groups.emplace_back(std::vector<at::Tensor>{m.w},
-                      std::make_unique<torch::optim::AdamOptions>(0.01));
-  groups.emplace_back(std::vector<at::Tensor>{m.b},
-                      std::make_unique<torch::optim::AdamOptions>(0.02));
-  return std::make_unique<torch::optim::Adam>(groups, torch::optim::AdamOptions(0.01));
-}
-
-struct StepRecord {
-  at::Tensor w, b;
-  double gain0 = 0, gain1 = 0, gain = 0, progress = 0;
-};
-
-// The formulas, written out for the reference (f64 on the per-worker gradients).
-std::vector<StepRecord> Simulate(Kind kind, int workers, int accum, double smoothing, int steps,
-                                 bool debias = true) {
-  Model m;
-  auto opt = MakeOptimizer(kind, m);
-  const double n = workers * accum;
-  const double scale = n;
-  double sqr_b[2] = {0, 0}, var_b[2] = {0, 0}, unbias[2] = {0, 0};
-  double sqr_avg[2] = {1, 1}, var_avg[2] = {0, 0}, sqr_tot[2] = {0, 0}, var_tot[2] = {0, 0};
-  double progress = 0;
-  std::vector<StepRecord> out;
-  for (int step = 0; step < steps; ++step) {
-    double local[2] = {0, 0};
-    at::Tensor sum_w = torch::zeros_like(m.w), sum_b = torch::zeros_like(m.b);
-    for (int worker = 0; worker < workers; ++worker) {
-      at::Tensor acc_w, acc_b;
-      for (int micro = 0; micro < accum; ++micro) {
-        auto grads = torch::autograd::grad({m.loss(step, worker, micro)}, {m.w, m.b});
-        local[0] += grads[0].to(torch::kFloat64).pow(2).sum().item<double>();
-        local[1] += grads[1].to(torch::kFloat64).pow(2).sum().item<double>();
-        acc_w = micro == 0 ? grads[0] : acc_w + grads[0];
-        acc_b = micro == 0 ? grads[1] : acc_b + grads[1];
-      }
-      sum_w += acc_w;
-      sum_b += acc_b;
-    }
-    at::Tensor avg[2] = {sum_w / workers, sum_b / workers};
-    double gains[2];
-    double var_sum = 0, sqr_sum = 0;
-    for (int g = 0; g < 2; ++g) {
-      const double total =
-          avg[g].to(torch::kFloat64).pow(2).sum().item<double>() / (double(accum) * accum);
-      double var = local[g] * (scale / n) / (n - 1) - total * scale / (n - 1);
-      double sqr = total - var / scale;
-      var = std::max(var, 1e-6);
-      sqr = std::max(sqr, 0.0);
-      if (debias) {
-        sqr_b[g] = smoothing * sqr_b[g] + (1 - smoothing) * sqr;
-        var_b[g] = smoothing * var_b[g] + (1 - smoothing) * var;
-        unbias[g] = smoothing * unbias[g] + (1 - smoothing);
-        sqr_avg[g] = sqr_b[g] / unbias[g];
-        var_avg[g] = var_b[g] / unbias[g];
-      } else if (step + 1 < 1 / (1 - smoothing)) {  // appendix B.3: the mean of the first steps
-        sqr_tot[g] += sqr;
-        var_tot[g] += var;
-        sqr_avg[g] = sqr_tot[g] / (step + 1);
-        var_avg[g] = var_tot[g] / (step + 1);
-      } else {
-        sqr_avg[g] = smoothing * sqr_avg[g] + (1 - smoothing) * sqr;
-        var_avg[g] = smoothing * var_avg[g] + (1 - smoothing) * var;
-      }
-      const double s = sqr_avg[g], v = var_avg[g];
-      gains[g] = (v + s) / (v / scale + s);
-      var_sum += v;
-      sqr_sum += s;
-    }
-    const double gain = (var_sum + sqr_sum) / (var_sum / scale + sqr_sum);
-    m.w.mutable_grad() = avg[0];
-    m.b.mutable_grad() = avg[1];
-    double lrs[2];
-    for (int g = 0; g < 2; ++g) {
-      auto& o = opt->param_groups()[g].options();
-      lrs[g] = o.get_lr();
-      o.set_lr(lrs[g] * gains[g]);
-    }
-    opt->step();
-    for (int g = 0; g < 2; ++g) opt->param_groups()[g].options().set_lr(lrs[g]);
-    progress += gain;
-    out.push_back({m.w.detach().clone(), m.b.detach().clone(), gains[0], gains[1], gain, progress});
-  }
-  return out;
-}
-
-absl::Status CompareStep(const std::string& what, const Model& m, const AdaScale& ada,
-                         const StepRecord& want, double tol, double* max_err) {
-  const double ew = (m.w.detach() - want.w).abs().max().item<double>();
-  const double eb = (m.b.detach() - want.b).abs().max().item<double>();
-  const double eg =
-      std::max({std::abs(ada.gain(0) - want.gain0), std::abs(ada.gain(1) - want.gain1),
-                std::abs(ada.gain() - want.gain)});
-  const double ep = std::abs(ada.progress() - want.progress);
-  *max_err = std::max({*max_err, ew, eb, eg, ep});
-  return Check(ew <= tol && eb <= tol && eg <= tol && ep <= tol,
-               absl::StrCat(what, ": |dW| ", ew, " |db| ", eb, " |dgain| ", eg, " |dprogress| ", ep,
-                            " (gain ", ada.gain(), " want ", want.gain, ")"));
-}
-
 // One rank's training: each of its micro-batches' backward, accumulate, average, step.
 void TrainSteps(Model& m, AdaScale& ada, int rank, int first, int last) {
   for (int step = first; step < last; ++step) {
@@ -286,7 +160,7 @@ TEST_P(AdaScaleSimulationTest, MatchesSingleProcessSimulation) {
           }
           for (int step = 0; step < kSteps; ++step) {
             TrainSteps(m, ada, rank, step, step + 1);
-            FS_RETURN_IF_ERROR(CompareStep(absl::StrCat("rank ", rank, " step ", step), m, ada,
+            FS_RETURN_IF_ERROR(CompareStep(absl::StrCat("rank ", rank, " step ", step), m.w, m.b, ada,
                                            ref[step], 1e-6, &max_err[rank]));
           }
           return absl::OkStatus();
@@ -331,25 +205,17 @@ TEST(AdaScaleOssTest, MatchesSimulation) {
       kWorkers, [&](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
         return CatchErrors([&]() -> absl::Status {
           Model m;
-          std::vector<torch::optim::OptimizerParamGroup> groups;
-          groups.emplace_back(std::vector<at::Tensor>{m.w},
-                              std::make_unique<torch::optim::SGDOptions>(
-                                  torch::optim::SGDOptions(0.05).momentum(0.9)));
-          groups.emplace_back(std::vector<at::Tensor>{m.b},
-                              std::make_unique<torch::optim::SGDOptions>(
-                                  torch::optim::SGDOptions(0.1).momentum(0.9)));
           oss::OSS opt(
-              std::move(groups),
+              testing::MakeGroups(Kind::kSgd, {{m.w}, {m.b}}),
               [](std::vector<torch::optim::OptimizerParamGroup> g) {
-                return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<torch::optim::SGD>(
-                    std::move(g), torch::optim::SGDOptions(0.05).momentum(0.9)));
+                return testing::MakeInner(Kind::kSgd, std::move(g));
               },
               comm, oss::OssOptions().partition(oss::PartitionMode::kFlat));
           AdaScale ada(opt, comm,
                        AdaScaleOptions().num_gradients_to_accumulate(kAccum).smoothing(smoothing));
           for (int step = 0; step < kSteps; ++step) {
             TrainSteps(m, ada, rank, step, step + 1);
-            FS_RETURN_IF_ERROR(CompareStep(absl::StrCat("oss rank ", rank, " step ", step), m, ada,
+            FS_RETURN_IF_ERROR(CompareStep(absl::StrCat("oss rank ", rank, " step ", step), m.w, m.b, ada,
                                            ref[step], 1e-6, &max_err[rank]));
           }
           return absl::OkStatus();
@@ -358,6 +224,93 @@ TEST(AdaScaleOssTest, MatchesSimulation) {
   for (double e : max_err) worst = std::max(worst, e);
   std::cout << "[measured] OSS kFlat, 3 workers accum 2 SGD: max |error| " << worst << "\n";
 }
+
+// oss::ShardedDataParallel reduces each gradient to its owner only. The exact route: every
+// backward under no_sync() (local gradients accumulate in .grad), accumulate_local_gradients()
+// after each, then sdp->reduce() (owners get the mean, the rest no gradient or zeros in a kFlat
+// parameter's other ranges), then step() with sharded_gradients(true).
+class PlainLinearImpl : public torch::nn::Module {
+ public:
+  PlainLinearImpl() {
+    w = register_parameter("w", testing::InitialW());
+    b = register_parameter("b", testing::InitialB());
+  }
+  at::Tensor forward(at::Tensor x) { return torch::matmul(x, w.t()) + b; }
+  at::Tensor w, b;
+};
+TORCH_MODULE(PlainLinear);
+
+struct SdpCase {
+  Kind kind;
+  int workers;
+  int accum;
+  oss::PartitionMode mode;
+};
+
+class AdaScaleSdpTest : public ::testing::TestWithParam<SdpCase> {};
+
+TEST_P(AdaScaleSdpTest, MatchesSimulation) {
+  const SdpCase c = GetParam();
+  constexpr int kSteps = 4;
+  const double smoothing = c.kind == Kind::kSgd ? 1.0 - c.workers * c.accum / 1000.0 : 0.5;
+  const std::vector<StepRecord> ref = Simulate(c.kind, c.workers, c.accum, smoothing, kSteps);
+  std::vector<double> max_err(c.workers, 0.0);
+  ExpectAllOk(RunInprocRanks(
+      c.workers, [&](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+        return CatchErrors([&]() -> absl::Status {
+          PlainLinear net;
+          const Kind kind = c.kind;
+          auto opt = std::make_shared<oss::OSS>(
+              testing::MakeGroups(kind, {{net->w}, {net->b}}),
+              [kind](std::vector<torch::optim::OptimizerParamGroup> g) {
+                return testing::MakeInner(kind, std::move(g));
+              },
+              comm, oss::OssOptions().partition(c.mode));
+          oss::ShardedDataParallel sdp(torch::nn::AnyModule(net), opt,
+                                       oss::ShardedDataParallelOptions().reduce_bucket_numel(8));
+          AdaScaleOptions options =
+              AdaScaleOptions().num_gradients_to_accumulate(c.accum).sharded_gradients(true);
+          if (kind == Kind::kAdam) options.smoothing(smoothing);
+          AdaScale ada(*opt, comm, options);
+          for (int step = 0; step < kSteps; ++step) {
+            ada.zero_grad();
+            for (int micro = 0; micro < c.accum; ++micro) {
+              auto no_sync = sdp->no_sync();
+              const testing::Batch d = testing::Data(step, rank, micro);
+              torch::mse_loss(sdp->forward(d.x), d.y).backward();
+              ada.accumulate_local_gradients();
+            }
+            sdp->reduce();
+            ada.step();
+            FS_RETURN_IF_ERROR(CompareStep(absl::StrCat("sdp rank ", rank, " step ", step),
+                                           net->w, net->b, ada, ref[step], 1e-6,
+                                           &max_err[rank]));
+          }
+          return absl::OkStatus();
+        });
+      }));
+  double worst = 0;
+  for (double e : max_err) worst = std::max(worst, e);
+  std::cout << "[measured] ShardedDataParallel "
+            << (c.mode == oss::PartitionMode::kFlat ? "kFlat" : "kGreedy") << ", " << c.workers
+            << " workers accum " << c.accum << " " << testing::KindName(c.kind)
+            << ": max |error| " << worst << "; final gain " << ref.back().gain << "\n";
+  EXPECT_GT(ref.back().gain, 1.0 + 1e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sdp, AdaScaleSdpTest,
+    ::testing::Values(SdpCase{Kind::kSgd, 2, 1, oss::PartitionMode::kGreedy},
+                      SdpCase{Kind::kAdam, 2, 2, oss::PartitionMode::kFlat},
+                      SdpCase{Kind::kSgd, 3, 1, oss::PartitionMode::kGreedy},
+                      SdpCase{Kind::kSgd, 3, 2, oss::PartitionMode::kFlat},
+                      SdpCase{Kind::kAdam, 4, 1, oss::PartitionMode::kGreedy},
+                      SdpCase{Kind::kSgd, 4, 2, oss::PartitionMode::kFlat}),
+    [](const ::testing::TestParamInfo<SdpCase>& info) {
+      return absl::StrCat(testing::KindName(info.param.kind), "N", info.param.workers, "Accum",
+                          info.param.accum,
+                          info.param.mode == oss::PartitionMode::kFlat ? "Flat" : "Greedy");
+    });
 
 // sharded_gradients: each rank keeps only its part of the averaged gradient (elements i with
 // i % N == rank, zero elsewhere: what a reduce-scatter leaves), so the total squared norm must be
@@ -412,8 +365,8 @@ TEST(AdaScaleShardedTest, MatchesSimulation) {
               p->copy_(before[i] + update);
               ++i;
             }
-            FS_RETURN_IF_ERROR(CompareStep(absl::StrCat("sharded rank ", rank, " step ", step), m,
-                                           ada, ref[step], 1e-6, &max_err[rank]));
+            FS_RETURN_IF_ERROR(CompareStep(absl::StrCat("sharded rank ", rank, " step ", step), m.w,
+                                           m.b, ada, ref[step], 1e-6, &max_err[rank]));
           }
           return absl::OkStatus();
         });
@@ -521,6 +474,15 @@ TEST(AdaScaleErrorTest, BadInput) {
         FS_RETURN_IF_ERROR(ExpectError(
             [&] { AdaScale(*opt, comm, AdaScaleOptions().num_gradients_to_accumulate(0)); },
             {"num_gradients_to_accumulate must be >= 1, got 0"}));
+        FS_RETURN_IF_ERROR(
+            ExpectError([&] { AdaScale(*opt, comm, AdaScaleOptions().gradient_replicas(2)); },
+                        {"gradient_replicas must be >= 1, divide the world size 2",
+                         "got 2 without sharded_gradients"}));
+        FS_RETURN_IF_ERROR(ExpectError(
+            [&] {
+              AdaScale(*opt, comm, AdaScaleOptions().sharded_gradients(true).gradient_replicas(3));
+            },
+            {"INVALID_ARGUMENT", "gradient_replicas must be", "got 3"}));
         AdaScale ada(*opt, comm, AdaScaleOptions().num_gradients_to_accumulate(2));
         FS_RETURN_IF_ERROR(
             ExpectError([&] { ada.step(); }, {"adascale::AdaScale::step", "FAILED_PRECONDITION",

@@ -307,6 +307,24 @@ void FullyShardedDataParallelImpl::check_root_idle(const char* what) {
               ": ", what, " inside forward or backward");
 }
 
+void FullyShardedDataParallelImpl::register_local_grad_hook(LocalGradHook hook) {
+  check_root_idle("register_local_grad_hook");
+  TORCH_CHECK(hook, label(), ": register_local_grad_hook: the hook is empty");
+  TORCH_CHECK(!unit_->local_grad_hook, label(),
+              ": register_local_grad_hook: a local gradient hook is registered already (one "
+              "per root); remove_local_grad_hook() first");
+  unit_->local_grad_hook = std::move(hook);
+}
+
+void FullyShardedDataParallelImpl::remove_local_grad_hook() {
+  check_root_idle("remove_local_grad_hook");
+  unit_->local_grad_hook = nullptr;
+}
+
+bool FullyShardedDataParallelImpl::has_local_grad_hook() const {
+  return static_cast<bool>(unit_->local_grad_hook);
+}
+
 std::vector<FullyShardedDataParallelImpl*> FullyShardedDataParallelImpl::root_units() {
   const internal::Coordinator& c = internal::Coordinator::RootOf(*unit_);
   TORCH_CHECK(is_root(), label(), ": the state dicts are taken from the root unit");

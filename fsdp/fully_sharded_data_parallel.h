@@ -60,6 +60,7 @@
 #include "comm/communicator.h"
 #include "fsdp/fsdp_options.h"
 #include "fsdp/flat_param_info.h"
+#include "fsdp/local_grad_hook.h"
 
 namespace fairscale::fsdp {
 
@@ -210,6 +211,18 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // FsdpOptions::ignored_modules' gradients are neither counted nor scaled: combine your own
   // norm of them with the returned one.
   at::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0);
+
+  // Observes each rank's own gradients before any reduction (see local_grad_hook.h): at the end
+  // of every backward pass (also under no_sync()) `hook` gets this rank's squared L2 norm of
+  // that backward's unsharded gradient of every trainable tensor the optimizer steps (flat
+  // shards, or per-parameter the parameters), in f64. For statistics a reduce-scatter would
+  // hide (AdaScale's gradient variance: //adascale:fsdp). Costs one f64 sum of squares per
+  // parameter gradient per backward while registered. One hook per root: registering a second
+  // raises (remove the first); nested units cannot have one. Root only, outside
+  // forward/backward; no communication.
+  void register_local_grad_hook(LocalGradHook hook);
+  void remove_local_grad_hook();
+  bool has_local_grad_hook() const;
 
   // Makes the full parameters of this unit and its nested units available in module() while
   // the returned guard lives (e.g. for evaluation, inspection or initialization after wrapping).

@@ -12,14 +12,20 @@
 
 namespace fairscale::fsdp::internal {
 
-// Runs after a parameter's AccumulateGrad node: hands the gradient to its unit.
+// Runs after a parameter's AccumulateGrad node: hands the gradient to its unit. `inputs` is the
+// gradient of this backward that AccumulateGrad received (the engine passes a post hook the
+// node's inputs), whatever .grad holds now.
 class PostBackwardHook : public torch::autograd::FunctionPostHook {
  public:
   PostBackwardHook(std::weak_ptr<Unit> unit, size_t flat, size_t slot)
       : unit_(std::move(unit)), flat_(flat), slot_(slot) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    if (auto unit = unit_.lock()) Coordinator::Of(*unit).OnParamGrad(*unit, flat_, slot_);
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& inputs) override {
+    if (auto unit = unit_.lock()) {
+      Coordinator::Of(*unit).OnParamGrad(*unit, flat_, slot_,
+                                         inputs.empty() ? at::Tensor() : inputs[0]);
+    }
     return outputs;
   }
 
@@ -69,6 +75,9 @@ void Coordinator::MakeRoot(Unit& root) {
                 ") micro_batches(", unit.options().micro_batches(), ") but its root has deterministic(",
                 root.options().deterministic() ? "true" : "false", ") micro_batches(",
                 root.options().micro_batches(), "); every unit of a model must use the same mode");
+    TORCH_CHECK(&unit == &root || !unit.local_grad_hook, unit.label(),
+                ": has a local gradient hook but becomes part of the root ", root.label(),
+                ", whose backward it joins; register the hook on that root instead");
     unit.JoinRoot(c, c->gathers_);
     unit.set_prefix(prefix);
     unit.progress.forward_index = unit.progress.backward_index = -1;
@@ -172,9 +181,10 @@ void Coordinator::PreBackward(Unit& unit) {
   unit.SetParamViews(true);
 }
 
-void Coordinator::OnParamGrad(Unit& unit, size_t flat, size_t slot) {
+void Coordinator::OnParamGrad(Unit& unit, size_t flat, size_t slot, const at::Tensor& incoming) {
   BeginBackward();
   c10::NoGradGuard no_grad;
+  if (root_->local_grad_hook && incoming.defined()) unit.AddLocalGradSqr(flat, slot, incoming);
   // Starting this unit's full gradient: first let older reductions finish down to the allowed
   // number, so their full gradients are freed before this one is allocated.
   if (unit.NeedsGradBuffer(flat, slot)) {
@@ -246,6 +256,7 @@ void Coordinator::FinalizeBackward() {
         u->MarkStale();
       }
       if (!backward_order_.empty()) backward_order_done_ = true;
+      ReportLocalGrads();
     } catch (...) {
       ResetBackward();
       throw;
@@ -272,11 +283,19 @@ void Coordinator::FinalizeBackward() {
       u->MarkStale();  // the optimizer steps next
     }
     if (!backward_order_.empty()) backward_order_done_ = true;
+    ReportLocalGrads();
   } catch (...) {
     ResetBackward();
     throw;
   }
   ResetBackward();
+}
+
+void Coordinator::ReportLocalGrads() {
+  if (!root_->local_grad_hook) return;
+  std::vector<LocalGradSqr> report;
+  for (Unit* u : units_) u->LocalGradSqrs(report);
+  root_->local_grad_hook(report);
 }
 
 void Coordinator::ResetBackward() {

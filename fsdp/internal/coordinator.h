@@ -52,10 +52,14 @@ class Coordinator {
   // The hooks' entry points (a unit whose root has not run forward yet raises).
   static Coordinator& Of(Unit& unit);
   void PreBackward(Unit& unit);
-  void OnParamGrad(Unit& unit, size_t flat, size_t slot);
+  // `incoming`: the gradient AccumulateGrad received in this backward (for the local gradient
+  // hook; undefined if unknown).
+  void OnParamGrad(Unit& unit, size_t flat, size_t slot, const at::Tensor& incoming);
   void BeginBackward();  // queues FinalizeBackward on the autograd engine, once per backward
   void FinalizeBackward();
   void ResetBackward();
+  // Calls the root's local gradient hook (if any) with this backward's sums.
+  void ReportLocalGrads();
   // Issues the gathers of `next` (a unit of this root that runs later) unless its backward
   // already ran in this iteration.
   void Prefetch(Unit& from, Unit* next, bool backward);

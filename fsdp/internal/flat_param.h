@@ -45,6 +45,9 @@ struct ParamSlot {
   // Flat layout: whether this slot of FlatParam::full_grad holds a gradient yet (the buffer is
   // allocated uninitialized; a slot's first gradient is copied in, later ones added).
   bool grad_written = false;
+  // With a local gradient hook on the root (local_grad_hook.h): the sum of squares (f64, 0-dim,
+  // on the gradient's device) of this backward's incoming gradient; undefined if none came.
+  at::Tensor local_sqr;
   // The parameter's AccumulateGrad node, kept alive so the post-backward hook stays attached.
   std::shared_ptr<torch::autograd::Node> grad_accumulator;
   uintptr_t hook_key = 0;

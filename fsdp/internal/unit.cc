@@ -653,12 +653,38 @@ void Unit::AddToShardGrad(FlatParam& fp, const at::Tensor& recv) {
   }
 }
 
+void Unit::AddLocalGradSqr(size_t flat, size_t slot_index, const at::Tensor& grad) {
+  c10::NoGradGuard no_grad;
+  ParamSlot& slot = flats_[flat].slots[slot_index];
+  at::Tensor sqr = grad.to(at::kDouble).pow(2).sum();
+  slot.local_sqr = slot.local_sqr.defined() ? slot.local_sqr.add(sqr) : sqr;
+}
+
+void Unit::LocalGradSqrs(std::vector<LocalGradSqr>& out) const {
+  for (const FlatParam& fp : flats_) {
+    if (!fp.requires_grad) continue;
+    if (fp.per_param) {
+      for (const ParamSlot& slot : fp.slots) {
+        out.push_back(
+            {slot.param, slot.local_sqr.defined() ? slot.local_sqr.item<double>() : 0.0});
+      }
+      continue;
+    }
+    double sum = 0.0;  // the slots are disjoint parts of the flat gradient
+    for (const ParamSlot& slot : fp.slots) {
+      if (slot.local_sqr.defined()) sum += slot.local_sqr.item<double>();
+    }
+    out.push_back({fp.shard, sum});
+  }
+}
+
 void Unit::ResetBackward() {
   progress.forwarded = false;
   progress.pre_backward_done = false;
   for (FlatParam& fp : flats_) {
     fp.grads_ready = 0;
     fp.reduced = false;
+    for (ParamSlot& slot : fp.slots) slot.local_sqr = at::Tensor();
   }
 }
 

@@ -23,6 +23,7 @@
 #include "comm/communicator.h"
 #include "fsdp/flat_param_info.h"
 #include "fsdp/fsdp_options.h"
+#include "fsdp/local_grad_hook.h"
 #include "fsdp/internal/flat_param.h"
 #include "deterministic/tree.h"
 
@@ -146,6 +147,12 @@ class Unit : public std::enable_shared_from_this<Unit> {
   // Whether every flat parameter of this unit that needs a gradient has it complete (except
   // `flat`, which the caller is completing).
   bool GradientsCompleteBesides(size_t flat) const;
+  // Local gradient statistics (local_grad_hook.h): AddLocalGradSqr adds the squared norm of
+  // `grad`, a slot's incoming gradient of this backward, to the slot's sum; LocalGradSqrs
+  // appends one entry per trainable tensor the optimizer steps (the shard, or per-parameter
+  // each parameter) with this backward's sums.
+  void AddLocalGradSqr(size_t flat, size_t slot, const at::Tensor& grad);
+  void LocalGradSqrs(std::vector<LocalGradSqr>& out) const;
   void ResetBackward();  // per-backward bookkeeping back to its start
   // The optimizer steps next: unsharded low-precision copies must be refreshed.
   void MarkStale();
@@ -184,6 +191,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
     bool in_forward = false;
   };
   Progress progress;
+
+  // The root's observer of the local gradients (FullyShardedDataParallelImpl::
+  // register_local_grad_hook); only the root's is called.
+  LocalGradHook local_grad_hook;
 
  private:
   void LayoutFlat(FlatParam& fp, std::vector<ParamSlot>& slots);
