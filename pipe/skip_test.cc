@@ -3,7 +3,8 @@
 // interleaved (2 virtual stages) x the three checkpoint modes x odd micro-batches, on a model
 // with overlapping skips, a skip inside one stage, a name reused in another namespace and a
 // parameter whose only path to the loss is a skip; the routes (what each stage receives and
-// passes on); CreateForStage (declarations exchanged between ranks); eval_step; and every static
+// passes on); CreateForStage (declarations exchanged between ranks); eval_step; deterministic
+// mode; wrap_stage and FSDP inside the stages (fsdp_stage); and every static
 // (verify_skippables) and runtime error, with its message, on every rank.
 #include <ATen/Parallel.h>
 #include <ATen/ops/equal.h>
@@ -15,6 +16,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
+#include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -30,6 +32,9 @@
 #include "base/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "fsdp/fsdp_options.h"
+#include "pipe/fsdp_stage.h"
+#include "pipe/grid.h"
 #include "pipe/internal/skip_layout.h"
 #include "pipe/pipe.h"
 #include "pipe/skip.h"
@@ -423,6 +428,59 @@ TEST(SkipTest, WrapStageCarriesSkips) {
         return TrainAndCheck(*pipe, ref, rank);
       });
   for (int r = 0; r < 3; ++r) EXPECT_THAT(statuses[r], IsOk()) << "rank " << r;
+}
+
+// FSDP inside the stages (fsdp_stage, over a group of one per stage): 3 SGD steps at 2 stages
+// (layer 2's parameters, reached only through skip 'b', on stage 0) give the reference's losses.
+TEST(SkipTest, FsdpStageCarriesSkips) {
+  constexpr int kSteps = 3;
+  constexpr double kLr = 0.2;
+  constexpr int64_t kChunks = 3;
+  std::vector<double> expected;
+  {
+    torch::nn::Sequential model = MakeSkipModel();
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(kLr));
+    const int64_t n = Inputs()[0].size(0);
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      double total = 0;
+      for (int64_t i = 0; i < kChunks; ++i) {
+        const int64_t offset = i * (n / kChunks) + std::min(i, n % kChunks);
+        const int64_t size = n / kChunks + (i < n % kChunks ? 1 : 0);
+        at::Tensor loss = testing::Mse(model->forward(Inputs()[0].narrow(0, offset, size)),
+                                       Targets()[0].narrow(0, offset, size));
+        total += loss.item<double>();
+        (loss / static_cast<double>(kChunks)).backward();
+      }
+      expected.push_back(total / kChunks);
+      opt.step();
+    }
+  }
+  ASSERT_GT(std::abs(expected[2] - expected[0]), 1e-3);  // the steps change the loss
+  for (CheckpointMode mode :
+       {CheckpointMode::kNever, CheckpointMode::kAlways, CheckpointMode::kExceptLast}) {
+    std::vector<absl::Status> statuses = testing::RunInproc(
+        2, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
+          PipeGrid grid = MakePipeGrid(comm, 2);
+          std::unique_ptr<Pipe> pipe = Pipe::Create(
+              MakeSkipModel(), grid.pipe,
+              PipeOptions().chunks(kChunks).balance({3, 9}).checkpoint(mode).wrap_stage(
+                  fsdp_stage(grid.data, fsdp::FsdpOptions().sharding_strategy(
+                                            fsdp::ShardingStrategy::kFullShard))));
+          torch::optim::SGD opt(pipe->parameters(), torch::optim::SGDOptions(kLr));
+          for (int step = 0; step < kSteps; ++step) {
+            opt.zero_grad();
+            at::Tensor loss = pipe->train_step(Inputs()[0], Targets()[0], testing::Mse);
+            opt.step();
+            absl::Status s = testing::ExpectClose(
+                absl::StrCat(CheckpointModeName(mode), " step ", step, " loss"), loss,
+                at::scalar_tensor(expected[step], at::kDouble), 1e-5);
+            if (!s.ok()) return s;
+          }
+          return absl::OkStatus();
+        });
+    for (int r = 0; r < 2; ++r) EXPECT_THAT(statuses[r], IsOk()) << "rank " << r;
+  }
 }
 
 // The declarations' encoding (what the ranks all-gather) round-trips; garbage is kDataLoss.
