@@ -39,6 +39,7 @@
 #include "pipe/pipe.h"
 #include "pipe/skip.h"
 #include "pipe/test_util.h"
+#include "testing/c10_error.h"
 
 namespace fairscale::pipe {
 namespace {
@@ -46,6 +47,7 @@ namespace {
 using base::testing::IsOk;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using fairscale::testing::ErrorOf;
 
 // How a SkipLinear breaks the rules at run time (static declarations stay valid).
 enum class Misbehave { kNone, kStashUndeclared, kPopUndeclared, kNoStash, kNoPop };
@@ -611,15 +613,6 @@ TEST(SkipTest, RuntimeErrorsInAPipe) {
       }
     }
   }
-}
-
-std::string ErrorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "no error";
 }
 
 // Without a pipe (the thread's default tracker, or a SkipTrackerScope's).
