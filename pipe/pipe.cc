@@ -205,7 +205,7 @@ std::vector<internal::TensorLayout> Layouts(const std::vector<at::Tensor>& ts) {
 // model order: two all-gathers over `comm` (the lengths, then the padded encodings).
 absl::StatusOr<std::vector<internal::LayerSkips>> GatherSkipDeclarations(
     comm::Communicator& comm, const std::vector<internal::LayerSkips>& mine,
-    absl::Duration timeout, Orphans* orphans) {
+    absl::Duration timeout) {
   const std::string encoded = internal::EncodeDeclarations(mine);
   const int64_t p = comm.size();
   comm::OpOptions op;
@@ -215,12 +215,10 @@ absl::StatusOr<std::vector<internal::LayerSkips>> GatherSkipDeclarations(
     if (!in.ok()) return in.status();
     absl::StatusOr<comm::Buffer> out = comm::ToBuffer(recv);
     if (!out.ok()) return out.status();
-    absl::Status s = comm.AllGather(*in, *out, op).Wait(timeout);
-    if (!s.ok()) {  // the backend may still touch them
-      orphans->push_back(send);
-      orphans->push_back(recv);
-    }
-    return s;
+    // Wait() without a deadline: the operation itself ends within `timeout` of starting (the
+    // communicator's contract), and after that the backend no longer touches the buffers, which
+    // a failed Create frees with the Pipe (a Wait(timeout) could return while it still ran).
+    return comm.AllGather(*in, *out, op).Wait();
   };
   at::Tensor length = at::empty({1}, at::TensorOptions().dtype(at::kLong));
   length.data_ptr<int64_t>()[0] = static_cast<int64_t>(encoded.size());
@@ -406,8 +404,7 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(std::vector<torch::nn::Sequenti
   }
   absl::StatusOr<std::vector<internal::LayerSkips>> declarations = GatherSkipDeclarations(
       *comm, mine,
-      options.timeout() > absl::ZeroDuration() ? options.timeout() : comm->default_timeout(),
-      &pipe->orphans_);
+      options.timeout() > absl::ZeroDuration() ? options.timeout() : comm->default_timeout());
   if (!declarations.ok()) {
     return Annotate(declarations.status(), "exchanging the skip declarations");
   }
