@@ -146,6 +146,19 @@ TEST(BoundaryTest, LayoutEncodingRoundTripsAndRejectsGarbage) {
   EXPECT_THAT(internal::DecodeLayout(encoded).status(), StatusIs(absl::StatusCode::kDataLoss));
   EXPECT_THAT(internal::DecodeLayout({7, 0, 1}).status(), StatusIs(absl::StatusCode::kDataLoss));
   EXPECT_THAT(internal::DecodeLayout({1, 0, 2}).status(), StatusIs(absl::StatusCode::kDataLoss));
+  // Skip tensors (skip.h) after a single tensor: the count travels in the layout.
+  internal::BoundaryLayout with_skips;
+  with_skips.skips = 2;
+  with_skips.tensors = {{at::kFloat, true, {3, 4}}, {at::kFloat, true, {3, 6}}, {at::kLong, false, {3}}};
+  back = internal::DecodeLayout(internal::EncodeLayout(with_skips));
+  ASSERT_THAT(back.status(), IsOk());
+  EXPECT_TRUE(*back == with_skips);
+  EXPECT_EQ(internal::DescribeLayout(with_skips),
+            "Float[3, 4] requires_grad + 2 skips (Float[3, 6] requires_grad, Long[3])");
+  // A single tensor needs 1 + skips tensors; skips must be >= 0.
+  EXPECT_THAT(internal::DecodeLayout({2, 0, 2, 0, 6, 0, 0, 6, 0, 0}).status(),
+              StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(internal::DecodeLayout({2, 1, 0, -1}).status(), StatusIs(absl::StatusCode::kDataLoss));
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
 #include <map>
 #include <numeric>
@@ -22,33 +23,73 @@
 #include "comm/torch/tensor_buffer.h"
 #include "deterministic/mode.h"
 #include "deterministic/tree.h"
+#include "pipe/internal/skip_layout.h"
 #include "pipe/internal/wire.h"
+#include "pipe/skip.h"
 
 namespace fairscale::pipe {
 
-StageImpl::StageImpl(torch::nn::Sequential layers, int64_t first_layer)
+StageImpl::StageImpl(torch::nn::Sequential layers, int64_t first_layer,
+                     std::vector<SkipId> skips_in, std::vector<SkipId> skips_out)
     : torch::nn::Module("fairscale::pipe::Stage"),
       layers_(std::move(layers)),
-      first_layer_(first_layer) {
+      first_layer_(first_layer),
+      skips_in_(std::move(skips_in)),
+      skips_out_(std::move(skips_out)) {
   // Registered under their own names, so that parameter names are the full model's ("3.weight").
-  for (const auto& item : layers_->named_children()) register_module(item.key(), item.value());
+  for (const auto& item : layers_->named_children()) {
+    register_module(item.key(), item.value());
+    names_.push_back(item.key());
+    skippables_.push_back(dynamic_cast<Skippable*>(item.value().get()));
+  }
 }
 
 std::vector<at::Tensor> StageImpl::forward(std::vector<at::Tensor> inputs, bool list_input) {
+  const size_t skips = skips_in_.size();
+  TORCH_CHECK(inputs.size() >= skips + (list_input ? 0 : 1), "the stage of layers from ",
+              first_layer_, " got ", inputs.size(), " input tensors, expected ",
+              list_input ? "at least " : "", skips + (list_input ? 0 : 1), " (", skips,
+              " of them skip tensors)");
+  // This micro-batch's skips wait here: the incoming ones, then what the layers stash.
+  SkipTracker tracker;
+  const size_t boundary = inputs.size() - skips;
+  for (size_t k = 0; k < skips; ++k) tracker.save(skips_in_[k], std::move(inputs[boundary + k]));
+  inputs.resize(boundary);
+  SkipTrackerScope scope(&tracker);
   torch::nn::AnyValue v = list_input ? torch::nn::AnyValue(std::move(inputs))
                                      : torch::nn::AnyValue(std::move(inputs.at(0)));
-  for (torch::nn::AnyModule& layer : *layers_) v = layer.any_forward(std::move(v));
+  for (size_t l = 0; l < layers_->size(); ++l) {
+    if (skippables_[l] != nullptr) tracker.BeginLayer(*skippables_[l], names_[l]);
+    v = (*(layers_->begin() + l)).any_forward(std::move(v));
+    if (skippables_[l] != nullptr) tracker.EndLayer();
+  }
+  std::vector<at::Tensor> out;
   if (const at::Tensor* t = v.try_get<at::Tensor>()) {
     output_is_list_ = false;
-    return {*t};
-  }
-  if (const std::vector<at::Tensor>* l = v.try_get<std::vector<at::Tensor>>()) {
+    out = {*t};
+  } else if (const std::vector<at::Tensor>* l = v.try_get<std::vector<at::Tensor>>()) {
     output_is_list_ = true;
-    return *l;
+    out = *l;
+  } else {
+    TORCH_CHECK(false, "layer ", first_layer_ + static_cast<int64_t>(layers_->size()) - 1,
+                " returned a value of type ", v.type_info().name(),
+                "; stages exchange at::Tensor or std::vector<at::Tensor>");
   }
-  TORCH_CHECK(false, "layer ", first_layer_ + static_cast<int64_t>(layers_->size()) - 1,
-              " returned a value of type ", v.type_info().name(),
-              "; stages exchange at::Tensor or std::vector<at::Tensor>");
+  for (const SkipId& id : skips_out_) {
+    TORCH_CHECK(tracker.contains(id), "skip ", DescribeSkip(id),
+                " should leave the stage of layers from ", first_layer_,
+                " for a later stage but nothing is stashed under it");
+    out.push_back(tracker.load(id));
+  }
+  if (tracker.size() > 0) {
+    std::vector<std::string> left;
+    for (const SkipId& id : tracker.ids()) left.push_back(DescribeSkip(id));
+    TORCH_CHECK(false, "the stage of layers from ", first_layer_, " stashed ",
+                absl::StrJoin(left, ", "),
+                " but no later layer pops it (only Skippable layers of the Sequential itself are "
+                "declared to the pipe)");
+  }
+  return out;
 }
 
 const char* CheckpointModeName(CheckpointMode mode) {
@@ -158,6 +199,55 @@ std::vector<internal::TensorLayout> Layouts(const std::vector<at::Tensor>& ts) {
   std::vector<internal::TensorLayout> out;
   for (const at::Tensor& t : ts) out.push_back({t.scalar_type(), true, t.sizes().vec()});
   return out;
+}
+
+// Every rank's skip declarations (each rank contributes its own chunks' Skippable layers), in
+// model order: two all-gathers over `comm` (the lengths, then the padded encodings).
+absl::StatusOr<std::vector<internal::LayerSkips>> GatherSkipDeclarations(
+    comm::Communicator& comm, const std::vector<internal::LayerSkips>& mine,
+    absl::Duration timeout) {
+  const std::string encoded = internal::EncodeDeclarations(mine);
+  const int64_t p = comm.size();
+  comm::OpOptions op;
+  op.timeout = timeout;
+  auto all_gather = [&](const at::Tensor& send, const at::Tensor& recv) -> absl::Status {
+    absl::StatusOr<comm::ConstBuffer> in = comm::ToConstBuffer(send);
+    if (!in.ok()) return in.status();
+    absl::StatusOr<comm::Buffer> out = comm::ToBuffer(recv);
+    if (!out.ok()) return out.status();
+    // Wait() without a deadline: the operation itself ends within `timeout` of starting (the
+    // communicator's contract), and after that the backend no longer touches the buffers, which
+    // a failed Create frees with the Pipe (a Wait(timeout) could return while it still ran).
+    return comm.AllGather(*in, *out, op).Wait();
+  };
+  at::Tensor length = at::empty({1}, at::TensorOptions().dtype(at::kLong));
+  length.data_ptr<int64_t>()[0] = static_cast<int64_t>(encoded.size());
+  at::Tensor lengths = at::empty({p}, at::TensorOptions().dtype(at::kLong));
+  absl::Status s = all_gather(length, lengths);
+  if (!s.ok()) return s;
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t longest = *std::max_element(len, len + p);
+  std::vector<internal::LayerSkips> all;
+  if (longest > 0) {
+    at::Tensor send = at::empty({longest}, at::TensorOptions().dtype(at::kByte));
+    std::memset(send.data_ptr(), 0, static_cast<size_t>(longest));
+    std::memcpy(send.data_ptr(), encoded.data(), encoded.size());
+    at::Tensor recv = at::empty({p * longest}, at::TensorOptions().dtype(at::kByte));
+    s = all_gather(send, recv);
+    if (!s.ok()) return s;
+    const char* bytes = static_cast<const char*>(recv.data_ptr());
+    for (int64_t r = 0; r < p; ++r) {
+      if (len[r] < 0 || len[r] > longest) return absl::DataLossError("skip declaration length");
+      absl::StatusOr<std::vector<internal::LayerSkips>> decoded =
+          internal::DecodeDeclarations(std::string(bytes + r * longest, len[r]));
+      if (!decoded.ok()) return decoded.status();
+      all.insert(all.end(), decoded->begin(), decoded->end());
+    }
+  }
+  std::sort(all.begin(), all.end(), [](const internal::LayerSkips& a, const internal::LayerSkips& b) {
+    return std::make_pair(a.virtual_stage, a.position) < std::make_pair(b.virtual_stage, b.position);
+  });
+  return all;
 }
 
 }  // namespace
@@ -303,13 +393,34 @@ absl::StatusOr<std::unique_ptr<Pipe>> Pipe::Make(std::vector<torch::nn::Sequenti
   pipe->num_stages_ = comm->size();
   pipe->balance_ = std::move(balance);
   pipe->chunk_first_ = std::move(firsts);
+  // Skip connections: every rank verifies the whole model's declarations and routes each skip
+  // through the virtual stages between its stash and its pop.
+  const int64_t p = comm->size();
+  std::vector<internal::LayerSkips> mine;
+  for (size_t j = 0; j < chunks.size(); ++j) {
+    std::vector<internal::LayerSkips> d =
+        internal::DeclarationsOf(chunks[j], static_cast<int64_t>(j) * p + comm->rank());
+    mine.insert(mine.end(), d.begin(), d.end());
+  }
+  absl::StatusOr<std::vector<internal::LayerSkips>> declarations = GatherSkipDeclarations(
+      *comm, mine,
+      options.timeout() > absl::ZeroDuration() ? options.timeout() : comm->default_timeout());
+  if (!declarations.ok()) {
+    return Annotate(declarations.status(), "exchanging the skip declarations");
+  }
+  absl::Status verified = internal::VerifyDeclarations(*declarations);
+  if (!verified.ok()) return verified;
+  const std::vector<internal::SkipRoute> routes = internal::RoutesOf(*declarations);
   pipe->layers_ = torch::nn::Sequential();
   for (size_t j = 0; j < chunks.size(); ++j) {
     const auto children = chunks[j]->named_children();
     for (size_t l = 0; l < chunks[j]->size(); ++l) {
       pipe->layers_->push_back(children[l].key(), *(chunks[j]->begin() + l));
     }
-    Stage stage(chunks[j], pipe->chunk_first_[j]);
+    const int64_t c = static_cast<int64_t>(j) * p + comm->rank();
+    Stage stage(chunks[j], pipe->chunk_first_[j],
+                c == 0 ? std::vector<SkipId>() : internal::InTransitAfter(routes, c - 1),
+                internal::InTransitAfter(routes, c));
     pipe->chunk_stages_.push_back(stage);
     pipe->forwards_.push_back([stage](std::vector<at::Tensor> xs, bool list) mutable {
       return stage->forward(std::move(xs), list);
@@ -558,6 +669,11 @@ absl::Status Pipe::Forward(internal::StepState& st, const Action& a) {
     }
     in = *std::move(received);
   }
+  const int64_t skips_in = static_cast<int64_t>(chunk_stages_[a.chunk]->skips_in().size());
+  if (in.skips != skips_in) {
+    return absl::InternalError(absl::StrCat("received ", in.skips, " skip tensors from ",
+                                            Describe(c - 1), ", expected ", skips_in));
+  }
   const absl::Time start = absl::Now();
   const bool is_list_in = in.is_list;
   // The checkpointed backward calls `run` again after this frame is gone: it owns what it uses.
@@ -571,6 +687,7 @@ absl::Status Pipe::Forward(internal::StepState& st, const Action& a) {
   Boundary out;
   out.tensors = checkpointed ? checkpoint::checkpoint(run, in.tensors) : run(in.tensors);
   out.is_list = chunk_stages_[a.chunk]->output_is_list();
+  out.skips = static_cast<int64_t>(chunk_stages_[a.chunk]->skips_out().size());
   internal::MicroBatch& mb = st.micro[a.chunk * st.chunks + i];
   mb.inputs = std::move(in.tensors);
   if (last) {
@@ -598,6 +715,7 @@ absl::Status Pipe::Forward(internal::StepState& st, const Action& a) {
     // What a link would deliver: detached leaves, requiring grad where the output does.
     Boundary next;
     next.is_list = out.is_list;
+    next.skips = out.skips;
     for (const at::Tensor& t : out.tensors) {
       next.tensors.push_back(t.detach().requires_grad_(t.requires_grad()));
     }

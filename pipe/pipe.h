@@ -37,6 +37,12 @@
 // link between neighbouring ranks has its own two-rank communicators per direction, so a send
 // never waits behind a receive and the order in schedule.h cannot deadlock.
 //
+// Skip connections (skip.h, FairScale's @skippable): a Skippable layer stashes a tensor that a
+// later layer pops. Create / CreateForStage gather every rank's declarations, verify them
+// (verify_skippables' errors, INVALID_ARGUMENT on every rank) and route each skip: it travels
+// with the activations of its micro-batch through every stage between its stash and its pop
+// (appended to the boundary tensors, StageImpl::skips_in / skips_out), and its gradient back.
+//
 // Deterministic mode (PipeOptions::deterministic, //deterministic): the same global batch gives
 // bitwise the same losses, gradients and parameters at any number of stages (and, on a
 // PipeGrid, of replicas); see PipeOptions::deterministic and README.md.
@@ -71,6 +77,7 @@
 #include "comm/communicator.h"
 #include "deterministic/tree.h"
 #include "pipe/schedule.h"
+#include "pipe/skip.h"
 
 namespace fairscale::pipe {
 
@@ -94,16 +101,29 @@ const char* CheckpointModeName(CheckpointMode mode);  // "always", "except_last"
 // std::vector<at::Tensor> comes back as a list, and output_is_list() says which it was. The
 // layers are registered under their names in the stage's Sequential ("3", "4", ...), so a
 // wrapper's named_parameters() uses the full model's names.
+//
+// Skip connections (skip.h): the inputs end with one tensor per skips_in() (skips stashed on an
+// earlier stage that this stage pops or passes on) and the outputs end with one per skips_out()
+// (skips stashed here or earlier that a later stage pops). forward() runs the layers on a
+// SkipTracker of its own holding the incoming skips, with the per-layer checks (a Skippable
+// layer must stash and pop every name it declares); a pass-through skip is returned unchanged.
 class StageImpl : public torch::nn::Module {
  public:
-  StageImpl(torch::nn::Sequential layers, int64_t first_layer);
+  StageImpl(torch::nn::Sequential layers, int64_t first_layer, std::vector<SkipId> skips_in = {},
+            std::vector<SkipId> skips_out = {});
   std::vector<at::Tensor> forward(std::vector<at::Tensor> inputs, bool list_input);
   bool output_is_list() const { return output_is_list_; }
   const torch::nn::Sequential& layers() const { return layers_; }
+  const std::vector<SkipId>& skips_in() const { return skips_in_; }
+  const std::vector<SkipId>& skips_out() const { return skips_out_; }
 
  private:
   torch::nn::Sequential layers_;
   int64_t first_layer_;
+  std::vector<SkipId> skips_in_;
+  std::vector<SkipId> skips_out_;
+  std::vector<std::string> names_;        // per layer
+  std::vector<Skippable*> skippables_;    // per layer, nullptr if it is not one
   bool output_is_list_ = false;
 };
 TORCH_MODULE(Stage);

@@ -15,7 +15,7 @@ namespace fairscale::pipe::internal {
 namespace {
 
 constexpr int64_t kMagic = 0x50495045;  // "PIPE"
-constexpr int64_t kLayoutVersion = 1;
+constexpr int64_t kLayoutVersion = 2;  // 2: the skip count after the tensor count
 constexpr int64_t kHeaderLen = 3;
 
 // The dtype a tensor of `dtype` travels as (the comm layer has no bool).
@@ -95,6 +95,7 @@ absl::StatusOr<at::Tensor> RecvTensor(comm::Communicator* comm, int peer,
 BoundaryLayout LayoutOf(const Boundary& boundary) {
   BoundaryLayout layout;
   layout.is_list = boundary.is_list;
+  layout.skips = boundary.skips;
   for (const at::Tensor& t : boundary.tensors) {
     layout.tensors.push_back(TensorLayout{t.scalar_type(), t.requires_grad(), t.sizes().vec()});
   }
@@ -103,7 +104,7 @@ BoundaryLayout LayoutOf(const Boundary& boundary) {
 
 std::vector<int64_t> EncodeLayout(const BoundaryLayout& layout) {
   std::vector<int64_t> out = {kLayoutVersion, layout.is_list ? 1 : 0,
-                              static_cast<int64_t>(layout.tensors.size())};
+                              static_cast<int64_t>(layout.tensors.size()), layout.skips};
   for (const TensorLayout& t : layout.tensors) {
     out.push_back(static_cast<int64_t>(t.dtype));
     out.push_back(t.requires_grad ? 1 : 0);
@@ -124,12 +125,16 @@ absl::StatusOr<BoundaryLayout> DecodeLayout(const std::vector<int64_t>& in) {
     *v = in[pos++];
     return true;
   };
-  int64_t version = 0, is_list = 0, n = 0;
-  if (!next(&version) || !next(&is_list) || !next(&n)) return bad("truncated prefix");
+  int64_t version = 0, is_list = 0, n = 0, skips = 0;
+  if (!next(&version)) return bad("truncated prefix");
   if (version != kLayoutVersion) return bad(absl::StrCat("version ", version));
-  if (n < 0 || (is_list == 0 && n != 1)) return bad(absl::StrCat(n, " tensors"));
+  if (!next(&is_list) || !next(&n) || !next(&skips)) return bad("truncated prefix");
+  if (skips < 0 || n < skips || (is_list == 0 && n != 1 + skips)) {
+    return bad(absl::StrCat(n, " tensors with ", skips, " skips"));
+  }
   BoundaryLayout layout;
   layout.is_list = is_list != 0;
+  layout.skips = skips;
   for (int64_t i = 0; i < n; ++i) {
     int64_t dtype = 0, requires_grad = 0, ndim = 0;
     if (!next(&dtype) || !next(&requires_grad) || !next(&ndim)) return bad("truncated tensor");
@@ -156,8 +161,15 @@ std::string DescribeLayout(const BoundaryLayout& layout) {
     parts.push_back(absl::StrCat(c10::toString(t.dtype), "[", absl::StrJoin(t.sizes, ", "), "]",
                                  t.requires_grad ? " requires_grad" : ""));
   }
-  return absl::StrCat(layout.is_list ? "list(" : "", absl::StrJoin(parts, ", "),
-                      layout.is_list ? ")" : "");
+  const auto boundary = parts.begin() + static_cast<int64_t>(parts.size()) - layout.skips;
+  std::string out = absl::StrCat(layout.is_list ? "list(" : "",
+                                 absl::StrJoin(parts.begin(), boundary, ", "),
+                                 layout.is_list ? ")" : "");
+  if (layout.skips > 0) {
+    absl::StrAppend(&out, " + ", layout.skips, " skips (", absl::StrJoin(boundary, parts.end(), ", "),
+                    ")");
+  }
+  return out;
 }
 
 PendingSends::~PendingSends() {
@@ -243,6 +255,7 @@ absl::StatusOr<Boundary> ActivationLink::Recv(int64_t id) {
   }
   Boundary out;
   out.is_list = last_layout_->is_list;
+  out.skips = last_layout_->skips;
   out.tensors = *std::move(tensors);
   for (size_t i = 0; i < out.tensors.size(); ++i) {
     const TensorLayout& layout = last_layout_->tensors[i];

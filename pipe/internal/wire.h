@@ -7,7 +7,8 @@
 //                                                       virtual stage * chunks + micro-batch)
 //   meta    int64[meta_len]                            only when the layout changed (meta_len > 0)
 //   payload one Send per tensor, in order
-// The layout (list or single tensor, and per tensor: dtype, requires_grad, sizes) is sent once
+// The layout (list or single tensor, the count of trailing skip tensors, and per tensor: dtype,
+// requires_grad, sizes) is sent once
 // and again only when it changes (e.g. a smaller last micro-batch), so the receiving stage need
 // not know shapes in advance and the common case costs one 24-byte header per micro-batch.
 // Gradients (s + 1 -> s) have the layout of the activations the receiver sent, so they travel
@@ -29,10 +30,12 @@
 namespace fairscale::pipe::internal {
 
 // What one stage hands to the next: the value of a layer whose forward returned an at::Tensor
-// (is_list false, one tensor) or a std::vector<at::Tensor> (is_list true).
+// (is_list false, one tensor) or a std::vector<at::Tensor> (is_list true), followed by `skips`
+// skip tensors in transit (skip.h; the stages agree on their order).
 struct Boundary {
   std::vector<at::Tensor> tensors;
   bool is_list = false;
+  int64_t skips = 0;
 };
 
 struct TensorLayout {
@@ -46,9 +49,10 @@ struct TensorLayout {
 
 struct BoundaryLayout {
   bool is_list = false;
+  int64_t skips = 0;
   std::vector<TensorLayout> tensors;
   bool operator==(const BoundaryLayout& o) const {
-    return is_list == o.is_list && tensors == o.tensors;
+    return is_list == o.is_list && skips == o.skips && tensors == o.tensors;
   }
 };
 
@@ -56,7 +60,7 @@ BoundaryLayout LayoutOf(const Boundary& boundary);
 std::vector<int64_t> EncodeLayout(const BoundaryLayout& layout);
 // kDataLoss on a malformed encoding.
 absl::StatusOr<BoundaryLayout> DecodeLayout(const std::vector<int64_t>& encoded);
-// "f32[4, 8] requires_grad, i64[4]".
+// "f32[4, 8] requires_grad, i64[4]" (then " + 2 skips" when there are skip tensors).
 std::string DescribeLayout(const BoundaryLayout& layout);
 
 // Buffers of operations that failed or timed out and may still be in the backend's hands: they
