@@ -22,6 +22,7 @@ namespace fairscale::pipe {
 namespace {
 
 using base::testing::IsOk;
+using base::testing::IsOkAndHolds;
 using base::testing::StatusIs;
 
 // One tensor in, a list of four dtypes out.
@@ -159,6 +160,43 @@ TEST(BoundaryTest, LayoutEncodingRoundTripsAndRejectsGarbage) {
   EXPECT_THAT(internal::DecodeLayout({2, 0, 2, 0, 6, 0, 0, 6, 0, 0}).status(),
               StatusIs(absl::StatusCode::kDataLoss));
   EXPECT_THAT(internal::DecodeLayout({2, 1, 0, -1}).status(), StatusIs(absl::StatusCode::kDataLoss));
+  // Found writing //pipe/fuzz: flags other than 0 and 1 (they re-encoded differently), dtypes that do
+  // not cross a boundary (at::empty or the comm layer refused them only after allocating), more
+  // than kMaxDims dimensions, sizes whose bytes overflow int64, counts beyond the words left.
+  EXPECT_THAT(internal::DecodeLayout({2, 0, 1, 0, 6, 0, 1, 4}).status(), IsOk());
+  for (const std::vector<int64_t>& bad : std::vector<std::vector<int64_t>>{
+           {2, 2, 1, 0, 6, 0, 1, 4},
+           {2, 0, 1, 0, 6, 5, 1, 4},
+           {2, 0, 1, 0, static_cast<int64_t>(at::kQInt8), 0, 1, 4},
+           {2, 0, 1, 0, static_cast<int64_t>(at::kComplexFloat), 0, 1, 4},
+           {2, 0, 1, 0, 6, 0, int64_t{1} << 40, 4},
+           {2, 0, 1, 0, 6, 0, 3, int64_t{1} << 32, int64_t{1} << 32, 4},
+           {2, 1, int64_t{1} << 60, 0}}) {
+    EXPECT_THAT(internal::DecodeLayout(bad).status(), StatusIs(absl::StatusCode::kDataLoss));
+  }
+  std::vector<int64_t> deep = {2, 0, 1, 0, 6, 0, internal::kMaxDims + 1};
+  deep.resize(deep.size() + internal::kMaxDims + 1, 1);
+  EXPECT_THAT(internal::DecodeLayout(deep).status(), StatusIs(absl::StatusCode::kDataLoss));
+  // The sender refuses what the receiver would.
+  internal::BoundaryLayout complex;
+  complex.tensors = {{at::kComplexFloat, false, {2}}};
+  EXPECT_THAT(internal::CheckLayout(complex), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// The 24-byte header: a bad magic or a layout length outside [0, kMaxLayoutWords] is corruption
+// (kDataLoss, before anything is allocated for the layout); another message id is a schedule
+// bug (kInternal).
+TEST(BoundaryTest, HeaderIsCheckedBeforeTheLayoutIsAllocated) {
+  EXPECT_THAT(internal::CheckHeader(internal::EncodeHeader(4, 12), 4), IsOkAndHolds(12));
+  EXPECT_THAT(internal::CheckHeader(internal::EncodeHeader(4, 0), 4), IsOkAndHolds(0));
+  EXPECT_THAT(internal::CheckHeader(internal::EncodeHeader(4, 12), 5).status(),
+              StatusIs(absl::StatusCode::kInternal));
+  EXPECT_THAT(internal::CheckHeader({0x50495046, 4, 12}, 4).status(),
+              StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(internal::CheckHeader(internal::EncodeHeader(4, -1), 4).status(),
+              StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(internal::CheckHeader(internal::EncodeHeader(4, int64_t{1} << 60), 4).status(),
+              StatusIs(absl::StatusCode::kDataLoss));
 }
 
 }  // namespace

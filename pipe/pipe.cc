@@ -207,6 +207,11 @@ absl::StatusOr<std::vector<internal::LayerSkips>> GatherSkipDeclarations(
     comm::Communicator& comm, const std::vector<internal::LayerSkips>& mine,
     absl::Duration timeout) {
   const std::string encoded = internal::EncodeDeclarations(mine);
+  if (static_cast<int64_t>(encoded.size()) > internal::kMaxDeclarationBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("this rank's skip declarations take ", encoded.size(), " bytes, more than ",
+                     internal::kMaxDeclarationBytes));
+  }
   const int64_t p = comm.size();
   comm::OpOptions op;
   op.timeout = timeout;
@@ -226,6 +231,14 @@ absl::StatusOr<std::vector<internal::LayerSkips>> GatherSkipDeclarations(
   absl::Status s = all_gather(length, lengths);
   if (!s.ok()) return s;
   const int64_t* len = lengths.data_ptr<int64_t>();
+  // Bounded before the receive buffer (p * longest bytes) is allocated.
+  for (int64_t r = 0; r < p; ++r) {
+    if (len[r] < 0 || len[r] > internal::kMaxDeclarationBytes) {
+      return absl::DataLossError(absl::StrCat("rank ", r, " announced skip declarations of ",
+                                              len[r], " bytes (0 to ",
+                                              internal::kMaxDeclarationBytes, " expected)"));
+    }
+  }
   const int64_t longest = *std::max_element(len, len + p);
   std::vector<internal::LayerSkips> all;
   if (longest > 0) {
@@ -237,10 +250,12 @@ absl::StatusOr<std::vector<internal::LayerSkips>> GatherSkipDeclarations(
     if (!s.ok()) return s;
     const char* bytes = static_cast<const char*>(recv.data_ptr());
     for (int64_t r = 0; r < p; ++r) {
-      if (len[r] < 0 || len[r] > longest) return absl::DataLossError("skip declaration length");
       absl::StatusOr<std::vector<internal::LayerSkips>> decoded =
           internal::DecodeDeclarations(std::string(bytes + r * longest, len[r]));
-      if (!decoded.ok()) return decoded.status();
+      if (!decoded.ok()) {
+        return absl::Status(decoded.status().code(),
+                            absl::StrCat("rank ", r, ": ", decoded.status().message()));
+      }
       all.insert(all.end(), decoded->begin(), decoded->end());
     }
   }

@@ -23,15 +23,6 @@ std::string QuotedList(const std::set<std::string>& names) {
 
 }  // namespace
 
-Namespace::Namespace(std::string name) : name_(std::move(name)) {
-  TORCH_CHECK(!name_.empty(), "pipe::Namespace: the name must not be empty");
-}
-
-std::string DescribeSkip(const SkipId& id) {
-  if (id.ns.is_default()) return absl::StrCat("'", id.name, "'");
-  return absl::StrCat("'", id.name, "' (namespace '", id.ns.name(), "')");
-}
-
 Skippable::Skippable(SkippableOptions options) {
   for (const std::string& n : options.stash()) {
     TORCH_CHECK(!n.empty(), "pipe::Skippable: a stash name is empty");

@@ -43,40 +43,11 @@
 #include <string>
 #include <vector>
 
+#include "pipe/skip_id.h"
+
 namespace fairscale::pipe {
 
 class StageImpl;
-
-// Isolates skip names (FairScale's Namespace). Unlike FairScale's (a unique object per
-// instance), a namespace is identified by its name, so that ranks that build their layers
-// separately (Pipe::CreateForStage) agree on it. Namespace() is the default namespace of every
-// name that is not isolated.
-class Namespace {
- public:
-  Namespace() = default;
-  // A non-empty name (c10::Error otherwise).
-  explicit Namespace(std::string name);
-  const std::string& name() const { return name_; }
-  bool is_default() const { return name_.empty(); }
-  bool operator==(const Namespace& o) const { return name_ == o.name_; }
-  bool operator!=(const Namespace& o) const { return name_ != o.name_; }
-  bool operator<(const Namespace& o) const { return name_ < o.name_; }
-
- private:
-  std::string name_;
-};
-
-// A skip tensor's identity: its name in its namespace.
-struct SkipId {
-  Namespace ns;
-  std::string name;
-  bool operator==(const SkipId& o) const { return ns == o.ns && name == o.name; }
-  bool operator<(const SkipId& o) const {
-    return ns < o.ns || (ns == o.ns && name < o.name);
-  }
-};
-// "'name'", or "'name' (namespace 'ns')" outside the default namespace.
-std::string DescribeSkip(const SkipId& id);
 
 // The names a Skippable layer stashes and pops (FairScale's @skippable(stash=..., pop=...)).
 struct SkippableOptions {

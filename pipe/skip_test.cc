@@ -502,6 +502,20 @@ TEST(SkipTest, DeclarationEncoding) {
   }
   EXPECT_EQ(internal::DecodeDeclarations("1:0").status().code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(internal::DecodeDeclarations("9:x").status().code(), absl::StatusCode::kDataLoss);
+  // Only canonical numbers decode (found writing //pipe/fuzz: absl::SimpleAtoi took a sign, spaces
+  // and leading zeros, and the re-encoding differed), stages and positions are >= 0, and a count
+  // is bounded by the bytes left before anything is kept for it.
+  EXPECT_THAT(internal::DecodeDeclarations("1:01:01:x1:01:0").status(), IsOk());
+  for (const std::string bad :
+       {"+1:01:01:x1:01:0", " 1:01:01:x1:01:0", "01:01:01:x1:01:0", "1:+1:01:x1:01:0",
+        "2:-11:01:x1:01:0", "2:001:01:x1:01:0", "99999999999999999999:x",
+        "1:01:01:x19:46116860184273879041:x"}) {
+    EXPECT_EQ(internal::DecodeDeclarations(bad).status().code(), absl::StatusCode::kDataLoss)
+        << bad;
+  }
+  EXPECT_EQ(
+      internal::DecodeDeclarations(std::string(internal::kMaxDeclarationBytes + 1, '0')).status().code(),
+      absl::StatusCode::kDataLoss);
 }
 
 // verify_skippables and Pipe::Create (on every rank of 2) reject broken layouts with

@@ -5,6 +5,8 @@
 #include <c10/core/ScalarType.h>
 
 #include <algorithm>
+#include <array>
+#include <exception>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -13,10 +15,6 @@
 
 namespace fairscale::pipe::internal {
 namespace {
-
-constexpr int64_t kMagic = 0x50495045;  // "PIPE"
-constexpr int64_t kLayoutVersion = 2;  // 2: the skip count after the tensor count
-constexpr int64_t kHeaderLen = 3;
 
 // The dtype a tensor of `dtype` travels as (the comm layer has no bool).
 c10::ScalarType WireType(c10::ScalarType dtype) {
@@ -55,8 +53,18 @@ absl::StatusOr<std::vector<at::Tensor>> RecvTensors(comm::Communicator* comm, in
                                                     const std::string& what, Orphans* orphans) {
   std::vector<at::Tensor> out;
   std::vector<comm::Work> works;
-  for (const TensorLayout& layout : layouts) {
-    at::Tensor t = at::empty(layout.sizes, at::TensorOptions().dtype(WireType(layout.dtype)));
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const TensorLayout& layout = layouts[i];
+    at::Tensor t;
+    try {
+      // The sizes come from a peer (bounded by DecodeLayout to fit int64 bytes, not memory).
+      t = at::empty(layout.sizes, at::TensorOptions().dtype(WireType(layout.dtype)));
+    } catch (const std::exception& e) {
+      orphans->insert(orphans->end(), out.begin(), out.end());
+      return absl::ResourceExhaustedError(
+          absl::StrCat(what, " ", i, ": cannot allocate ", c10::toString(layout.dtype), "[",
+                       absl::StrJoin(layout.sizes, ", "), "]: ", e.what()));
+    }
     absl::StatusOr<comm::Buffer> buffer = comm::ToBuffer(t);
     if (!buffer.ok()) {
       orphans->insert(orphans->end(), out.begin(), out.end());
@@ -102,76 +110,6 @@ BoundaryLayout LayoutOf(const Boundary& boundary) {
   return layout;
 }
 
-std::vector<int64_t> EncodeLayout(const BoundaryLayout& layout) {
-  std::vector<int64_t> out = {kLayoutVersion, layout.is_list ? 1 : 0,
-                              static_cast<int64_t>(layout.tensors.size()), layout.skips};
-  for (const TensorLayout& t : layout.tensors) {
-    out.push_back(static_cast<int64_t>(t.dtype));
-    out.push_back(t.requires_grad ? 1 : 0);
-    out.push_back(static_cast<int64_t>(t.sizes.size()));
-    out.insert(out.end(), t.sizes.begin(), t.sizes.end());
-  }
-  return out;
-}
-
-absl::StatusOr<BoundaryLayout> DecodeLayout(const std::vector<int64_t>& in) {
-  auto bad = [&](const std::string& what) {
-    return absl::DataLossError(absl::StrCat("malformed activation layout (", in.size(),
-                                            " words): ", what));
-  };
-  size_t pos = 0;
-  auto next = [&](int64_t* v) {
-    if (pos >= in.size()) return false;
-    *v = in[pos++];
-    return true;
-  };
-  int64_t version = 0, is_list = 0, n = 0, skips = 0;
-  if (!next(&version)) return bad("truncated prefix");
-  if (version != kLayoutVersion) return bad(absl::StrCat("version ", version));
-  if (!next(&is_list) || !next(&n) || !next(&skips)) return bad("truncated prefix");
-  if (skips < 0 || n < skips || (is_list == 0 && n != 1 + skips)) {
-    return bad(absl::StrCat(n, " tensors with ", skips, " skips"));
-  }
-  BoundaryLayout layout;
-  layout.is_list = is_list != 0;
-  layout.skips = skips;
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t dtype = 0, requires_grad = 0, ndim = 0;
-    if (!next(&dtype) || !next(&requires_grad) || !next(&ndim)) return bad("truncated tensor");
-    if (dtype < 0 || dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions) || ndim < 0) {
-      return bad(absl::StrCat("tensor ", i, " dtype ", dtype, " ndim ", ndim));
-    }
-    TensorLayout t;
-    t.dtype = static_cast<c10::ScalarType>(dtype);
-    t.requires_grad = requires_grad != 0;
-    for (int64_t d = 0; d < ndim; ++d) {
-      int64_t size = 0;
-      if (!next(&size) || size < 0) return bad(absl::StrCat("tensor ", i, " sizes"));
-      t.sizes.push_back(size);
-    }
-    layout.tensors.push_back(std::move(t));
-  }
-  if (pos != in.size()) return bad("trailing words");
-  return layout;
-}
-
-std::string DescribeLayout(const BoundaryLayout& layout) {
-  std::vector<std::string> parts;
-  for (const TensorLayout& t : layout.tensors) {
-    parts.push_back(absl::StrCat(c10::toString(t.dtype), "[", absl::StrJoin(t.sizes, ", "), "]",
-                                 t.requires_grad ? " requires_grad" : ""));
-  }
-  const auto boundary = parts.begin() + static_cast<int64_t>(parts.size()) - layout.skips;
-  std::string out = absl::StrCat(layout.is_list ? "list(" : "",
-                                 absl::StrJoin(parts.begin(), boundary, ", "),
-                                 layout.is_list ? ")" : "");
-  if (layout.skips > 0) {
-    absl::StrAppend(&out, " + ", layout.skips, " skips (", absl::StrJoin(boundary, parts.end(), ", "),
-                    ")");
-  }
-  return out;
-}
-
 PendingSends::~PendingSends() {
   orphans_->insert(orphans_->end(), keep_alive_.begin(), keep_alive_.end());
 }
@@ -206,14 +144,14 @@ absl::Status ActivationLink::Send(int64_t id, const Boundary& boundary,
   BoundaryLayout layout = LayoutOf(boundary);
   std::vector<int64_t> encoded;
   if (!last_layout_.has_value() || !(*last_layout_ == layout)) {
+    absl::Status valid = CheckLayout(layout);
+    if (!valid.ok()) return valid;
     encoded = EncodeLayout(layout);
     last_layout_ = std::move(layout);
   }
-  at::Tensor header = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong));
-  int64_t* h = header.data_ptr<int64_t>();
-  h[0] = kMagic;
-  h[1] = id;
-  h[2] = static_cast<int64_t>(encoded.size());
+  at::Tensor header = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
+  const std::array<int64_t, kHeaderWords> h = EncodeHeader(id, static_cast<int64_t>(encoded.size()));
+  std::copy(h.begin(), h.end(), header.data_ptr<int64_t>());
   absl::Status s = SendTensor(comm_, peer_, header, pending);
   if (s.ok() && !encoded.empty()) {
     at::Tensor meta = at::empty({static_cast<int64_t>(encoded.size())},
@@ -230,19 +168,19 @@ absl::Status ActivationLink::Send(int64_t id, const Boundary& boundary,
 
 absl::StatusOr<Boundary> ActivationLink::Recv(int64_t id) {
   absl::StatusOr<at::Tensor> header =
-      RecvTensor(comm_, peer_, TensorLayout{at::kLong, false, {kHeaderLen}}, timeout_, orphans_);
+      RecvTensor(comm_, peer_, TensorLayout{at::kLong, false, {kHeaderWords}}, timeout_, orphans_);
   if (!header.ok()) return WithContext(header.status(), "header");
-  const int64_t* h = header->data_ptr<int64_t>();
-  if (h[0] != kMagic || h[1] != id || h[2] < 0) {
-    return absl::InternalError(absl::StrCat("expected the header of message ", id,
-                                            ", got {", h[0], ", ", h[1], ", ", h[2], "}"));
-  }
-  if (h[2] > 0) {
+  std::array<int64_t, kHeaderWords> h;
+  std::copy_n(header->data_ptr<int64_t>(), kHeaderWords, h.begin());
+  // meta_len is bounded (kMaxLayoutWords) before the layout's buffer is allocated.
+  absl::StatusOr<int64_t> meta_len = CheckHeader(h, id);
+  if (!meta_len.ok()) return meta_len.status();
+  if (*meta_len > 0) {
     absl::StatusOr<at::Tensor> meta =
-        RecvTensor(comm_, peer_, TensorLayout{at::kLong, false, {h[2]}}, timeout_, orphans_);
+        RecvTensor(comm_, peer_, TensorLayout{at::kLong, false, {*meta_len}}, timeout_, orphans_);
     if (!meta.ok()) return WithContext(meta.status(), "layout");
     const int64_t* m = meta->data_ptr<int64_t>();
-    absl::StatusOr<BoundaryLayout> layout = DecodeLayout(std::vector<int64_t>(m, m + h[2]));
+    absl::StatusOr<BoundaryLayout> layout = DecodeLayout(std::vector<int64_t>(m, m + *meta_len));
     if (!layout.ok()) return layout.status();
     last_layout_ = *std::move(layout);
   } else if (!last_layout_.has_value()) {

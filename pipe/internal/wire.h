@@ -2,7 +2,8 @@
 // the comm layer carries (bool travels as u8), single or as a list, moved with the
 // communicator's Send/Recv.
 //
-// Activations (stage s -> s + 1, one message per micro-batch):
+// Activations (stage s -> s + 1, one message per micro-batch; boundary_layout.h encodes and
+// checks the header and the layout):
 //   header  int64[3] {kMagic, id, meta_len}            always (id: which message, e.g. Pipe's
 //                                                       virtual stage * chunks + micro-batch)
 //   meta    int64[meta_len]                            only when the layout changed (meta_len > 0)
@@ -26,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "pipe/internal/boundary_layout.h"
 
 namespace fairscale::pipe::internal {
 
@@ -38,30 +40,8 @@ struct Boundary {
   int64_t skips = 0;
 };
 
-struct TensorLayout {
-  c10::ScalarType dtype = c10::ScalarType::Float;
-  bool requires_grad = false;
-  std::vector<int64_t> sizes;
-  bool operator==(const TensorLayout& o) const {
-    return dtype == o.dtype && requires_grad == o.requires_grad && sizes == o.sizes;
-  }
-};
-
-struct BoundaryLayout {
-  bool is_list = false;
-  int64_t skips = 0;
-  std::vector<TensorLayout> tensors;
-  bool operator==(const BoundaryLayout& o) const {
-    return is_list == o.is_list && skips == o.skips && tensors == o.tensors;
-  }
-};
-
 BoundaryLayout LayoutOf(const Boundary& boundary);
-std::vector<int64_t> EncodeLayout(const BoundaryLayout& layout);
-// kDataLoss on a malformed encoding.
-absl::StatusOr<BoundaryLayout> DecodeLayout(const std::vector<int64_t>& encoded);
-// "f32[4, 8] requires_grad, i64[4]" (then " + 2 skips" when there are skip tensors).
-std::string DescribeLayout(const BoundaryLayout& layout);
+// EncodeLayout, DecodeLayout, DescribeLayout and the header: boundary_layout.h.
 
 // Buffers of operations that failed or timed out and may still be in the backend's hands: they
 // are kept here, owned by something that outlives the communicator (Pipe declares it before its
@@ -95,8 +75,11 @@ class ActivationLink {
       : comm_(comm), peer_(peer), timeout_(timeout), orphans_(orphans) {}
 
   // Issues header, layout (if changed) and payload sends. Tensors are sent detached.
+  // kInvalidArgument if the layout cannot travel (CheckLayout).
   absl::Status Send(int64_t id, const Boundary& boundary, PendingSends* pending);
-  // Receives the activations of message `id` (kInternal if the peer sent another one). Floating
+  // Receives the activations of message `id` (kInternal if the peer sent another one; kDataLoss
+  // on a malformed header or layout; kResourceExhausted if the tensors it announces cannot be
+  // allocated). Floating
   // point tensors whose sender required grad come back as leaves that require grad.
   absl::StatusOr<Boundary> Recv(int64_t id);
 
