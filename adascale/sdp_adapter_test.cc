@@ -150,7 +150,8 @@ TEST(AdaScaleSdpAdapterTest, BadInput) {
                                            {"AdaScaleSdp", "gradient_replicas is 2"}));
           }
           {
-            auto other = testing::MakeInner(Kind::kSgd, testing::MakeGroups(Kind::kSgd, {{net->w}, {net->b}}));
+            auto other = testing::MakeInner(Kind::kSgd,
+                                            testing::MakeGroups(Kind::kSgd, {{net->w}, {net->b}}));
             AdaScale ada(*other, comm, AdaScaleSdp::options_for(sdp));
             FS_RETURN_IF_ERROR(ExpectError([&] { AdaScaleSdp adapter(sdp, ada); },
                                            {"AdaScaleSdp", "does not wrap the model's oss::OSS"}));

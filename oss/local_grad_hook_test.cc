@@ -166,7 +166,8 @@ INSTANTIATE_TEST_SUITE_P(
     Hook, SdpLocalGradHookTest,
     ::testing::Values(HookCase{1, PartitionMode::kGreedy}, HookCase{2, PartitionMode::kGreedy},
                       HookCase{2, PartitionMode::kFlat}, HookCase{3, PartitionMode::kFlat},
-                      HookCase{3, PartitionMode::kGreedy}, HookCase{2, PartitionMode::kGreedy, true}),
+                      HookCase{3, PartitionMode::kGreedy},
+                      HookCase{2, PartitionMode::kGreedy, true}),
     [](const ::testing::TestParamInfo<HookCase>& info) {
       return absl::StrCat("World", info.param.world,
                           info.param.mode == PartitionMode::kFlat ? "Flat" : "Greedy",
