@@ -99,8 +99,25 @@ void AdaScale::require_idle(const std::string& op) const {
   }
 }
 
+void AdaScale::check_source(bool squares, const std::string& op) {
+  if (calls_ == 0) {
+    squares_ = squares;
+    return;
+  }
+  if (squares_ == squares) return;
+  base::ThrowIfError(
+      absl::FailedPreconditionError(absl::StrCat(
+          op, " after ", calls_, " backward pass(es) of this step fed by ",
+          squares_ ? "accumulate_local_grad_sqr (an adapter such as AdaScaleFsdp / AdaScaleSdp)"
+                   : "accumulate_local_gradients()",
+          ": one step takes its local gradients from one source; with an adapter attached do "
+          "not call accumulate_local_gradients()")),
+      label(op));
+}
+
 void AdaScale::accumulate_local_gradients() {
   const auto& groups = inner_.param_groups();
+  check_source(false, "accumulate_local_gradients");
   ensure_groups();
   torch::NoGradGuard no_grad;
   if (calls_ == 0) {
@@ -139,6 +156,7 @@ void AdaScale::accumulate_local_grad_sqr(const std::vector<double>& per_group) {
                            "got ", per_group.size(), " squared norms for ", n, " param groups")),
                        label("accumulate_local_grad_sqr"));
   }
+  check_source(true, "accumulate_local_grad_sqr");
   if (calls_ >= accum_) {
     base::ThrowIfError(absl::FailedPreconditionError(absl::StrCat(
                            "already ", calls_, " backward passes accumulated, ",

@@ -38,7 +38,8 @@
 // The local squares must then come from the gradients before the reduction: for FSDP,
 // AdaScaleFsdp (fsdp_adapter.h, //adascale:fsdp) feeds them from FSDP's local gradient hook
 // through accumulate_local_grad_sqr(per_group); for ShardedDataParallel, run every backward
-// under no_sync() with accumulate_local_gradients() after each, then reduce() (README.md).
+// under no_sync() with accumulate_local_gradients() after each, then reduce(), or attach
+// AdaScaleSdp (sdp_adapter.h, //adascale:oss), fed by ShardedDataParallel's local gradient hook.
 //
 // Every rank must call step(), average_gradients() and the constructor together (collectives).
 // Errors raise c10::Error through //base:torch_error: "adascale::AdaScale::step rank 1/4: ...".
@@ -87,7 +88,10 @@ class AdaScale {
   // call (this backward's local gradient) to its group's local sum. Must precede the averaging.
   void accumulate_local_gradients();
   // The same from squared norms the caller computed (one per param group, this rank's share of
-  // sum_i |g_i|^2 for this backward), for gradients AdaScale cannot see (an FSDP adapter).
+  // sum_i |g_i|^2 for this backward), for gradients AdaScale cannot see (the FSDP and SDP
+  // adapters). One step must use one of the two: mixing them raises FAILED_PRECONDITION (e.g.
+  // accumulate_local_gradients() called with an adapter attached, which would count each
+  // backward twice).
   void accumulate_local_grad_sqr(const std::vector<double>& per_group);
   // True while the next backward is not the last of this step (run it without communication).
   bool is_accumulation_step() const;
@@ -138,6 +142,8 @@ class AdaScale {
   std::string label(const std::string& op) const;
   void ensure_groups();
   void require_idle(const std::string& op) const;
+  // Refuses an accumulation from another source than the step's earlier ones.
+  void check_source(bool squares, const std::string& op);
   c10::Device device() const;
 
   torch::optim::Optimizer& inner_;
@@ -148,6 +154,7 @@ class AdaScale {
   double smoothing_;
   int64_t accum_;
   int64_t calls_ = 0;     // accumulations since the last step
+  bool squares_ = false;  // this step's accumulations came from accumulate_local_grad_sqr
   at::Tensor local_sqr_;  // [groups] f64 on device(), this step's local sums
   // Gradients after the previous accumulation of this step (only with accum_ > 1).
   std::vector<std::vector<at::Tensor>> previous_;

@@ -228,17 +228,8 @@ TEST(AdaScaleOssTest, MatchesSimulation) {
 // oss::ShardedDataParallel reduces each gradient to its owner only. The exact route: every
 // backward under no_sync() (local gradients accumulate in .grad), accumulate_local_gradients()
 // after each, then sdp->reduce() (owners get the mean, the rest no gradient or zeros in a kFlat
-// parameter's other ranges), then step() with sharded_gradients(true).
-class PlainLinearImpl : public torch::nn::Module {
- public:
-  PlainLinearImpl() {
-    w = register_parameter("w", testing::InitialW());
-    b = register_parameter("b", testing::InitialB());
-  }
-  at::Tensor forward(at::Tensor x) { return torch::matmul(x, w.t()) + b; }
-  at::Tensor w, b;
-};
-TORCH_MODULE(PlainLinear);
+// parameter's other ranges), then step() with sharded_gradients(true). The usual loop with a
+// synchronised last backward goes through AdaScaleSdp (sdp_adapter_test.cc).
 
 struct SdpCase {
   Kind kind;
@@ -258,7 +249,7 @@ TEST_P(AdaScaleSdpTest, MatchesSimulation) {
   ExpectAllOk(RunInprocRanks(
       c.workers, [&](int rank, int, std::shared_ptr<comm::Communicator> comm) -> absl::Status {
         return CatchErrors([&]() -> absl::Status {
-          PlainLinear net;
+          testing::PlainLinear net;
           const Kind kind = c.kind;
           auto opt = std::make_shared<oss::OSS>(
               testing::MakeGroups(kind, {{net->w}, {net->b}}),
@@ -497,6 +488,10 @@ TEST(AdaScaleErrorTest, BadInput) {
             ExpectError([&] { ada.set_scale(4.0); }, {"middle of a gradient accumulation"}));
         FS_RETURN_IF_ERROR(ExpectError([&] { ada.accumulate_local_grad_sqr({1.0}); },
                                        {"got 1 squared norms for 2"}));
+        // Squares from an adapter mixed into a step fed by accumulate_local_gradients().
+        FS_RETURN_IF_ERROR(ExpectError(
+            [&] { ada.accumulate_local_grad_sqr({1.0, 1.0}); },
+            {"accumulate_local_grad_sqr rank", "FAILED_PRECONDITION", "one source"}));
         return absl::OkStatus();
       }));
   // One worker without accumulation has no variance.

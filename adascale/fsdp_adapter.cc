@@ -1,7 +1,7 @@
 #include "adascale/fsdp_adapter.h"
 
 #include <cmath>
-#include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "adascale/group_sums.h"
 #include "base/torch_error.h"
 
 namespace fairscale::adascale {
@@ -18,42 +19,21 @@ struct AdaScaleFsdp::State {
   AdaScale* ada = nullptr;
   std::string label;
   std::set<const c10::TensorImpl*> trainable;  // the tensors the model's optimizer may step
-  std::map<const c10::TensorImpl*, size_t> group_of;
-  size_t groups = 0;
+  std::optional<GroupSums> sums;
 
-  // Maps every tensor of every param group to its group; raises for one the model lacks.
-  void MapGroups() {
-    group_of.clear();
-    const auto& param_groups = ada->optimizer().param_groups();
-    for (size_t g = 0; g < param_groups.size(); ++g) {
-      const auto& params = param_groups[g].params();
-      for (size_t i = 0; i < params.size(); ++i) {
-        const c10::TensorImpl* impl = params[i].unsafeGetTensorImpl();
-        if (trainable.count(impl) == 0) {
-          base::ThrowIfError(
-              absl::InvalidArgumentError(absl::StrCat(
-                  "param group ", g, " tensor ", i, " (shape [",
-                  absl::StrJoin(params[i].sizes(), ", "),
-                  "]) is not a trainable tensor of the FSDP model (not in its parameters(): an "
-                  "ignored module's parameter, a frozen one, or another model's), so its local "
-                  "gradient is never reported; step it with another optimizer")),
-              label);
-        }
-        group_of.emplace(impl, g);
-      }
-    }
-    groups = param_groups.size();
+  // A param group's tensor the model lacks would never be reported.
+  absl::Status CheckTrainable(size_t g, size_t i, const at::Tensor& t) const {
+    if (trainable.count(t.unsafeGetTensorImpl()) != 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "param group ", g, " tensor ", i, " (shape [", absl::StrJoin(t.sizes(), ", "),
+        "]) is not a trainable tensor of the FSDP model (not in its parameters(): an "
+        "ignored module's parameter, a frozen one, or another model's), so its local "
+        "gradient is never reported; step it with another optimizer"));
   }
 
   void OnBackward(const std::vector<fsdp::LocalGradSqr>& report) {
     if (ada == nullptr) return;  // the adapter is gone
-    if (ada->optimizer().param_groups().size() != groups) MapGroups();  // groups were added
-    std::vector<double> per_group(groups, 0.0);
-    for (const fsdp::LocalGradSqr& e : report) {
-      auto it = group_of.find(e.param.unsafeGetTensorImpl());
-      if (it != group_of.end()) per_group[it->second] += e.sum_sqr;
-    }
-    ada->accumulate_local_grad_sqr(per_group);
+    ada->accumulate_local_grad_sqr(sums->Sum(report));
   }
 };
 
@@ -128,7 +108,10 @@ AdaScaleFsdp::AdaScaleFsdp(fsdp::FullyShardedDataParallel model, AdaScale& ada)
         ": construct AdaScale with AdaScaleOptions().gradient_replicas(", replicas,
         ") so that the shards' squares summed over the ranks count each shard once"));
   }
-  s.MapGroups();
+  s.sums.emplace(
+      ada.optimizer(),
+      [&s](size_t g, size_t i, const at::Tensor& t) { return s.CheckTrainable(g, i, t); },
+      s.label);
   std::shared_ptr<State> state = state_;
   model_->register_local_grad_hook(
       [state](const std::vector<fsdp::LocalGradSqr>& report) { state->OnBackward(report); });

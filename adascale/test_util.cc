@@ -36,6 +36,13 @@ Model::Model() {
   b = InitialB().requires_grad_();
 }
 
+PlainLinearImpl::PlainLinearImpl() {
+  w = register_parameter("w", InitialW());
+  b = register_parameter("b", InitialB());
+}
+
+at::Tensor PlainLinearImpl::forward(at::Tensor x) { return torch::matmul(x, w.t()) + b; }
+
 std::vector<torch::optim::OptimizerParamGroup> MakeGroups(
     Kind kind, const std::vector<std::vector<at::Tensor>>& groups) {
   std::vector<torch::optim::OptimizerParamGroup> out;

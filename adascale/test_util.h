@@ -5,6 +5,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
@@ -42,6 +44,16 @@ struct Model {
     return Loss(w, b, Data(step, worker, micro));
   }
 };
+
+// The same model as a torch::nn::Module (parameters "w" and "b"), for the wrappers
+// (oss::ShardedDataParallel) that take one.
+class PlainLinearImpl : public torch::nn::Module {
+ public:
+  PlainLinearImpl();
+  at::Tensor forward(at::Tensor x);
+  at::Tensor w, b;
+};
+TORCH_MODULE(PlainLinear);
 
 // Param groups over `groups` (group i: lr kLr[i] of `kind`; SGD with momentum 0.9: 0.05, 0.1;
 // Adam: 0.01, 0.02), and the optimizer over them (also an oss::OSS factory).

@@ -21,13 +21,17 @@ namespace fairscale::oss {
 namespace {
 
 // Runs after a parameter's AccumulateGrad node: its gradient is complete for this backward.
+// `inputs` is the gradient the node received in this backward (the engine keeps it for post
+// hooks, so AccumulateGrad cannot have stolen it).
 class GradReadyHook : public torch::autograd::FunctionPostHook {
  public:
   GradReadyHook(std::weak_ptr<ShardedDataParallelImpl*> owner, size_t index)
       : owner_(std::move(owner)), index_(index) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    if (auto owner = owner_.lock()) (*owner)->on_grad_ready(index_);
+                                            const torch::autograd::variable_list& inputs) override {
+    if (auto owner = owner_.lock()) {
+      (*owner)->on_grad_ready(index_, inputs.empty() ? at::Tensor() : inputs[0]);
+    }
     return outputs;
   }
 
@@ -205,6 +209,13 @@ void ShardedDataParallelImpl::refresh_trainable() {
     }
     hooked_[it->second].buckets.push_back(bucket);
   }
+  reported_.clear();
+  std::set<const void*> listed;
+  for (const ParamShard& s : shards) {
+    if (!s.param.requires_grad() || !listed.insert(s.param.unsafeGetTensorImpl()).second) continue;
+    auto it = hooked_index_.find(s.param.unsafeGetTensorImpl());
+    reported_.emplace_back(s.param, it == hooked_index_.end() ? SIZE_MAX : it->second);
+  }
   for (size_t i = 0; i < hooked_.size(); ++i) {
     Hooked& h = hooked_[i];
     h.accumulator = torch::autograd::impl::grad_accumulator(h.param);
@@ -246,16 +257,70 @@ void ShardedDataParallelImpl::sync_buffers() {
   }
 }
 
-void ShardedDataParallelImpl::on_grad_ready(size_t index) {
-  if (!sync_) return;
+void ShardedDataParallelImpl::register_local_grad_hook(LocalGradHook hook) {
+  TORCH_CHECK(!backward_active_, label("register_local_grad_hook"), ": called during backward");
+  TORCH_CHECK(hook, label("register_local_grad_hook"), ": the hook is empty");
+  TORCH_CHECK(!local_grad_hook_, label("register_local_grad_hook"),
+              ": a local gradient hook is registered already (one per module); "
+              "remove_local_grad_hook() first");
+  local_grad_hook_ = std::move(hook);
+}
+
+void ShardedDataParallelImpl::remove_local_grad_hook() {
+  TORCH_CHECK(!backward_active_, label("remove_local_grad_hook"), ": called during backward");
+  local_grad_hook_ = nullptr;
+  for (Hooked& h : hooked_) h.local_sqr = at::Tensor();
+}
+
+void ShardedDataParallelImpl::report_local_grads() {
+  if (!local_grad_hook_) return;
+  std::vector<LocalGradSqr> report;
+  report.reserve(reported_.size());
+  for (const auto& [param, index] : reported_) {
+    double sqr = 0.0;
+    if (index != SIZE_MAX) {
+      at::Tensor& t = hooked_[index].local_sqr;
+      if (t.defined()) sqr = t.item<double>();
+      t = at::Tensor();
+    }
+    report.push_back({param, sqr});
+  }
+  local_grad_hook_(report);
+}
+
+void ShardedDataParallelImpl::end_backward() {
+  if (backward_syncs_) {
+    try {
+      finalize();
+    } catch (...) {
+      for (Hooked& h : hooked_) h.local_sqr = at::Tensor();  // not carried into the next backward
+      throw;
+    }
+  } else {
+    backward_active_ = false;
+  }
+  report_local_grads();
+}
+
+void ShardedDataParallelImpl::on_grad_ready(size_t index, const at::Tensor& incoming) {
+  if (!sync_ && !local_grad_hook_) return;
   Hooked& h = hooked_.at(index);
   if (!backward_active_) {
     backward_active_ = true;
+    backward_syncs_ = sync_;
     std::weak_ptr<ShardedDataParallelImpl*> alive = alive_;
     torch::autograd::Engine::get_default_engine().queue_callback([alive] {
-      if (auto owner = alive.lock()) (*owner)->finalize();
+      if (auto owner = alive.lock()) (*owner)->end_backward();
     });
   }
+  if (local_grad_hook_ && incoming.defined()) {
+    // Before anything reads .grad for a reduction; a second run in one backward (reentrant
+    // backward) adds its square, as fsdp's hook does.
+    c10::NoGradGuard no_grad;
+    at::Tensor sqr = incoming.to(at::kDouble).pow(2).sum();
+    h.local_sqr = h.local_sqr.defined() ? h.local_sqr.add(sqr) : sqr;
+  }
+  if (!backward_syncs_) return;
   if (h.ready) return;  // a second AccumulateGrad run in the same backward: already counted
   h.ready = true;
   for (size_t b : h.buckets) ++buckets_[b].ready;
@@ -429,11 +494,18 @@ void ShardedDataParallelImpl::finish_micro_batch() {
     }
     b.partials.Add(index, std::move(buffer));
   }
-  for (Hooked& h : hooked_) h.captured = at::Tensor();
-  if (++done_ < layout_.per_rank()) return;
-  done_ = 0;
-  reduce_deterministic();
-  ++reductions_;
+  for (Hooked& h : hooked_) {
+    if (local_grad_hook_ && h.captured.defined()) {
+      h.local_sqr = h.captured.to(at::kDouble).pow(2).sum();
+    }
+    h.captured = at::Tensor();
+  }
+  if (++done_ == layout_.per_rank()) {
+    done_ = 0;
+    reduce_deterministic();
+    ++reductions_;
+  }
+  report_local_grads();
 }
 
 void ShardedDataParallelImpl::reduce_deterministic() {

@@ -37,6 +37,12 @@
 // OSS::clip_grad_norm raise unless this rank ran exactly M/W backward passes since the last
 // step. See oss/README.md for the loop and its cost.
 //
+// Local gradients (local_grad_hook.h): register_local_grad_hook observes, at the end of every
+// backward (also under no_sync() and in deterministic mode), each trainable parameter's squared
+// norm of this rank's own gradient of that backward, taken before any reduction; statistics such
+// as AdaScale's gradient variance (//adascale:oss) need it because a synchronised backward leaves
+// each rank only the reduced gradients it owns.
+//
 // Errors raise c10::Error; a failed reduce carries the communicator's absl::Status
 // ("oss::ShardedDataParallel::reduce rank 1/4: DEADLINE_EXCEEDED: ...", //base:torch_error).
 #pragma once
@@ -54,6 +60,7 @@
 #include <vector>
 
 #include "deterministic/tree.h"
+#include "oss/local_grad_hook.h"
 #include "oss/oss.h"
 
 namespace torch::autograd {
@@ -120,12 +127,23 @@ class ShardedDataParallelImpl : public torch::nn::Module {
   // Re-hooks the parameters that require grad now (forward does it when the flags changed).
   void refresh_trainable();
 
+  // Observes each rank's own gradients before any reduction (see local_grad_hook.h): at the end
+  // of every backward pass, one f64 squared norm per trainable parameter. One hook per module
+  // (a second registration raises; remove_local_grad_hook() first); not during backward. While
+  // registered it costs one f64 sum of squares per parameter gradient per backward and one
+  // .item() per parameter at its end.
+  void register_local_grad_hook(LocalGradHook hook);
+  void remove_local_grad_hook();
+  bool has_local_grad_hook() const { return static_cast<bool>(local_grad_hook_); }
+
   torch::nn::Module& module() { return *module_.ptr(); }
   OSS& optimizer() { return *optimizer_; }
+  const ShardedDataParallelOptions& options() const { return options_; }
   int64_t bucket_count() const { return static_cast<int64_t>(buckets_.size()); }
 
-  // Called by the AccumulateGrad post hook of trainable parameter `index`.
-  void on_grad_ready(size_t index);
+  // Called by the AccumulateGrad post hook of trainable parameter `index` with the gradient
+  // the node received in this backward.
+  void on_grad_ready(size_t index, const at::Tensor& incoming);
   // Deterministic mode: called by the AccumulateGrad pre hook of trainable parameter `index`
   // with this backward's gradient (which autograd then does not accumulate).
   void on_grad_captured(size_t index, const at::Tensor& grad);
@@ -154,6 +172,7 @@ class ShardedDataParallelImpl : public torch::nn::Module {
     bool ready = false;
     torch::autograd::FunctionPreHook* pre_hook = nullptr;  // deterministic mode, owned by the node
     at::Tensor captured;  // deterministic mode: this backward's gradient
+    at::Tensor local_sqr;  // with a local gradient hook: this backward's |gradient|^2, f64 0-dim
   };
 
   void pre_forward();
@@ -161,6 +180,11 @@ class ShardedDataParallelImpl : public torch::nn::Module {
   void issue_ready();
   void issue(Bucket& bucket);
   void finalize();
+  // The engine's final callback of a backward whose hooks fired: reduces when it synchronises,
+  // then reports to the local gradient hook.
+  void end_backward();
+  // Hands this backward's local squares to the local gradient hook and clears them.
+  void report_local_grads();
   // Copies the owners' reduced buckets (buffer) into .grad and frees or zeroes the rest.
   void install_reduced();
   // Deterministic mode: files this backward's gradients as the next micro-batch; after the
@@ -182,6 +206,11 @@ class ShardedDataParallelImpl : public torch::nn::Module {
   size_t next_bucket_ = 0;
   bool sync_ = true;
   bool backward_active_ = false;
+  bool backward_syncs_ = false;  // the running backward reduces (sync_ when it began)
+  LocalGradHook local_grad_hook_;
+  // The parameters the hook reports, in OSS::shards() order, with their index in hooked_
+  // (SIZE_MAX for one without elements, which is never hooked).
+  std::vector<std::pair<at::Tensor, size_t>> reported_;
   deterministic::MicroBatchLayout layout_;
   int64_t done_ = 0;        // deterministic mode: backward passes since the last reduction
   int64_t reductions_ = 0;  // deterministic mode: reductions since the last OSS::step

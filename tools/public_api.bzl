@@ -35,6 +35,7 @@ FEATURE_LIBRARIES = [
     "//sync_batchnorm",  # SyncBatchNorm (batch statistics over a group), convert_sync_batchnorm
     "//adascale",  # AdaScale: the LR scaled by the gain ratio from per-rank gradient variance, scale-invariant progress
     "//adascale:fsdp",  # AdaScaleFsdp: AdaScale over FullyShardedDataParallel (local squares from fsdp's local gradient hook)
+    "//adascale:oss",  # AdaScaleSdp: AdaScale over oss::ShardedDataParallel (local squares from its local gradient hook)
     "//slowmo",  # SlowMo, LocalSGD: local steps, an exact parameter average every H steps, the slow-momentum outer step
     "//mevo",  # mevo_cross_entropy, MevoLoss: the LM head's projection + cross-entropy in tiles, no [T, V] logits
     "//trace",  # Chrome traces, TracingCommunicator, the compute/communication profile
