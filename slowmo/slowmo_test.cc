@@ -1,10 +1,11 @@
 // SlowMo / LocalSGD against a single-process simulation of the same N workers (ranks as threads
-// over inproc). Every worker's data comes from a private at::Generator seeded by (worker, step):
-// thread ranks share torch's global RNG.
+// over inproc; slowmo/test_util.h has the model, the batches and the simulation). Every worker's
+// data comes from a private at::Generator seeded by (worker, step): thread ranks share torch's
+// global RNG.
 #include "slowmo/slowmo.h"
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <torch/optim/sgd.h>
 
 #include <iostream>
 #include <memory>
@@ -13,12 +14,12 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "comm/testing/counting_communicator.h"
 #include "comm/testing/inproc_ranks.h"
 #include "comm/testing/rank_runner.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "slowmo/test_util.h"
 #include "testing/c10_error.h"
 
 namespace fairscale::slowmo {
@@ -28,114 +29,17 @@ using comm::Communicator;
 using comm::testing::ExpectAllOk;
 using comm::testing::RunInprocRanks;
 using ::testing::HasSubstr;
-
-constexpr int kSteps = 7;
-constexpr double kLr = 0.05;
-
-enum class Opt { kSgd, kAdam };
-
-// A linear model with a f32 weight and a f64 bias: two dtype buckets.
-struct Worker {
-  at::Tensor w;  // [4, 3] f32
-  at::Tensor b;  // [3] f64
-  std::unique_ptr<torch::optim::Optimizer> opt;
-
-  explicit Worker(Opt kind) {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
-    w = at::randn({4, 3}, gen, at::kFloat).set_requires_grad(true);
-    b = at::randn({3}, gen, at::kDouble).set_requires_grad(true);
-    if (kind == Opt::kSgd) {
-      opt = std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{w, b},
-                                                torch::optim::SGDOptions(kLr).momentum(0.9));
-    } else {
-      opt = std::make_unique<torch::optim::Adam>(std::vector<at::Tensor>{w, b},
-                                                 torch::optim::AdamOptions(kLr));
-    }
-  }
-  std::vector<at::Tensor> params() const { return {w, b}; }
-};
-
-// Worker `worker`'s gradient at `step` (its own batch), accumulated into fresh .grad.
-void Backward(const Worker& m, int worker, int step) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * worker + step + 1);
-  at::Tensor x = at::randn({8, 4}, gen, at::kFloat);
-  at::Tensor y = at::randn({8, 3}, gen, at::kFloat);
-  for (const at::Tensor& p : m.params()) {
-    if (p.grad().defined()) p.mutable_grad().zero_();
-  }
-  at::Tensor out = at::matmul(x, m.w) + m.b.to(at::kFloat);
-  (out - y).pow(2).mean().backward();
-}
-
-struct Config {
-  int world;
-  Opt opt;
-  int64_t h;
-  double alpha;
-  double beta;
-  std::string Name() const {
-    return absl::StrCat("world ", world, (opt == Opt::kSgd ? " sgd" : " adam"), " H ", h,
-                        " alpha ", alpha, " beta ", beta);
-  }
-};
-
-// The single-process simulation: N workers, f64 averaging and outer step written from the paper.
-std::vector<std::vector<at::Tensor>> Simulate(const Config& c) {
-  std::vector<std::unique_ptr<Worker>> workers;
-  for (int r = 0; r < c.world; ++r) workers.push_back(std::make_unique<Worker>(c.opt));
-  std::vector<at::Tensor> prev, u;
-  for (const at::Tensor& p : workers[0]->params()) {
-    prev.push_back(p.detach().to(at::kDouble, false, true));
-    u.push_back(at::zeros_like(prev.back()));
-  }
-  for (int step = 0; step < kSteps; ++step) {
-    for (int r = 0; r < c.world; ++r) {
-      Backward(*workers[r], r, step);
-      workers[r]->opt->step();
-    }
-    if ((step + 1) % c.h != 0) continue;
-    at::NoGradGuard no_grad;
-    for (size_t i = 0; i < prev.size(); ++i) {
-      at::Tensor avg = at::zeros_like(prev[i]);
-      for (int r = 0; r < c.world; ++r) avg += workers[r]->params()[i].detach().to(at::kDouble);
-      avg /= c.world;
-      u[i] = c.beta * u[i] + (prev[i] - avg) / kLr;
-      prev[i] = prev[i] - c.alpha * kLr * u[i];
-      for (int r = 0; r < c.world; ++r) workers[r]->params()[i].detach().copy_(prev[i]);
-    }
-  }
-  std::vector<std::vector<at::Tensor>> out;
-  for (int r = 0; r < c.world; ++r) {
-    out.push_back({workers[r]->w.detach().to(at::kDouble), workers[r]->b.detach().clone()});
-  }
-  return out;
-}
-
-// The largest error Close() has seen, printed by the tests (the report quotes it).
-absl::Mutex max_error_mu;
-double max_error ABSL_GUARDED_BY(max_error_mu) = 0;
-
-double TakeMaxError() {
-  absl::MutexLock lock(&max_error_mu);
-  const double e = max_error;
-  max_error = 0;
-  return e;
-}
-
-absl::Status Close(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want,
-                   double tol, const std::string& what) {
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double err = (got[i].to(at::kDouble) - want[i]).abs().max().item<double>();
-    {
-      absl::MutexLock lock(&max_error_mu);
-      if (err > max_error) max_error = err;
-    }
-    if (!(err <= tol)) {
-      return absl::InternalError(absl::StrCat(what, ": parameter ", i, " max error ", err));
-    }
-  }
-  return absl::OkStatus();
-}
+using fairscale::testing::CatchErrors;
+using fairscale::testing::ErrorOf;
+using testing::Backward;
+using testing::Close;
+using testing::Config;
+using testing::kLr;
+using testing::kSteps;
+using testing::Opt;
+using testing::Simulate;
+using testing::TakeMaxError;
+using testing::Worker;
 
 TEST(SlowMoTest, MatchesSingleProcessSimulation) {
   for (int world = 1; world <= 4; ++world) {
@@ -148,7 +52,7 @@ TEST(SlowMoTest, MatchesSingleProcessSimulation) {
           ExpectAllOk(
               RunInprocRanks(world,
                              [&](int rank, int, std::shared_ptr<Communicator> comm) {
-                               return testing::CatchErrors([&]() -> absl::Status {
+                               return CatchErrors([&]() -> absl::Status {
                                  Worker m(c.opt);
                                  SlowMo slowmo(m.params(), comm,
                                                SlowMoOptions()
@@ -194,7 +98,7 @@ TEST(SlowMoTest, EveryStepLocalSgdEqualsGradientAveraging) {
     const std::vector<at::Tensor> want = {ref.w.detach().to(at::kDouble), ref.b.detach().clone()};
     ExpectAllOk(RunInprocRanks(world,
                                [&](int rank, int, std::shared_ptr<Communicator> comm) {
-                                 return testing::CatchErrors([&]() -> absl::Status {
+                                 return CatchErrors([&]() -> absl::Status {
                                    Worker m(Opt::kSgd);
                                    m.opt = std::make_unique<torch::optim::SGD>(
                                        m.params(), torch::optim::SGDOptions(kLr));
@@ -219,7 +123,7 @@ TEST(SlowMoTest, BytesOneAllReduceEveryHSteps) {
   constexpr int64_t kParamBytes = 4 * 3 * 4 + 3 * 8;  // f32 weight + f64 bias
   for (double beta : {0.0, 0.5}) {
     ExpectAllOk(RunInprocRanks(3, [&](int rank, int, std::shared_ptr<Communicator> inner) {
-      return testing::CatchErrors([&]() -> absl::Status {
+      return CatchErrors([&]() -> absl::Status {
         auto counting = std::make_shared<comm::testing::CountingCommunicator>(inner);
         Worker m(Opt::kAdam);
         constexpr int64_t kH = 4;
@@ -253,7 +157,7 @@ TEST(SlowMoTest, StateDictRoundTripResumesTheSameTrajectory) {
   const Config c{2, Opt::kSgd, 3, 0.7, 0.3};
   const auto want = Simulate(c);
   ExpectAllOk(RunInprocRanks(2, [&](int rank, int, std::shared_ptr<Communicator> comm) {
-    return testing::CatchErrors([&]() -> absl::Status {
+    return CatchErrors([&]() -> absl::Status {
       Worker m(c.opt);
       const auto opts =
           SlowMoOptions().frequency(c.h).slowmo_lr(c.alpha).slowmo_momentum(c.beta).base_lr(kLr);
@@ -282,25 +186,24 @@ TEST(SlowMoTest, StateDictRoundTripResumesTheSameTrajectory) {
 TEST(SlowMoTest, BadOptionsRaise) {
   ExpectAllOk(RunInprocRanks(1, [](int, int, std::shared_ptr<Communicator> comm) {
     at::Tensor p = at::zeros({3});
-    EXPECT_THAT(testing::ErrorOf([&] { SlowMo(std::vector<at::Tensor>{p}, comm,
-                                              SlowMoOptions().frequency(0)); }),
+    EXPECT_THAT(ErrorOf([&] { SlowMo(std::vector<at::Tensor>{p}, comm,
+                                     SlowMoOptions().frequency(0)); }),
                 HasSubstr("INVALID_ARGUMENT: frequency must be >= 1, got 0"));
-    EXPECT_THAT(testing::ErrorOf([&] { SlowMo({p}, comm, SlowMoOptions().base_lr(0)); }),
+    EXPECT_THAT(ErrorOf([&] { SlowMo({p}, comm, SlowMoOptions().base_lr(0)); }),
                 HasSubstr("base_lr must be > 0"));
-    EXPECT_THAT(testing::ErrorOf([&] { SlowMo({p}, comm, SlowMoOptions().base_lr(-1)); }),
+    EXPECT_THAT(ErrorOf([&] { SlowMo({p}, comm, SlowMoOptions().base_lr(-1)); }),
                 HasSubstr("base_lr must be > 0"));
-    EXPECT_THAT(testing::ErrorOf([&] { SlowMo({p}, comm, SlowMoOptions().slowmo_lr(0)); }),
+    EXPECT_THAT(ErrorOf([&] { SlowMo({p}, comm, SlowMoOptions().slowmo_lr(0)); }),
                 HasSubstr("slowmo_lr must be > 0"));
-    EXPECT_THAT(testing::ErrorOf([&] { SlowMo({p}, comm, SlowMoOptions().slowmo_momentum(1)); }),
+    EXPECT_THAT(ErrorOf([&] { SlowMo({p}, comm, SlowMoOptions().slowmo_momentum(1)); }),
                 HasSubstr("slowmo_momentum must be in [0, 1), got 1"));
-    EXPECT_THAT(
-        testing::ErrorOf([&] { SlowMo({p}, comm, SlowMoOptions().slowmo_momentum(-0.1)); }),
-        HasSubstr("slowmo::SlowMo::SlowMo rank 0/1"));
-    EXPECT_THAT(testing::ErrorOf([&] { SlowMo({at::zeros({2}, at::kLong)}, comm); }),
+    EXPECT_THAT(ErrorOf([&] { SlowMo({p}, comm, SlowMoOptions().slowmo_momentum(-0.1)); }),
+                HasSubstr("slowmo::SlowMo::SlowMo rank 0/1"));
+    EXPECT_THAT(ErrorOf([&] { SlowMo({at::zeros({2}, at::kLong)}, comm); }),
                 HasSubstr("parameter 0 must be a defined floating-point tensor"));
     SlowMo ok({p}, comm, SlowMoOptions().slowmo_momentum(0.5));
-    EXPECT_THAT(testing::ErrorOf([&] { ok.set_base_lr(0); }), HasSubstr("set_base_lr"));
-    EXPECT_THAT(testing::ErrorOf([&] { ok.load_state_dict(SlowMoState{}); }),
+    EXPECT_THAT(ErrorOf([&] { ok.set_base_lr(0); }), HasSubstr("set_base_lr"));
+    EXPECT_THAT(ErrorOf([&] { ok.load_state_dict(SlowMoState{}); }),
                 HasSubstr("expected 1 buckets"));
     return absl::OkStatus();
   }), "errors");
