@@ -50,7 +50,7 @@ std::string EpochName(absl::string_view name, int64_t epoch) {
 
 void ReleaseCommunicator(std::shared_ptr<Communicator> comm, absl::Status reason) {
   if (comm == nullptr) return;
-  if (comm->status().ok()) comm->Abort(std::move(reason));
+  if (!reason.ok() && comm->status().ok()) comm->Abort(std::move(reason));
   if (comm.use_count() > 1) {
     FS_VLOG(1) << "communicator released but still referenced elsewhere ("
                << comm.use_count() - 1 << " more); its last holder destroys it";
@@ -66,9 +66,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> ReplaceCommunicator(
     return absl::InvalidArgumentError(
         absl::StrCat("ReplaceCommunicator('", name, "'): negative epoch ", epoch));
   }
-  ReleaseCommunicator(std::move(failed),
-                      absl::AbortedError(absl::StrCat("replaced by epoch ", epoch, " of '", name,
-                                                      "'")));
+  ReleaseCommunicator(std::move(failed));
   if (config.store == nullptr && config.size > 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "ReplaceCommunicator('", name, "') epoch ", epoch, ": CommConfig::store is required"));

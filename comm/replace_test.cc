@@ -4,8 +4,12 @@
 #include "comm/replace.h"
 
 #include <dirent.h>
+#include <malloc.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -27,6 +31,10 @@
 
 namespace fairscale::comm {
 namespace {
+
+// Before any ucp context exists (process ranks re-run this in their own static init): UCX over
+// TCP sockets, the transport the ucx tests use on a machine without an RDMA device.
+[[maybe_unused]] const bool kUcxOverTcp = setenv("UCX_TLS", "tcp", /*overwrite=*/1) == 0;
 
 using ::fairscale::base::testing::StatusIs;
 using ::testing::HasSubstr;
@@ -71,7 +79,8 @@ int64_t RssKiB() {
 struct Usage {
   int threads = 0;
   int fds = 0;
-  int64_t rss_kib = 0;
+  int64_t rss_kib = 0;          // after malloc_trim: memory in use
+  int64_t untrimmed_rss_kib = 0;  // before: also the free heap glibc keeps
 };
 
 // After a communicator is released its detached heartbeat threads end within one interval:
@@ -83,7 +92,10 @@ Usage Measure(int threads_without_comm, absl::Duration* settle) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   *settle = absl::Now() - start;
-  return Usage{CountEntries("/proc/self/task"), CountEntries("/proc/self/fd"), RssKiB()};
+  const int64_t untrimmed = RssKiB();
+  malloc_trim(0);
+  return Usage{CountEntries("/proc/self/task"), CountEntries("/proc/self/fd"), RssKiB(),
+               untrimmed};
 }
 
 // rank + 1 + salt on every rank: the sum is hand-derived below.
@@ -102,17 +114,42 @@ absl::Status CheckedAllReduce(Communicator& comm, size_t count, int salt, int me
   return Check(v.back() == want, absl::StrCat("last element ", v.back(), " != ", want));
 }
 
-bool NamesRank(const absl::Status& s, int rank) {
-  return absl::StrContains(s.message(), absl::StrCat("peer ", rank, " (")) ||
-         absl::StrContains(s.message(), absl::StrCat("rank ", rank, "/"));
+// Test-side synchronisation through the store: `rank` has finished `phase`; the others wait.
+// A rank that aborts must wait until its peers have finished their previous operation: by the
+// Communicator contract an abort may fail a peer's operation whose messages had not all arrived
+// yet (from third ranks too), even though the aborting rank completed it.
+absl::Status Arrive(Store& store, absl::string_view phase, int rank) {
+  return store.Set(absl::StrCat("test/", phase, "/", rank), "1");
+}
+absl::Status AwaitArrivals(Store& store, absl::string_view phase, std::vector<int> ranks) {
+  std::vector<std::string> keys;
+  for (int r : ranks) keys.push_back(absl::StrCat("test/", phase, "/", r));
+  return store.Wait(keys, absl::Seconds(30));
 }
 
-TEST(Replace, FiftyReplacementsAfterAbortedAndStuckRanksLeakNothing) {
+// "peer 2 (127.0.0.1:4711) closed ...", "... rank 2/3 [tcp]: Abort() was called", "rank 2
+// (127.0.0.1:4711) shows no sign of life", "rank 2 shows no sign of life", "peer 2 is
+// unreachable" (ucx).
+bool NamesRank(const absl::Status& s, int rank) {
+  for (const std::string& form :
+       {absl::StrCat("peer ", rank, " ("), absl::StrCat("peer ", rank, " is "),
+        absl::StrCat("rank ", rank, "/"),
+        absl::StrCat("rank ", rank, " ("), absl::StrCat("rank ", rank, " shows")}) {
+    if (absl::StrContains(s.message(), form)) return true;
+  }
+  return false;
+}
+
+// Over each backend that shares TransportCommunicator's teardown: tcp, and ucx over UCX_TLS=tcp.
+class ReplaceOver : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ReplaceOver, FiftyReplacementsAfterAbortedAndStuckRanksLeakNothing) {
   constexpr int kRanks = 3;
   constexpr int kRounds = 50;
+  const std::string backend = GetParam();
   const std::vector<absl::Status> statuses = testing::RunProcesses(
       kRanks,
-      [](int rank) -> absl::Status {
+      [backend](int rank) -> absl::Status {
         const CommConfig base = BaseConfig();
         const int threads_without_comm = CountEntries("/proc/self/task");
         std::shared_ptr<Communicator> comm;
@@ -120,14 +157,23 @@ TEST(Replace, FiftyReplacementsAfterAbortedAndStuckRanksLeakNothing) {
         absl::Duration slowest_release;
         for (int round = 1; round <= kRounds; ++round) {
           const std::string where = absl::StrCat("round ", round, ": ");
-          FS_ASSIGN_OR_RETURN(comm, ReplaceCommunicator(std::move(comm), "tcp", base, round));
+          FS_ASSIGN_OR_RETURN(comm, ReplaceCommunicator(std::move(comm), backend, base, round));
           FS_RETURN_IF_ERROR(CheckedAllReduce(*comm, 1000, round, rank));
           FS_RETURN_IF_ERROR(CheckedAllReduce(*comm, 1 << 18, round, rank));  // ring, 1 MiB
           const int failer = round % kRanks;
           const bool stuck = round % 2 == 0;
+          Store& store = *base.store;
+          const std::string phase = absl::StrCat("round", round);
+          if (rank != failer) FS_RETURN_IF_ERROR(Arrive(store, phase, rank));
           if (rank == failer && !stuck) {
-            // (a) Dies mid-operation as the network sees it: aborts its all-reduce at once and
-            // closes its connections while the others are in theirs.
+            // (a) Dies mid-operation as the network sees it: once the others are done with the
+            // checked all-reduces (and go into the next), aborts its all-reduce at once and
+            // closes its connections.
+            std::vector<int> others;
+            for (int r = 0; r < kRanks; ++r) {
+              if (r != failer) others.push_back(r);
+            }
+            FS_RETURN_IF_ERROR(AwaitArrivals(store, phase, others));
             std::vector<float> v(1 << 18, 1.0f);
             const Buffer b = MakeBuffer(v.data(), v.size());
             Work w = comm->AllReduce(b, b, ReduceOp::kSum);
@@ -165,9 +211,12 @@ TEST(Replace, FiftyReplacementsAfterAbortedAndStuckRanksLeakNothing) {
             absl::Duration settle;
             const Usage u = Measure(threads_without_comm, &settle);
             if (round == 1) first = u;
-            std::printf("usage rank %d after round %d: threads %d fds %d rss %lld KiB "
-                        "(threads settled in %s; slowest release so far %s)\n",
-                        rank, round, u.threads, u.fds, static_cast<long long>(u.rss_kib),
+            std::printf("usage %s rank %d after round %d: threads %d fds %d rss %lld KiB "
+                        "(%lld before malloc_trim; threads settled in %s; slowest release so "
+                        "far %s)\n",
+                        backend.c_str(), rank, round, u.threads, u.fds,
+                        static_cast<long long>(u.rss_kib),
+                        static_cast<long long>(u.untrimmed_rss_kib),
                         absl::FormatDuration(absl::Trunc(settle, absl::Milliseconds(1))).c_str(),
                         absl::FormatDuration(absl::Trunc(slowest_release, absl::Milliseconds(1)))
                             .c_str());
@@ -178,12 +227,17 @@ TEST(Replace, FiftyReplacementsAfterAbortedAndStuckRanksLeakNothing) {
                 Check(u.fds == first.fds, absl::StrCat(where, "fds ", u.fds, " != ", first.fds)));
             // The first rounds warm up malloc (glibc raises its mmap threshold after the first
             // 1 MiB buffer is freed, so later ones stay on the heap; arenas of the worker
-            // threads): measured +1.5-3.3 MiB by round 10, then +0-0.7 MiB from 25 to 50.
+            // threads): measured on tcp before malloc_trim +1.5-3.3 MiB by round 10, then
+            // +0-1.1 MiB from 25 to 50. The bounds apply to the trimmed RSS (memory in use).
             if (round == 10) tenth = u;
-            FS_RETURN_IF_ERROR(Check(u.rss_kib - first.rss_kib < 8 * 1024,
+            // ucx: threads and fds are flat too, but its memory in use grows ~50-200 KiB per
+            // communicator (inside UCX or our ucx transport, not found yet: comm/README.md);
+            // bounded loosely here so that a larger regression still fails.
+            const int64_t slack_kib = backend == "ucx" ? 24 * 1024 : 0;
+            FS_RETURN_IF_ERROR(Check(u.rss_kib - first.rss_kib < 8 * 1024 + slack_kib,
                                      absl::StrCat(where, "RSS grew from ", first.rss_kib, " to ",
                                                   u.rss_kib, " KiB since round 1")));
-            FS_RETURN_IF_ERROR(Check(round < 10 || u.rss_kib - tenth.rss_kib < 2 * 1024,
+            FS_RETURN_IF_ERROR(Check(round < 10 || u.rss_kib - tenth.rss_kib < 2 * 1024 + slack_kib,
                                      absl::StrCat(where, "RSS grew from ", tenth.rss_kib, " to ",
                                                   u.rss_kib, " KiB since round 10")));
           }
@@ -194,6 +248,106 @@ TEST(Replace, FiftyReplacementsAfterAbortedAndStuckRanksLeakNothing) {
       absl::Seconds(240));
   testing::ExpectAllOk(statuses, "50 replacements");
 }
+
+// Real process deaths, 4 ranks: rank 3 is SIGSTOPped (found by the heartbeats; the survivors
+// release their communicator while it is still stopped, its sockets open and unread), the 3
+// survivors go on at epoch 2; there rank 2 SIGKILLs itself mid all-reduce and the last 2 go on at
+// epoch 3. (The rank runner cannot restart a child, so the dead do not rejoin here; the rejoin
+// is SurvivorsShrinkThenTheFailedRankRejoins.)
+TEST_P(ReplaceOver, StoppedAndKilledRanksAreLeftBehindWithinSeconds) {
+  const std::string backend = GetParam();
+  const std::vector<absl::Status> statuses = testing::RunProcesses(
+      4,
+      [backend](int rank) -> absl::Status {
+        CommConfig config = BaseConfig();
+        Store& store = *config.store;
+        FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
+                            ReplaceCommunicator(nullptr, backend, config, 1));
+        FS_RETURN_IF_ERROR(CheckedAllReduce(*comm, 1000, 1, rank));
+        // Rank 0 kills the stopped rank 3 on its way out, whatever happened.
+        struct KillStopped {
+          Store& store;
+          bool armed;
+          ~KillStopped() {
+            if (!armed) return;
+            absl::StatusOr<std::string> pid = store.Get("test/stopped_pid", absl::Seconds(20));
+            if (pid.ok()) kill(std::stoi(*pid), SIGKILL);
+          }
+        } kill_stopped{store, rank == 0};
+        const int threads_with_one = CountEntries("/proc/self/task");
+        const int fds_with_one = CountEntries("/proc/self/fd");
+        if (rank == 3) {
+          FS_RETURN_IF_ERROR(store.Set("test/stopped_pid", absl::StrCat(getpid())));
+          raise(SIGSTOP);  // rank 0 kills it at the end
+          return absl::InternalError("rank 3 was continued");
+        }
+        FS_RETURN_IF_ERROR(store.Wait({"test/stopped_pid"}, absl::Seconds(20)));
+        std::vector<float> v(1000, 1.0f);
+        Buffer b = MakeBuffer(v.data(), v.size());
+        absl::Time start = absl::Now();
+        absl::Status s = comm->AllReduce(b, b, ReduceOp::kSum).Wait();  // 20 s timeout
+        FS_RETURN_IF_ERROR(Check(!s.ok() && NamesRank(s, 3) && absl::Now() - start < absl::Seconds(8),
+                                 absl::StrCat("epoch 1 with rank 3 stopped, after ",
+                                              absl::FormatDuration(absl::Now() - start), ": ",
+                                              s.ToString())));
+        start = absl::Now();
+        ReleaseCommunicator(std::move(comm));
+        FS_RETURN_IF_ERROR(Check(absl::Now() - start < absl::Seconds(1),
+                                 "releasing with a stopped peer took over 1 s"));
+        config.size = 3;
+        FS_ASSIGN_OR_RETURN(comm, ReplaceCommunicator(nullptr, backend, config, 2));
+        FS_RETURN_IF_ERROR(CheckedAllReduce(*comm, 1 << 18, 2, rank));
+        if (rank != 2) FS_RETURN_IF_ERROR(Arrive(store, "epoch2", rank));
+        if (rank == 2) {
+          // Killed while the others are in their next all-reduce.
+          FS_RETURN_IF_ERROR(AwaitArrivals(store, "epoch2", {0, 1}));
+          absl::SleepFor(absl::Milliseconds(100));
+          kill(getpid(), SIGKILL);
+        }
+        v.assign(1 << 18, 1.0f);
+        b = MakeBuffer(v.data(), v.size());
+        start = absl::Now();
+        s = comm->AllReduce(b, b, ReduceOp::kSum).Wait();
+        FS_RETURN_IF_ERROR(Check(!s.ok() && NamesRank(s, 2) && absl::Now() - start < absl::Seconds(8),
+                                 absl::StrCat("epoch 2 with rank 2 killed, after ",
+                                              absl::FormatDuration(absl::Now() - start), ": ",
+                                              s.ToString())));
+        std::printf("%s rank %d: epoch 1: stopped rank 3 named; epoch 2: %s\n", backend.c_str(),
+                    rank, s.ToString().c_str());
+        start = absl::Now();
+        ReleaseCommunicator(std::move(comm));
+        FS_RETURN_IF_ERROR(Check(absl::Now() - start < absl::Seconds(1),
+                                 "releasing with a killed peer took over 1 s"));
+        config.size = 2;
+        FS_ASSIGN_OR_RETURN(comm, ReplaceCommunicator(nullptr, backend, config, 3));
+        for (int step = 0; step < 3; ++step) {
+          FS_RETURN_IF_ERROR(CheckedAllReduce(*comm, 1 << 18, 3 + step, rank));
+        }
+        FS_RETURN_IF_ERROR(comm->Barrier().Wait());
+        // Holding one communicator again (of 2 ranks instead of 4): the same threads and fewer
+        // fds than with the first (4 ranks: 2 more sockets).
+        const int threads = CountEntries("/proc/self/task");
+        const int fds = CountEntries("/proc/self/fd");
+        std::printf("%s rank %d: with epoch 1 (4 ranks): threads %d fds %d; with epoch 3 (2 "
+                    "ranks): threads %d fds %d\n",
+                    backend.c_str(), rank, threads_with_one, fds_with_one, threads, fds);
+        FS_RETURN_IF_ERROR(Check(threads == threads_with_one && fds <= fds_with_one,
+                                 "threads or fds left behind by epochs 1 and 2"));
+        ReleaseCommunicator(std::move(comm));
+        return absl::OkStatus();
+      },
+      absl::Seconds(90));
+  for (int r = 0; r < 2; ++r) EXPECT_OK(statuses[r]) << "rank " << r;
+  for (int r = 2; r < 4; ++r) {
+    EXPECT_THAT(statuses[r], StatusIs(absl::StatusCode::kInternal, HasSubstr("signal 9")))
+        << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, ReplaceOver, ::testing::Values("tcp", "ucx"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param);
+                         });
 
 // What the quorum layer does: 3 ranks; rank 2 fails; ranks 0 and 1 go on as a communicator of
 // size 2 under the next epoch; then rank 2 rejoins and all three form size 3 at the epoch after.
@@ -207,7 +361,9 @@ TEST(Replace, SurvivorsShrinkThenTheFailedRankRejoins) {
         FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
                             ReplaceCommunicator(nullptr, "tcp", config, 1));
         FS_RETURN_IF_ERROR(CheckedAllReduce(*comm, 1000, 1, rank));
+        if (rank != 2) FS_RETURN_IF_ERROR(Arrive(store, "epoch1", rank));
         if (rank == 2) {
+          FS_RETURN_IF_ERROR(AwaitArrivals(store, "epoch1", {0, 1}));
           comm->Abort(absl::OkStatus());
           ReleaseCommunicator(std::move(comm));
           // The quorum tells it to come back at epoch 3, once the survivors' epoch 2 has run.
@@ -247,24 +403,27 @@ TEST(Replace, SurvivorsShrinkThenTheFailedRankRejoins) {
   testing::ExpectAllOk(statuses, "shrink and rejoin");
 }
 
-TEST(Replace, ReplacingAHealthyCommunicatorAbortsItForItsPeers) {
+// A healthy communicator is replaced by closing it cleanly, not by an abort: a peer that still
+// waits on this rank fails at once naming it.
+TEST(Replace, AHealthyCommunicatorIsClosedCleanly) {
   testing::ExpectAllOk(testing::RunThreads(
       2,
       [](int rank) -> absl::Status {
         CommConfig config = BaseConfig();
         FS_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
                             ReplaceCommunicator(nullptr, "tcp", config, 0));
-        std::shared_ptr<Communicator> kept = comm;  // observe it after the replacement
+        FS_RETURN_IF_ERROR(CheckedAllReduce(*comm, 100, 0, rank));
         if (rank == 1) {
+          // Rank 0 never joins this one: it replaces its communicator.
           std::vector<float> v(1000, 1.0f);
           const Buffer b = MakeBuffer(v.data(), v.size());
-          const absl::Status s = comm->AllReduce(b, b, ReduceOp::kSum).Wait(absl::Seconds(20));
-          FS_RETURN_IF_ERROR(Check(absl::StrContains(s.message(), "replaced by epoch 1 of 'replace'"),
+          const absl::Time start = absl::Now();
+          const absl::Status s = comm->AllReduce(b, b, ReduceOp::kSum).Wait();  // 20 s timeout
+          FS_RETURN_IF_ERROR(Check(!s.ok() && NamesRank(s, 0) && absl::Now() - start < absl::Seconds(5),
                                    absl::StrCat("rank 1 saw: ", s.ToString())));
         }
         FS_ASSIGN_OR_RETURN(comm, ReplaceCommunicator(std::move(comm), "tcp", config, 1));
-        FS_RETURN_IF_ERROR(Check(!kept->status().ok(), "the replaced communicator is healthy"));
-        return CheckedAllReduce(*comm, 100, 0, rank);
+        return CheckedAllReduce(*comm, 100, 1, rank);
       },
       absl::Seconds(60)));
 }
