@@ -166,20 +166,16 @@ TEST_P(ReplaceOver, FiftyReplacementsAfterAbortedAndStuckRanksLeakNothing) {
           const std::string phase = absl::StrCat("round", round);
           if (rank != failer) FS_RETURN_IF_ERROR(Arrive(store, phase, rank));
           if (rank == failer && !stuck) {
-            // (a) Dies mid-operation as the network sees it: once the others are done with the
-            // checked all-reduces (and go into the next), aborts its all-reduce at once and
-            // closes its connections.
+            // (a) Dies as the network sees it while the others are in their all-reduce: aborts
+            // and closes its connections. (It joins none: had it joined, its all-reduce could
+            // complete, and so the others', before the abort.)
             std::vector<int> others;
             for (int r = 0; r < kRanks; ++r) {
               if (r != failer) others.push_back(r);
             }
             FS_RETURN_IF_ERROR(AwaitArrivals(store, phase, others));
-            std::vector<float> v(1 << 18, 1.0f);
-            const Buffer b = MakeBuffer(v.data(), v.size());
-            Work w = comm->AllReduce(b, b, ReduceOp::kSum);
+            absl::SleepFor(absl::Milliseconds(50));
             comm->Abort(absl::OkStatus());
-            const absl::Status s = w.Wait(absl::Seconds(10));
-            FS_RETURN_IF_ERROR(Check(!s.ok(), where + "the aborted all-reduce succeeded"));
           } else if (rank == failer) {
             // (b) Stuck: never joins; waits until the others' failure reaches it.
             const absl::Time start = absl::Now();
