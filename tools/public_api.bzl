@@ -51,6 +51,7 @@ COMM = [
     "//comm:interface",  # Communicator, Work, types: all a feature library needs
     "//comm:config",  # CommConfig
     "//comm:registry",  # CreateCommunicator / CreateCommunicatorFromEnv: binaries and tests
+    "//comm:replace",  # ReplaceCommunicator: a failed communicator replaced in-process, per epoch
     "//comm/torch",  # at::Tensor <-> Buffer
     "//comm/torch:c10d_store",  # the "c10d" store client (torchrun's agent store); links a registration
     "//comm/store",  # the Store interface

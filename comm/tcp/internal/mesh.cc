@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <memory>
+#include <random>
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/logging.h"
@@ -27,6 +29,14 @@ constexpr absl::Duration kFirstReport = absl::Seconds(5);
 constexpr absl::Duration kReportEvery = absl::Seconds(30);
 
 std::string AddressKey(int rank) { return absl::StrCat("addr/", rank); }
+std::string NonceKey(int rank) { return absl::StrCat("nonce/", rank); }
+
+uint64_t NewNonce() {
+  std::random_device device;
+  uint64_t nonce = 0;
+  while (nonce == 0) nonce = (uint64_t{device()} << 32) ^ device();
+  return nonce;
+}
 
 enum class State { kRetryWait, kConnecting, kSending, kReceiving, kDone, kDropped };
 
@@ -75,8 +85,8 @@ class MeshBuilder {
   absl::Status Error(absl::StatusCode code, absl::string_view message) const {
     return absl::Status(code, absl::StrCat(Prefix(), ": ", message));
   }
-  Hello MakeHello(int to_rank) const {
-    return Hello{kHandshakeMagic, kProtocolVersion, rank_, to_rank, size_, 0};
+  Hello MakeHello(int to_rank, uint64_t nonce) const {
+    return Hello{kHandshakeMagic, kProtocolVersion, rank_, to_rank, size_, nonce};
   }
   int Connected() const {
     return static_cast<int>(std::count_if(peers_.begin(), peers_.end(),
@@ -107,7 +117,9 @@ class MeshBuilder {
   std::vector<MeshPeer> peers_;
   std::vector<std::unique_ptr<Conn>> conns_;
   Listener listener_;
+  const uint64_t nonce_ = NewNonce();  // this rank's listener's
   int strays_ = 0;
+  int stale_ = 0;  // connections meant for another communicator (Hello::nonce)
 };
 
 absl::StatusOr<std::vector<MeshPeer>> MeshBuilder::Run() {
@@ -117,6 +129,11 @@ absl::StatusOr<std::vector<MeshPeer>> MeshBuilder::Run() {
   auto listener = Listen(options_.bind_address, SOMAXCONN);
   if (!listener.ok()) return Error(listener.status().code(), listener.status().message());
   listener_ = *std::move(listener);
+  // The nonce first: whoever reads the address finds it.
+  if (absl::Status s = store_.Set(NonceKey(rank_), absl::StrCat(nonce_)); !s.ok()) {
+    return Error(s.code(), absl::StrCat("cannot publish this rank's listener nonce in the store: ",
+                                        s.message()));
+  }
   if (absl::Status s = store_.Set(AddressKey(rank_), listener_.address); !s.ok()) {
     return Error(s.code(), absl::StrCat("cannot publish this rank's address in the store: ",
                                         s.message()));
@@ -143,12 +160,23 @@ absl::StatusOr<std::vector<MeshPeer>> MeshBuilder::Run() {
                    absl::StrCat("rank ", peer, " published the address '", *address,
                                 "': ", targets.status().message()));
     }
+    // Published before the address. (Absent only where a test forged the address: 0.)
+    uint64_t nonce = 0;
+    if (absl::StatusOr<bool> has = store_.Check(NonceKey(peer)); has.ok() && *has) {
+      absl::StatusOr<std::string> value = store_.Get(NonceKey(peer), absl::Seconds(1));
+      if (!value.ok() || !absl::SimpleAtoi(*value, &nonce)) {
+        return Error(absl::StatusCode::kInternal,
+                     absl::StrCat("rank ", peer, "'s listener nonce (store key '", NonceKey(peer),
+                                  "') is unreadable: ",
+                                  value.ok() ? *value : value.status().ToString()));
+      }
+    }
     auto c = std::make_unique<Conn>();
     c->outgoing = true;
     c->peer = peer;
     c->address = *address;
     c->targets = *std::move(targets);
-    c->out = MakeHello(peer);
+    c->out = MakeHello(peer, nonce);
     conns_.push_back(std::move(c));
   }
 
@@ -213,6 +241,11 @@ absl::StatusOr<std::vector<MeshPeer>> MeshBuilder::Run() {
   if (strays_ > 0) {
     FS_LOG(WARNING) << Prefix() << ": rejected " << strays_
                     << " connection(s) that did not speak the fairscale tcp handshake";
+  }
+  if (stale_ > 0) {
+    FS_LOG(WARNING) << Prefix() << ": rejected " << stale_
+                    << " connection(s) meant for another communicator (an earlier epoch's "
+                       "late connect to a reused port?)";
   }
   return std::move(peers_);
 }
@@ -364,6 +397,20 @@ absl::Status MeshBuilder::OnHello(Conn& c) {
     c.fd.Reset();
     return absl::OkStatus();
   }
+  if (h.version == kProtocolVersion && h.nonce != nonce_) {
+    // Meant for another communicator's listener (an old epoch's late connect that reached a
+    // reused port): answer, so that its side can say so, and drop it; this mesh goes on.
+    ++stale_;
+    FS_LOG(WARNING) << Prefix() << ": dropped a connection from " << c.address << " (rank "
+                    << h.from_rank << "/" << h.size
+                    << ") meant for another communicator: its listener nonce " << h.nonce
+                    << " is not this one's";
+    c.out = MakeHello(h.from_rank, nonce_);
+    (void)::send(c.fd.get(), &c.out, sizeof(Hello), MSG_NOSIGNAL | MSG_DONTWAIT);
+    c.state = State::kDropped;
+    c.fd.Reset();
+    return absl::OkStatus();
+  }
   if (absl::Status s = CheckHello(h, rank_, size_, c.address); !s.ok()) {
     c.fail_after_reply = Error(s.code(), s.message());
   } else if (peers_[h.from_rank].fd.valid() ||
@@ -376,7 +423,7 @@ absl::Status MeshBuilder::OnHello(Conn& c) {
                            " (the second from ", c.address, ")"));
   }
   c.peer = h.from_rank;
-  c.out = MakeHello(h.from_rank);
+  c.out = MakeHello(h.from_rank, nonce_);
   c.state = State::kSending;
   // The socket is freshly connected, so our 24 bytes fit at once; Step() sends them.
   absl::Status s = Step(c, POLLOUT);
@@ -385,6 +432,16 @@ absl::Status MeshBuilder::OnHello(Conn& c) {
 }
 
 absl::Status MeshBuilder::OnReply(Conn& c) {
+  // Before the rank and size checks: the other communicator may have any size.
+  if (c.in.magic == kHandshakeMagic && c.in.version == kProtocolVersion && c.out.nonce != 0 &&
+      c.in.nonce != c.out.nonce) {
+    return Error(absl::StatusCode::kFailedPrecondition,
+                 absl::StrCat("rank ", c.peer, "'s address ", c.address,
+                              " now belongs to another communicator (its listener nonce ",
+                              c.in.nonce, " is not the published ", c.out.nonce,
+                              "): this rank's rendezvous is stale, e.g. an earlier epoch's that "
+                              "the others have left"));
+  }
   if (absl::Status s = CheckReply(c.in, rank_, size_, c.peer, c.address); !s.ok()) {
     return Error(s.code(), s.message());
   }

@@ -2,9 +2,15 @@
 // calls it once per communicator).
 //
 // Every rank listens on `bind_address` with an OS-assigned port and publishes
-// "addr/<rank>" = "host:port" in the (communicator-private) store. Rank r connects to
-// every rank below it and accepts every rank above it; both sides of each connection exchange
-// and validate a Hello (magic, protocol version, ranks, world size). All connects, retries and
+// "nonce/<rank>" = a random 64-bit listener nonce, then "addr/<rank>" = "host:port", in the
+// (communicator-private) store. Rank r connects to every rank below it and accepts every rank
+// above it; both sides of each connection exchange and validate a Hello (magic, protocol
+// version, the listener's nonce, ranks, world size). The nonce keeps communicators apart where
+// the store cannot: a rank of an old communicator (an earlier epoch, comm/replace.h) that
+// connects late to an address it read then, now a reused port of a new communicator's listener,
+// sends the old nonce; the listener answers and drops it (logged, never joined, the new mesh
+// goes on), and the stale side fails with kFailedPrecondition "... belongs to another
+// communicator ...". All connects, retries and
 // handshakes run concurrently in one poll loop, bounded by `timeout` (ranks slow to join), or by
 // `refused_timeout` for a published address that refuses every connect. A connection that does
 // not open with the magic (a port scanner, a stale client) is closed and ignored; a real peer

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/status_matchers.h"
 #include "comm/store/hash_store.h"
@@ -114,8 +115,11 @@ TEST(Mesh, HandshakeFromTheWrongRankIsInvalidArgument) {
   std::thread t0([&] { rank0 = ConnectMesh(*store, 0, 3, Options()); });
   auto address = store->Get("addr/0", absl::Seconds(20));
   ASSERT_OK(address.status());
+  auto nonce = store->Get("nonce/0", absl::Seconds(20));
+  ASSERT_OK(nonce.status());
   UniqueFd fake = ConnectTo(*address);
-  const Hello hello{kHandshakeMagic, kProtocolVersion, /*from_rank=*/2, /*to_rank=*/1, 3};
+  const Hello hello{kHandshakeMagic, kProtocolVersion, /*from_rank=*/2, /*to_rank=*/1, 3,
+                    std::stoull(*nonce)};
   ASSERT_EQ(::send(fake.get(), &hello, sizeof(hello), 0), static_cast<ssize_t>(sizeof(hello)));
   t0.join();
   EXPECT_THAT(rank0.status(),
@@ -127,6 +131,36 @@ TEST(Mesh, HandshakeFromTheWrongRankIsInvalidArgument) {
   EXPECT_EQ(::recv(fake.get(), &reply, sizeof(reply), MSG_WAITALL),
             static_cast<ssize_t>(sizeof(reply)));
   EXPECT_EQ(reply.from_rank, 0);
+}
+
+// A rank of another communicator (an old epoch, comm/replace.h) whose late connect reaches this
+// one's listener, e.g. on a reused port, carries another nonce: the listener drops it and goes
+// on; the stale side fails at once saying its rendezvous is stale.
+TEST(Mesh, ConnectionMeantForAnotherCommunicatorIsRefusedOnBothSides) {
+  auto store = std::make_shared<HashStore>();
+  absl::StatusOr<std::vector<MeshPeer>> rank0;
+  std::thread t0([&] { rank0 = ConnectMesh(*store, 0, 2, Options()); });
+  auto address = store->Get("addr/0", absl::Seconds(20));
+  ASSERT_OK(address.status());
+  auto nonce = store->Get("nonce/0", absl::Seconds(20));
+  ASSERT_OK(nonce.status());
+  // The old communicator's store: the same address, the nonce of the listener it had then.
+  auto old_store = std::make_shared<HashStore>();
+  ASSERT_OK(old_store->Set("nonce/0", absl::StrCat(std::stoull(*nonce) + 1)));
+  ASSERT_OK(old_store->Set("addr/0", *address));
+  const absl::Time start = absl::Now();
+  auto stale = ConnectMesh(*old_store, 1, 3, Options());  // of another size, too
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_THAT(stale.status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("tcp rendezvous rank 1/3: rank 0's address " + *address +
+                                       " now belongs to another communicator"),
+                             HasSubstr("rendezvous is stale"))));
+  // The listener was not disturbed: the real rank 1 joins.
+  auto rank1 = ConnectMesh(*store, 1, 2, Options());
+  t0.join();
+  ASSERT_OK(rank0.status());
+  ASSERT_OK(rank1.status());
 }
 
 TEST(Mesh, StaleAddressRetriesUntilTheDeadlineAndNamesIt) {

@@ -18,7 +18,8 @@ namespace fairscale::comm::tcp_internal {
 // "FSTCPv01" read as a little-endian integer.
 inline constexpr uint64_t kHandshakeMagic = 0x3130765043545346ull;
 // 2: the same-host offer/answer after the Hello, and the PULL and ACK frames.
-inline constexpr uint32_t kProtocolVersion = 2;
+// 3: Hello::nonce (a connection meant for another communicator is refused).
+inline constexpr uint32_t kProtocolVersion = 3;
 
 // Sent by each side once, right after connect/accept. The connecting side speaks first; the
 // accepting side validates and answers with its own Hello (even when it is about to reject the
@@ -29,7 +30,11 @@ struct Hello {
   int32_t from_rank;  // the sender's rank
   int32_t to_rank;    // the rank the sender believes it is talking to
   int32_t size;       // the sender's world size
-  uint64_t reserved;  // 0; keeps the stream 16-byte aligned (see kStreamAlignment)
+  // The accepting rank's listener nonce, which it published in the store beside its address
+  // ("nonce/<rank>", see mesh.h); the accepting side echoes its own. Tells this communicator's
+  // connections from those meant for another one that reached a reused port (an old epoch's
+  // late connect). Also keeps the stream 16-byte aligned (see kStreamAlignment).
+  uint64_t nonce;
 };
 static_assert(sizeof(Hello) == 32, "Hello is part of the wire format");
 
