@@ -341,7 +341,7 @@ absl::StatusOr<Quorum> Membership::quorum(int64_t step, absl::Duration timeout) 
         q.groups = d.groups;
         q.replicate_rank = std::find(d.groups.begin(), d.groups.end(), o.group) - d.groups.begin();
         q.replicate_size = d.groups.size();
-        q.changed = r == 0 || !was_member || d.groups != prev.groups;
+        q.changed = r == 0 || !was_member || d.epoch != prev.epoch;
         q.joiners = d.joiners;
         q.sources = d.sources;
         for (size_t i = 0; i < d.joiners.size(); ++i) {
@@ -416,7 +416,15 @@ absl::StatusOr<Quorum> Membership::quorum(int64_t step, absl::Duration timeout) 
           }
           waiting_for = absl::StrCat("min_groups ", o.min_groups);
         } else {
-          d.epoch = r == 0 ? 0 : prev.epoch + (d.groups != prev.groups ? 1 : 0);
+          bool discarded = false;  // round r - 1's step was voted down: its communicators are suspect
+          if (r > 0) {
+            FS_ASSIGN_OR_RETURN(bool voted, store_->Check(absl::StrCat("commit/", r - 1)));
+            if (voted) {
+              FS_ASSIGN_OR_RETURN(std::string v, store_->Get(absl::StrCat("commit/", r - 1), kStoreCallTimeout));
+              discarded = !absl::StartsWith(v, "1");
+            }
+          }
+          d.epoch = r == 0 ? 0 : prev.epoch + (d.groups != prev.groups || discarded ? 1 : 0);
           std::vector<int> healthy;
           for (int g : d.groups) {
             if (r > 0 && Contains(prev.groups, g)) healthy.push_back(g);
@@ -447,6 +455,62 @@ absl::StatusOr<Quorum> Membership::quorum(int64_t step, absl::Duration timeout) 
       }
       absl::SleepFor(o.poll_interval);
     }
+  }
+}
+
+absl::StatusOr<bool> Membership::should_commit(const Quorum& q, bool ok, absl::Duration timeout) {
+  State& st = *state_;
+  const Options& o = options_;
+  const absl::Time deadline = absl::Now() + timeout;
+  const std::string who = absl::StrCat("should_commit (round ", q.round, ", step ", q.step,
+                                       ", group ", o.group, " rank ", o.shard, ")");
+  const std::string verdict_key = absl::StrCat("commit/", q.round);
+  auto vote_key = [&](int g, int s) { return absl::StrCat("vote/", q.round, "/g", g, "/s", s); };
+  FS_RETURN_IF_ERROR(store_->Set(vote_key(o.group, o.shard), ok ? "1" : "0"));
+  for (;;) {
+    FS_RETURN_IF_ERROR(st.StoreHealth());
+    FS_ASSIGN_OR_RETURN(bool decided, store_->Check(verdict_key));
+    if (decided) {
+      FS_ASSIGN_OR_RETURN(std::string v, store_->Get(verdict_key, kStoreCallTimeout));
+      return absl::StartsWith(v, "1");
+    }
+    // Decidable: a vote "0", a rank of a group that died without voting, or every vote in.
+    std::string verdict;
+    std::string waiting_for;
+    for (int g : q.groups) {
+      bool group_dead_checked = false;
+      std::string dead;
+      for (int s = 0; s < o.group_size && verdict.empty(); ++s) {
+        FS_ASSIGN_OR_RETURN(bool voted, store_->Check(vote_key(g, s)));
+        if (voted) {
+          FS_ASSIGN_OR_RETURN(std::string v, store_->Get(vote_key(g, s), kStoreCallTimeout));
+          if (v != "1") verdict = absl::StrCat("0 group ", g, " rank ", s, " voted to discard");
+          continue;
+        }
+        if (!group_dead_checked) {
+          dead = st.DeadReason(g);
+          group_dead_checked = true;
+        }
+        if (!dead.empty()) {
+          verdict = absl::StrCat("0 ", dead, " before voting");
+        } else {
+          absl::StrAppend(&waiting_for, waiting_for.empty() ? "" : ",", "(", g, ",", s, ")");
+        }
+      }
+      if (!verdict.empty()) break;
+    }
+    if (verdict.empty() && waiting_for.empty()) verdict = "1";
+    if (!verdict.empty()) {
+      FS_RETURN_IF_ERROR(store_->CompareSet(verdict_key, "", verdict).status());
+      continue;  // read back whichever verdict won
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(who, ": no verdict after ",
+                                                      absl::FormatDuration(timeout),
+                                                      ": waiting for the votes of rank(s) ",
+                                                      waiting_for, " (alive)"));
+    }
+    absl::SleepFor(o.poll_interval);
   }
 }
 

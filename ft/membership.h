@@ -11,6 +11,9 @@
 //     if (q.changed) FS_ASSIGN_OR_RETURN(comm, m->replicate_communicator(q, comm, "tcp", base));
 //     if (q.joining) { /* receive state from group q.source_group; step = q.max_step */ }
 //     ... forward, backward, AllReduce over comm (averages cover q.groups only) ...
+//     FS_ASSIGN_OR_RETURN(bool commit, m->should_commit(q, all_reduce_status.ok(), timeout));
+//     if (!commit) { --step; continue; }  // discarded everywhere: retried in the next round
+//     optimizer.step();
 //   }
 //   m->Leave();  // clean exit: peers drop this group at once instead of after dead_after
 //
@@ -34,7 +37,9 @@
 //   round 0: every group of the job) has either fully arrived or is dead; its groups are the
 //   groups that fully arrived (also new ones, which are then joiners). A group that arrives after
 //   the decision is in a later round.
-// * Epoch: 0 at round 0; +1 exactly when a round's group set differs from the previous round's.
+// * Epoch: 0 at round 0; +1 exactly when a round's group set differs from the previous round's,
+//   or when the previous round's step was discarded by should_commit() (a collective failed:
+//   the communicators of that epoch are suspect even when every group is still alive).
 // * Bounds: a group that dies before or at a step boundary is dropped from that boundary's
 //   round within dead_after + heartbeat_interval + poll_interval (measured in ft/README.md). A
 //   group that comes back is admitted at the first round after all its ranks announced,
@@ -80,7 +85,8 @@ struct Quorum {
   // This rank's place in its replicate group (rank `shard` of every group in `groups`).
   int replicate_rank = 0;
   int replicate_size = 0;
-  // The group set differs from the previous round's (always true in round 0 and for a joiner).
+  // The epoch differs from the previous round's (the group set changed, or the previous step was
+  // discarded); always true in round 0 and for a joiner. Replace the replicate communicator.
   bool changed = false;
   // Groups new in this round (not in the previous round), which need the state, and for each
   // the group to receive it from (-1: no group of the previous round is left).
@@ -142,6 +148,15 @@ class Membership {
 
   // The quorum of this step boundary (see the contract above). Waits at most `timeout`.
   absl::StatusOr<Quorum> quorum(int64_t step, absl::Duration timeout);
+
+  // The commit vote of a step (torchft's should_commit): every rank of q.groups calls it after
+  // its step's collectives with whether they succeeded; returns true on every rank when all of
+  // them voted true, false on every rank when one voted false or died before voting (judged as
+  // in quorum(); one CompareSet on "commit/<round>" makes the verdict the same everywhere). A
+  // rank applies its optimizer step only on true; on false every rank of the round discards the
+  // step and retries it in the next round, so the groups' (and a group's shards') steps never
+  // diverge. Errors as quorum()'s.
+  absl::StatusOr<bool> should_commit(const Quorum& q, bool ok, absl::Duration timeout);
 
   // Releases `old` (may be null) and creates this rank's replicate communicator of `q`
   // (comm::ReplaceCommunicator under q.epoch; name "<base.name>replicate/s<shard>", rank

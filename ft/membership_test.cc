@@ -192,6 +192,25 @@ TEST(Membership, TwoGroupsDieAtOnce) {
   }, absl::Seconds(60)));
 }
 
+// One rank voting to discard discards the step on every rank; the next round has a new epoch.
+TEST(Membership, ShouldCommitIsTheSameEverywhere) {
+  ExpectAllOk(comm::testing::RunThreads(4, [&](int rank) -> absl::Status {
+    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), Opts(2, 2, rank)));
+    FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(0, absl::Seconds(20)));
+    FS_ASSIGN_OR_RETURN(bool commit, m->should_commit(q, true, absl::Seconds(20)));
+    FS_RETURN_IF_ERROR(Check(commit, "all voted true"));
+    FS_ASSIGN_OR_RETURN(q, m->quorum(1, absl::Seconds(20)));
+    FS_RETURN_IF_ERROR(Check(q.epoch == 0 && !q.changed, "committed: same epoch"));
+    FS_ASSIGN_OR_RETURN(commit, m->should_commit(q, rank != 3, absl::Seconds(20)));
+    FS_RETURN_IF_ERROR(Check(!commit, "rank 3 voted false"));
+    FS_ASSIGN_OR_RETURN(q, m->quorum(1, absl::Seconds(20)));
+    FS_RETURN_IF_ERROR(Check(q.epoch == 1 && q.changed && q.groups == std::vector<int>{0, 1},
+                             absl::StrCat("after a discarded step: epoch ", q.epoch)));
+    m->Leave();
+    return absl::OkStatus();
+  }, absl::Seconds(60)));
+}
+
 // A clean exit is noticed at the next sample, without waiting for dead_after.
 TEST(Membership, LeaveIsNoticedWithinAnInterval) {
   std::atomic<int64_t> left_us{0};
@@ -327,11 +346,12 @@ TEST(Membership, ProcessesWithTcpSurviveASigkill) {
     // One step per round; a rank whose all-reduce failed retries its step in the next round
     // (its shard's replicate group), so ranks stop by round, not by step.
     int64_t round = -1;
-    for (int step = 0; round + 1 < kRounds; ++step) {
+    int step = 0;
+    for (; round + 1 < kRounds; ++step) {
       absl::StatusOr<Quorum> got = m->quorum(step, absl::Seconds(30));
       if (g == 1 && got.status().code() == absl::StatusCode::kAborted) {
         std::printf("group 1 rank 0 at step %d: %s\n", step, got.status().ToString().c_str());
-        return Check(step > kKillStep && absl::StrContains(got.status().message(), "left out"),
+        return Check(step == kKillStep && absl::StrContains(got.status().message(), "left out"),
                      got.status().ToString());
       }
       FS_RETURN_IF_ERROR(got.status());
@@ -365,22 +385,28 @@ TEST(Membership, ProcessesWithTcpSurviveASigkill) {
       std::vector<float> v(1000, static_cast<float>((g + 1) * 1000 + s * 10 + step));
       comm::Buffer b = comm::MakeBuffer(v.data(), v.size());
       absl::Status ar = comm->AllReduce(b, b, comm::ReduceOp::kSum).Wait();
-      if (!ar.ok()) {
-        std::printf("rank (%d,%d) step %d: all-reduce failed (%s); the step is retried in the next quorum\n",
-                    g, s, step, ar.ToString().c_str());
+      if (ar.ok()) {
+        float want = 0;
+        for (int gg : q.groups) want += (gg + 1) * 1000 + s * 10 + step;
+        FS_RETURN_IF_ERROR(Check(v[0] == want && v[999] == want,
+                                 absl::StrCat("step ", step, ": ", v[0], " != ", want)));
+      }
+      FS_ASSIGN_OR_RETURN(bool commit, m->should_commit(q, ar.ok(), absl::Seconds(30)));
+      if (!commit) {
+        std::printf("rank (%d,%d) step %d round %lld: all-reduce %s, step discarded by the vote; retried in the next round\n",
+                    g, s, step, static_cast<long long>(q.round), ar.ToString().c_str());
+        FS_RETURN_IF_ERROR(Check(q.round == kKillStep, "only the kill's round is discarded"));
         --step;
         continue;
       }
-      float want = 0;
-      for (int gg : q.groups) want += (gg + 1) * 1000 + s * 10 + step;
-      FS_RETURN_IF_ERROR(Check(v[0] == want && v[999] == want,
-                               absl::StrCat("step ", step, ": ", v[0], " != ", want)));
+      FS_RETURN_IF_ERROR(Check(q.round != kKillStep, "the kill's round committed"));
       if (q.round > kKillStep + 1) {
         FS_RETURN_IF_ERROR(Check(q.groups == std::vector<int>{0}, "group 0 alone after the kill"));
       }
     }
     m->Leave();
-    return absl::OkStatus();
+    // Rounds 0..kRounds-1, the kill's round discarded: both ranks of group 0 at the same step.
+    return Check(step == kRounds - 1, absl::StrCat("ended at step ", step));
   }, absl::Seconds(120));
   ASSERT_EQ(statuses.size(), 4u);
   EXPECT_TRUE(statuses[0].ok()) << statuses[0];
