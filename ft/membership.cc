@@ -331,6 +331,12 @@ absl::StatusOr<Quorum> Membership::quorum(int64_t step, absl::Duration timeout) 
                 ", groups ", Ints(d.groups), "): its peers judged it dead (",
                 absl::StrJoin(d.reasons, "; "), "); restart the group to rejoin"));
           }
+          if (absl::Now() >= deadline) {
+            return absl::DeadlineExceededError(absl::StrCat(
+                who, ": not admitted within ", absl::FormatDuration(timeout), "; round ", r,
+                " was decided without this group (a rank of it had not arrived, or the deciding "
+                "rank had not yet seen its heartbeats)"));
+          }
           ++r;  // arrived too late for round r: try the next one
           break;
         }
