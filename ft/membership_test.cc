@@ -211,6 +211,27 @@ TEST(Membership, ShouldCommitIsTheSameEverywhere) {
   }, absl::Seconds(60)));
 }
 
+// A rank that dies between the quorum and its vote: the step is discarded within the bound.
+TEST(Membership, ShouldCommitFalseWhenARankDiesBeforeVoting) {
+  std::atomic<int64_t> death_us{0};
+  ExpectAllOk(comm::testing::RunThreads(2, [&](int rank) -> absl::Status {
+    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), Opts(2, 1, rank)));
+    FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(0, absl::Seconds(20)));
+    if (rank == 1) {
+      m.reset();
+      death_us = absl::ToUnixMicros(absl::Now());
+      return absl::OkStatus();
+    }
+    FS_ASSIGN_OR_RETURN(bool commit, m->should_commit(q, true, absl::Seconds(20)));
+    const absl::Duration detect = absl::Now() - absl::FromUnixMicros(death_us);
+    std::printf("detection: group 1 died before voting, step discarded %s later\n",
+                absl::FormatDuration(detect).c_str());
+    FS_RETURN_IF_ERROR(Check(!commit && detect <= kDetectBound, absl::StrCat("after ", absl::FormatDuration(detect))));
+    FS_ASSIGN_OR_RETURN(q, m->quorum(0, absl::Seconds(20)));
+    return Check(q.groups == std::vector<int>{0} && q.epoch == 1, absl::StrCat("epoch ", q.epoch));
+  }, absl::Seconds(30)));
+}
+
 // A clean exit is noticed at the next sample, without waiting for dead_after.
 TEST(Membership, LeaveIsNoticedWithinAnInterval) {
   std::atomic<int64_t> left_us{0};
