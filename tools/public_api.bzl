@@ -52,6 +52,7 @@ COMM = [
     "//comm:config",  # CommConfig
     "//comm:registry",  # CreateCommunicator / CreateCommunicatorFromEnv: binaries and tests
     "//comm:replace",  # ReplaceCommunicator: a failed communicator replaced in-process, per epoch
+    "//ft",  # Membership: heartbeats, the per-step quorum of replica groups, epochs (in-process recovery)
     "//comm/torch",  # at::Tensor <-> Buffer
     "//comm/torch:c10d_store",  # the "c10d" store client (torchrun's agent store); links a registration
     "//comm/store",  # the Store interface
