@@ -62,7 +62,10 @@ TEST(Stall, AStoppedRankIsNamedWithinSecondsNotAtTheOperationTimeout) {
     EXPECT_THAT(statuses[r], StatusIs(absl::StatusCode::kUnavailable,
                                       AllOf(HasSubstr("all_reduce #2"),
                                             HasSubstr("rank 2 (127.0.0.1:"),
-                                            HasSubstr(") shows no sign of life"))))
+                                            HasSubstr(") shows no sign of life"),
+                                            // What the noticing rank was waiting for (its own
+                                            // message, or relayed by the rank that noticed).
+                                            HasSubstr("; this rank was waiting for peer "))))
         << "rank " << r;
   }
   EXPECT_FALSE(statuses[2].ok());  // stopped, then killed by the runner

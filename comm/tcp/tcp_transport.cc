@@ -133,9 +133,21 @@ void TcpTransport::Fail(absl::Status status) {
 }
 
 void TcpTransport::CheckCancel() {
-  if (!cancelled_.load(std::memory_order_acquire)) return;
-  absl::MutexLock lock(&cancel_mu_);
-  Fail(cancel_reason_);
+  if (!cancelled_.load(std::memory_order_acquire) || !broken_.ok()) return;
+  absl::Status reason;
+  {
+    absl::MutexLock lock(&cancel_mu_);
+    reason = cancel_reason_;
+  }
+  // A cancel from outside the operation (the heartbeat monitor naming a silent rank or a silent
+  // store) also says what this rank was waiting for, so the error names the peers and addresses
+  // involved even when the reason names only the store. Abort() (kAborted) says just that.
+  const std::string waiting = reason.code() == absl::StatusCode::kAborted ? "" : Outstanding();
+  if (!waiting.empty()) {
+    reason = absl::Status(reason.code(),
+                          absl::StrCat(reason.message(), "; this rank was waiting for ", waiting));
+  }
+  Fail(reason);
 }
 
 void TcpTransport::Cancel(const absl::Status& reason) {

@@ -215,6 +215,9 @@ class TcpTransport final : public Transport {
   // error on a multi-host job names the host whose link, process or machine failed.
   std::string PeerName(int p) const;
   absl::Status DeadlineError() const;
+  // What this rank is still waiting for, per peer ("peer 1 (10.0.0.1:4000): received 0/4000
+  // bytes of all_reduce #3; ..."); "" when nothing is outstanding.
+  std::string Outstanding() const;
   void SendErrorFrames(const absl::Status& reason);
 
   const int rank_;

@@ -155,6 +155,11 @@ std::string TcpTransport::Progress(int p) const {
 }
 
 absl::Status TcpTransport::DeadlineError() const {
+  return absl::DeadlineExceededError(
+      absl::StrCat("deadline exceeded while waiting for ", Outstanding()));
+}
+
+std::string TcpTransport::Outstanding() const {
   std::vector<std::string> waiting;
   for (int p = 0; p < size_; ++p) {
     const Peer& peer = peers_[p];
@@ -192,8 +197,7 @@ absl::Status TcpTransport::DeadlineError() const {
       waiting.push_back(absl::StrCat(PeerName(p), ": ", absl::StrJoin(what, ", ")));
     }
   }
-  return absl::DeadlineExceededError(
-      absl::StrCat("deadline exceeded while waiting for ", absl::StrJoin(waiting, "; ")));
+  return absl::StrJoin(waiting, "; ");
 }
 
 void TcpTransport::Shutdown(const absl::Status& reason) {

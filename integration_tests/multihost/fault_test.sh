@@ -7,7 +7,9 @@
 #      fails within the operation timeout plus a margin (BOUND_S from the fault to each launcher's
 #      exit), with an error naming the operation and the peer rank it waited for with its host's
 #      address (on a ring that peer may be on the rank's own host: the first timer to fire is
-#      blamed; printed, not asserted); no hang (every run is under `timeout`).
+#      blamed; printed, not asserted; host1's ranks, cut off from the store on host0, report the
+#      silent store after half the operation timeout, with the peers they were waiting for); no
+#      hang (every run is under `timeout`).
 #   2. drop: host1's packets vanish with its link up (no carrier loss, no reset: the timeouts, not
 #      the closed-connection path): the same.
 #   3. freeze: every train_gpt rank of host1 is SIGSTOPped (the launcher is left running, so the
