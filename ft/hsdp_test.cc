@@ -117,11 +117,12 @@ struct Scenario {
   int64_t rejoin_at = -1;  // group 0 waits at this step until group 1 is back and announcing
 };
 
-// One incarnation of a rank: trains until step() reaches `until` (or `stop_at`, then returns
-// without a clean exit).
+// One incarnation of a rank: trains until step() reaches `until` (or `stop_at`, then dies
+// without a clean exit: before that step, or with `mid_step` after its backward, before
+// end_step, so its peers' gradient all-reduce fails).
 absl::Status Train(int rank, int incarnation, uint64_t seed, int64_t until, int64_t stop_at,
                    const std::function<void(int64_t step)>& before_step,
-                   const std::function<void()>& ready, Outcome* out) {
+                   const std::function<void()>& ready, Outcome* out, bool mid_step = false) {
   const int g = rank / kGroupSize;
   const int s = rank % kGroupSize;
   std::shared_ptr<comm::Store> store = CurrentRank()->store;
@@ -143,10 +144,16 @@ absl::Status Train(int rank, int incarnation, uint64_t seed, int64_t until, int6
   auto hsdp = std::make_unique<FaultTolerantHsdp>(
       model, opt, *m,
       HsdpOptions().backend("inproc").comm_config(base).quorum_timeout(absl::Seconds(20))
-          .commit_timeout(absl::Seconds(20)).collective_timeout(absl::Seconds(10)));
+          .commit_timeout(absl::Seconds(20)).collective_timeout(absl::Seconds(3)));
   if (ready) ready();
   while (hsdp->step() < until) {
     if (hsdp->step() == stop_at) {
+      if (mid_step) {
+        hsdp->begin_step();
+        opt.zero_grad();
+        auto [x, y] = Batch(hsdp->step(), g, s);
+        torch::mse_loss(model(x), y).backward();
+      }
       *out = Outcome{hsdp->history(), {}, {}};
       hsdp.reset();  // dies: no Leave, the heartbeats stop with the Membership
       m.reset();
@@ -254,7 +261,7 @@ TEST(FaultTolerantHsdp, TwoGroupsMatchSingleProcessReference) {
 
 // Group 1 dies before step kDieAt; with `rejoin`, it comes back while group 0 waits at
 // kRejoinAt, gets the state from group 0 and both train to kSteps.
-void RunFailure(bool rejoin) {
+void RunFailure(bool rejoin, bool mid_step = false) {
   constexpr int64_t kDieAt = 2;
   constexpr int64_t kRejoinAt = 5;
   const int64_t kSteps = rejoin ? 9 : 6;
@@ -280,7 +287,7 @@ void RunFailure(bool rejoin) {
       outcomes.Put(rank, std::move(out));
       return absl::OkStatus();
     }
-    FS_RETURN_IF_ERROR(Train(rank, 0, /*seed=*/0, kSteps, kDieAt, nullptr, nullptr, &out));
+    FS_RETURN_IF_ERROR(Train(rank, 0, /*seed=*/0, kSteps, kDieAt, nullptr, nullptr, &out, mid_step));
     died_us = absl::ToUnixMicros(absl::Now());
     if (!rejoin) {
       outcomes.Put(rank, std::move(out));
@@ -320,11 +327,26 @@ void RunFailure(bool rejoin) {
     if (r.committed) {
       EXPECT_EQ(r.groups, want) << "step " << r.step << ": " << described;
     }
-    if (r.step == kDieAt && detection == absl::ZeroDuration()) detection = r.quorum_wait;
+    if (r.step == kDieAt && r.committed) detection = r.quorum_wait;
   }
   int64_t committed = 0;
   for (const auto& r : o0.history) committed += r.committed;
   EXPECT_EQ(committed, kSteps);
+  if (mid_step) {
+    // Group 1 died inside step kDieAt: that attempt (both groups) is discarded on group 0 too,
+    // and retried by group 0 alone.
+    ASSERT_GT(o0.history.size(), static_cast<size_t>(kDieAt + 1)) << described;
+    const HsdpStepRecord& failed = o0.history[kDieAt];
+    EXPECT_FALSE(failed.committed) << described;
+    EXPECT_EQ(failed.groups, (std::vector<int>{0, 1}));
+    const HsdpStepRecord& retry = o0.history[kDieAt + 1];
+    EXPECT_EQ(retry.step, kDieAt);
+    EXPECT_TRUE(retry.committed);
+    EXPECT_GT(retry.epoch, failed.epoch);
+    std::printf("hsdp: discarded step %lld: reduction %.2fs (%s); retry's quorum wait %.2fs\n",
+                static_cast<long long>(kDieAt), absl::ToDoubleSeconds(failed.reduce_time),
+                failed.error.c_str(), absl::ToDoubleSeconds(retry.quorum_wait));
+  }
   EXPECT_LE(detection, kDetectBound);
   std::printf("hsdp: group 0's quorum wait at step %lld (group 1 dead): %.2fs (bound %.2fs)\n",
               static_cast<long long>(kDieAt), absl::ToDoubleSeconds(detection),
@@ -349,13 +371,17 @@ void RunFailure(bool rejoin) {
     }
   }
   std::printf("hsdp: %s: max |param - replay| %.3g over %d ranks, %.2fs\n",
-              rejoin ? "die and rejoin" : "die", worst, ranks,
+              rejoin ? "die and rejoin" : mid_step ? "die mid-step" : "die", worst, ranks,
               absl::ToDoubleSeconds(absl::Now() - start));
 }
 
 TEST(FaultTolerantHsdp, SurvivorsContinueWhenAGroupDies) { RunFailure(/*rejoin=*/false); }
 
 TEST(FaultTolerantHsdp, ReturningGroupReceivesStateAndTrains) { RunFailure(/*rejoin=*/true); }
+
+TEST(FaultTolerantHsdp, StepOfTheDeathIsDiscardedAndRetried) {
+  RunFailure(/*rejoin=*/false, /*mid_step=*/true);
+}
 
 }  // namespace
 }  // namespace fairscale::ft
