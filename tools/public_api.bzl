@@ -44,6 +44,7 @@ FEATURE_LIBRARIES = [
     "//train_state:fsdp_item",  # an FSDP model + optimizer as a TrainState item
     "//train_state:sampler",  # DistributedSampler: the data order, resumable at any world size
     "//train_state:step_dir",  # step directories and the COMPLETE marker (no LibTorch)
+    "//ft:hsdp",  # FaultTolerantHsdp: FSDP per replica group, cross-group average per quorum, state transfer to a returning group
 ]
 
 # The communication layer (Google style: absl::Status). Backend-free as well.
