@@ -201,6 +201,16 @@ struct Membership::State {
     return "";
   }
 
+  // DeadReason after a fresh sample when the last one says g is dead: the heartbeat thread samples
+  // every heartbeat_interval, and a group that came back (a new incarnation beating, arrived for
+  // this round) since then must not be judged on the older sample (that dropped a joiner right
+  // after its admission when the steps were shorter than the interval).
+  std::string FreshDeadReason(int g) {
+    if (DeadReason(g).empty()) return "";
+    Sample();
+    return DeadReason(g);
+  }
+
   absl::Status StoreHealth() const {
     absl::MutexLock lock(&mu);
     const absl::Time since = last_sample_ok == absl::Time() ? started : last_sample_ok;
@@ -399,7 +409,7 @@ absl::StatusOr<Quorum> Membership::quorum(int64_t step, absl::Duration timeout) 
       waiting_for.clear();
       for (int g : expected) {
         if (Contains(complete, g)) continue;
-        std::string why = st.DeadReason(g);
+        std::string why = st.FreshDeadReason(g);
         if (why.empty()) {
           absl::StrAppend(&waiting_for, waiting_for.empty() ? "" : ",", g);
         } else {
@@ -409,7 +419,7 @@ absl::StatusOr<Quorum> Membership::quorum(int64_t step, absl::Duration timeout) 
       }
       if (waiting_for.empty()) {
         for (int g : complete) {
-          if (Contains(expected, g) || st.DeadReason(g).empty()) d.groups.push_back(g);
+          if (Contains(expected, g) || st.FreshDeadReason(g).empty()) d.groups.push_back(g);
         }
         if (static_cast<int>(d.groups.size()) < o.min_groups) {
           const absl::Time now = absl::Now();
@@ -494,7 +504,7 @@ absl::StatusOr<bool> Membership::should_commit(const Quorum& q, bool ok, absl::D
           continue;
         }
         if (!group_dead_checked) {
-          dead = st.DeadReason(g);
+          dead = st.FreshDeadReason(g);
           group_dead_checked = true;
         }
         if (!dead.empty()) {

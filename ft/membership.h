@@ -27,7 +27,9 @@
 //   incarnation), and on the same thread reads every rank's key. A rank is dead in this rank's
 //   view when its value did not change for `dead_after` of successful reads (a reader whose own
 //   reads stalled judges nobody), when it reported a failure (ReportFailure) or left (Leave).
-//   A group is dead when any of its ranks is.
+//   A group is dead when any of its ranks is. Before declaring a group dead, quorum() and
+//   should_commit() re-read every heartbeat key (a fresh sample, not the heartbeat thread's
+//   last one, which may predate a restarted group's first beat).
 // * Quorum rounds. quorum() calls are numbered by rounds: a member of round r calls round r + 1
 //   next; a new Membership (a group starting or coming back) reads the latest decided round and
 //   announces itself for the one after. Every caller announces "arrive/<r>/g<g>/s<s>" = step and
