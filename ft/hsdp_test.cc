@@ -28,6 +28,7 @@
 #include "base/status_macros.h"
 #include "comm/registry.h"
 #include "comm/testing/rank_runner.h"
+#include "ft/test_options.h"
 #include "gtest/gtest.h"
 
 namespace fairscale::ft {
@@ -40,8 +41,8 @@ using comm::testing::ExpectAllOk;
 constexpr int kGroups = 2;
 constexpr int kGroupSize = 2;
 constexpr double kLr = 0.05;
-constexpr absl::Duration kInterval = absl::Milliseconds(100);
-constexpr absl::Duration kDeadAfter = absl::Seconds(1);
+using testing::kDeadAfter;
+using testing::kInterval;
 // The membership bound (dead_after + interval + poll) plus slack for a loaded machine.
 const absl::Duration kDetectBound = kDeadAfter + kInterval + absl::Seconds(1);
 
@@ -73,19 +74,6 @@ std::pair<torch::Tensor, torch::Tensor> Batch(int64_t step, int group, int shard
   torch::Tensor x = at::randn({4, 6}, gen, opts);
   torch::Tensor y = at::randn({4, 3}, gen, opts);
   return {x, y};
-}
-
-Membership::Options Opts(int rank) {
-  Membership::Options o;
-  o.group = rank / kGroupSize;
-  o.shard = rank % kGroupSize;
-  o.num_groups = kGroups;
-  o.group_size = kGroupSize;
-  o.heartbeat_interval = kInterval;
-  o.dead_after = kDeadAfter;
-  o.poll_interval = absl::Milliseconds(10);
-  o.below_min_wait = absl::Milliseconds(500);
-  return o;
 }
 
 // What one rank (its last incarnation) ends with.
@@ -133,7 +121,7 @@ absl::Status Train(int rank, int incarnation, uint64_t seed, int64_t until, int6
   group_config.name = absl::StrCat("shard/g", g, "/inc", incarnation);
   FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> group_comm,
                       comm::CreateCommunicator("inproc", group_config));
-  FS_ASSIGN_OR_RETURN(std::unique_ptr<Membership> m, Membership::Create(store, Opts(rank)));
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<Membership> m, Membership::Create(store, testing::FastOptions(kGroups, kGroupSize, rank)));
   fsdp::FullyShardedDataParallel model(
       MakeNet(seed), group_comm,
       fsdp::FsdpOptions().sharding_strategy(fsdp::ShardingStrategy::kFullShard));

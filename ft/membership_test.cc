@@ -26,6 +26,7 @@
 #include "comm/config.h"
 #include "comm/store/hash_store.h"
 #include "comm/testing/rank_runner.h"
+#include "ft/test_options.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -38,24 +39,11 @@ using comm::testing::Check;
 using comm::testing::CurrentRank;
 using comm::testing::ExpectAllOk;
 
-constexpr absl::Duration kInterval = absl::Milliseconds(100);
-constexpr absl::Duration kDeadAfter = absl::Seconds(1);
+using testing::kDeadAfter;
+using testing::kInterval;
 // The bound of the contract is dead_after + interval + poll; the machine is shared and loaded.
 constexpr absl::Duration kSlack = absl::Seconds(1);
 const absl::Duration kDetectBound = kDeadAfter + kInterval + kSlack;
-
-Membership::Options Opts(int num_groups, int group_size, int rank) {
-  Membership::Options o;
-  o.group = rank / group_size;
-  o.shard = rank % group_size;
-  o.num_groups = num_groups;
-  o.group_size = group_size;
-  o.heartbeat_interval = kInterval;
-  o.dead_after = kDeadAfter;
-  o.poll_interval = absl::Milliseconds(10);
-  o.below_min_wait = absl::Milliseconds(500);
-  return o;
-}
 
 // Every rank's answer per round; a second answer for a round must equal the first.
 class Answers {
@@ -80,7 +68,7 @@ std::shared_ptr<comm::Store> SharedStore() { return CurrentRank()->store; }
 TEST(Membership, SteadyStateSameQuorumEveryStep) {
   Answers answers;
   ExpectAllOk(comm::testing::RunThreads(4, [&](int rank) -> absl::Status {
-    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), Opts(2, 2, rank)));
+    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), testing::FastOptions(2, 2, rank)));
     for (int64_t step = 0; step < 10; ++step) {
       FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(step, absl::Seconds(20)));
       FS_RETURN_IF_ERROR(answers.Record(q));
@@ -103,7 +91,7 @@ TEST(Membership, GroupDiesAndComesBack) {
   std::atomic<bool> dropped{false};
   ExpectAllOk(comm::testing::RunThreads(4, [&](int rank) -> absl::Status {
     const int g = rank / 2;
-    auto m = Membership::Create(SharedStore(), Opts(2, 2, rank));
+    auto m = Membership::Create(SharedStore(), testing::FastOptions(2, 2, rank));
     FS_RETURN_IF_ERROR(m.status());
     if (g == 1) {
       for (int64_t step = 0; step < 3; ++step) {
@@ -115,7 +103,7 @@ TEST(Membership, GroupDiesAndComesBack) {
       const absl::Time until = absl::Now() + absl::Seconds(20);
       while (!dropped && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
       // Restarted: a new incarnation, at its own step (it has lost its state).
-      FS_ASSIGN_OR_RETURN(auto again, Membership::Create(SharedStore(), Opts(2, 2, rank)));
+      FS_ASSIGN_OR_RETURN(auto again, Membership::Create(SharedStore(), testing::FastOptions(2, 2, rank)));
       FS_ASSIGN_OR_RETURN(Quorum q, again->quorum(0, absl::Seconds(20)));
       FS_RETURN_IF_ERROR(answers.Record(q));
       FS_RETURN_IF_ERROR(Check(q.joining && q.source_group == 0 && q.epoch == 2 && q.changed &&
@@ -171,7 +159,7 @@ TEST(Membership, TwoGroupsDieAtOnce) {
   Answers answers;
   std::atomic<int64_t> death_us{0};
   ExpectAllOk(comm::testing::RunThreads(3, [&](int rank) -> absl::Status {
-    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), Opts(3, 1, rank)));
+    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), testing::FastOptions(3, 1, rank)));
     for (int64_t step = 0; step < 2; ++step) {
       FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(step, absl::Seconds(20)));
       FS_RETURN_IF_ERROR(answers.Record(q));
@@ -195,7 +183,7 @@ TEST(Membership, TwoGroupsDieAtOnce) {
 // One rank voting to discard discards the step on every rank; the next round has a new epoch.
 TEST(Membership, ShouldCommitIsTheSameEverywhere) {
   ExpectAllOk(comm::testing::RunThreads(4, [&](int rank) -> absl::Status {
-    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), Opts(2, 2, rank)));
+    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), testing::FastOptions(2, 2, rank)));
     FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(0, absl::Seconds(20)));
     FS_ASSIGN_OR_RETURN(bool commit, m->should_commit(q, true, absl::Seconds(20)));
     FS_RETURN_IF_ERROR(Check(commit, "all voted true"));
@@ -215,7 +203,7 @@ TEST(Membership, ShouldCommitIsTheSameEverywhere) {
 TEST(Membership, ShouldCommitFalseWhenARankDiesBeforeVoting) {
   std::atomic<int64_t> death_us{0};
   ExpectAllOk(comm::testing::RunThreads(2, [&](int rank) -> absl::Status {
-    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), Opts(2, 1, rank)));
+    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), testing::FastOptions(2, 1, rank)));
     FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(0, absl::Seconds(20)));
     if (rank == 1) {
       m.reset();
@@ -236,7 +224,7 @@ TEST(Membership, ShouldCommitFalseWhenARankDiesBeforeVoting) {
 TEST(Membership, LeaveIsNoticedWithinAnInterval) {
   std::atomic<int64_t> left_us{0};
   ExpectAllOk(comm::testing::RunThreads(2, [&](int rank) -> absl::Status {
-    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), Opts(2, 1, rank)));
+    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), testing::FastOptions(2, 1, rank)));
     FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(0, absl::Seconds(20)));
     if (rank == 1) {
       left_us = absl::ToUnixMicros(absl::Now());
@@ -255,7 +243,7 @@ TEST(Membership, LeaveIsNoticedWithinAnInterval) {
 // min_groups 2 and one of 2 groups dies: a clear error within the bound, not a hang.
 TEST(Membership, BelowMinGroupsIsAnError) {
   ExpectAllOk(comm::testing::RunThreads(2, [&](int rank) -> absl::Status {
-    Membership::Options o = Opts(2, 1, rank);
+    Membership::Options o = testing::FastOptions(2, 1, rank);
     o.min_groups = 2;
     FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), o));
     FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(0, absl::Seconds(20)));
@@ -279,8 +267,8 @@ TEST(Membership, BelowMinGroupsIsAnError) {
 // A live group that never arrives: kDeadlineExceeded naming it, at the caller's timeout.
 TEST(Membership, TimeoutNamesTheGroupWaitedFor) {
   auto store = std::make_shared<comm::HashStore>();
-  auto m0 = Membership::Create(store, Opts(2, 1, 0));
-  auto m1 = Membership::Create(store, Opts(2, 1, 1));
+  auto m0 = Membership::Create(store, testing::FastOptions(2, 1, 0));
+  auto m1 = Membership::Create(store, testing::FastOptions(2, 1, 1));
   ASSERT_TRUE(m0.ok() && m1.ok());
   EXPECT_THAT((*m0)->quorum(0, absl::Milliseconds(500)),
               StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("waiting for group(s) 1")));
@@ -321,7 +309,7 @@ class SwitchableStore : public comm::Store {
 
 TEST(Membership, StoreThatStopsAnsweringIsAClearError) {
   auto store = std::make_shared<SwitchableStore>(std::make_shared<comm::HashStore>());
-  auto m = Membership::Create(store, Opts(1, 1, 0));
+  auto m = Membership::Create(store, testing::FastOptions(1, 1, 0));
   ASSERT_TRUE(m.ok());
   ASSERT_TRUE((*m)->quorum(0, absl::Seconds(5)).ok());
   store->down = true;
@@ -335,13 +323,13 @@ TEST(Membership, StoreThatStopsAnsweringIsAClearError) {
 
 TEST(Membership, RejectsBadOptions) {
   auto store = std::make_shared<comm::HashStore>();
-  Membership::Options o = Opts(2, 2, 0);
+  Membership::Options o = testing::FastOptions(2, 2, 0);
   o.group = 2;
   EXPECT_THAT(Membership::Create(store, o), StatusIs(absl::StatusCode::kInvalidArgument));
-  o = Opts(2, 2, 0);
+  o = testing::FastOptions(2, 2, 0);
   o.min_groups = 3;
   EXPECT_THAT(Membership::Create(store, o), StatusIs(absl::StatusCode::kInvalidArgument));
-  o = Opts(2, 2, 0);
+  o = testing::FastOptions(2, 2, 0);
   o.dead_after = o.heartbeat_interval;
   EXPECT_THAT(Membership::Create(store, o), StatusIs(absl::StatusCode::kInvalidArgument));
 }
@@ -356,7 +344,7 @@ TEST(Membership, ProcessesWithTcpSurviveASigkill) {
   std::vector<absl::Status> statuses = comm::testing::RunProcesses(4, [&](int rank) -> absl::Status {
     const int g = rank / 2, s = rank % 2;
     std::shared_ptr<comm::Store> store = SharedStore();
-    Membership::Options o = Opts(2, 2, rank);
+    Membership::Options o = testing::FastOptions(2, 2, rank);
     FS_ASSIGN_OR_RETURN(auto m, Membership::Create(store, o));
     comm::CommConfig base = comm::testing::RankConfig(absl::Seconds(20));
     base.timeout = absl::Seconds(10);
