@@ -116,7 +116,11 @@ void FaultTolerantHsdp::Transfer() {
     auto broadcast = [&](const at::Tensor& t, const std::string& name) {
       absl::StatusOr<comm::Buffer> buffer = comm::ToBuffer(t);
       if (!buffer.ok()) Fail(buffer.status(), absl::StrCat(what, ": ", name));
-      absl::Status s = replicate_->Broadcast(*buffer, root).Wait(timeout);
+      // The operation carries the timeout and Wait() has no deadline of its own: a Wait(timeout)
+      // could return while the operation still runs and then free a buffer it writes into.
+      comm::OpOptions op;
+      op.timeout = timeout;
+      absl::Status s = replicate_->Broadcast(*buffer, root, op).Wait();
       if (!s.ok()) Fail(s, absl::StrCat(what, ": ", name));
     };
     // (1) the step counter and the size of the serialized optimizer.
@@ -180,6 +184,9 @@ bool FaultTolerantHsdp::end_step() {
     if (quorum_.replicate_size > 1) {
       std::vector<comm::Work> works;
       std::vector<at::Tensor> grads;
+      // Bounded by each operation's own timeout (see the state transfer's broadcast).
+      comm::OpOptions op;
+      op.timeout = options_.collective_timeout();
       for (at::Tensor& p : params) {
         at::Tensor g = p.grad().is_contiguous() ? p.grad() : p.grad().contiguous();
         absl::StatusOr<comm::Buffer> buffer = comm::ToBuffer(g);
@@ -187,11 +194,11 @@ bool FaultTolerantHsdp::end_step() {
           status = buffer.status();
           break;
         }
-        works.push_back(replicate_->AllReduce(*buffer, *buffer, comm::ReduceOp::kSum));
+        works.push_back(replicate_->AllReduce(*buffer, *buffer, comm::ReduceOp::kSum, op));
         grads.push_back(g);
       }
       for (comm::Work& w : works) {
-        absl::Status s = w.Wait(options_.collective_timeout());
+        absl::Status s = w.Wait();
         if (status.ok() && !s.ok()) status = s;
       }
       if (status.ok()) {
