@@ -21,13 +21,19 @@
 // Contract:
 // * begin_step(): Membership::quorum(step()); when q.changed, the replicate communicator is
 //   replaced (Membership::replicate_communicator). When q.joiners is not empty, the state moves
-//   by one Broadcast per source group over the new replicate communicator, from the source's
+//   by Broadcasts per source group over the new replicate communicator, from the source's
 //   replicate rank: every shard rank of a joining group receives, from the same shard rank of
 //   its source group, (1) the step counter, (2) the model's parameters() (its FSDP flat shards,
-//   what the optimizer steps) and buffers(), (3) the optimizer's state and param groups
-//   (Optimizer::save/load through an in-memory archive). Groups that are neither source nor
-//   joiner take part in the broadcasts and discard what they get. After it every live group
-//   holds the source's parameters and optimizer state bitwise.
+//   what the optimizer steps) and buffers(), (3) one archive with the optimizer's state and
+//   param groups (Optimizer::save/load), the default CPU generator's state (transfer_rng) and
+//   every add_state() entry (the data position, a sampler's state, ...). Groups that are
+//   neither source nor joiner take part in the broadcasts and discard what they get. After it
+//   every live group holds the source's parameters, optimizer state, generator state and
+//   added states bitwise.
+// * A transfer that fails (a source or joiner rank died or was cut off during it): a joining
+//   rank throws (its state is half-copied: the group must restart and join again); every
+//   other rank records the error and its end_step() votes false without reducing, so the step
+//   is discarded everywhere and retried at a new epoch without the dead group(s).
 // * end_step(): after the user's backward, every parameter's gradient (an undefined one counts
 //   as zeros) is summed over the replicate communicator and divided by q.groups.size(); FSDP
 //   already averaged it over the group, so the result is HYBRID_SHARD's average over all live
@@ -38,18 +44,22 @@
 //   per attempt (committed or not).
 // * Errors: c10::Error "ft::FaultTolerantHsdp group G rank S/N step K: <what>: <status>"
 //   (quorum timeouts, a rank left out of the quorum: its group must restart and come back as a
-//   joiner, a failed transfer). A failed gradient reduction is not an error: the step is
-//   discarded. Methods in order begin_step, end_step, from the training loop's thread.
+//   joiner, a joiner's failed transfer, no group left to copy the state from: every group of
+//   the previous round died, the live state is lost and the job must restart from a
+//   checkpoint). A failed gradient reduction, or a failed transfer on a rank that is not
+//   joining, is not an error: the step is discarded. Methods in order begin_step, end_step, from the training loop's thread.
 #pragma once
 
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
 #include "comm/config.h"
@@ -68,6 +78,9 @@ struct HsdpOptions {
   TORCH_ARG(absl::Duration, commit_timeout) = absl::Seconds(60);
   // Bound of each gradient all-reduce and of each state broadcast.
   TORCH_ARG(absl::Duration, collective_timeout) = absl::Seconds(60);
+  // A joiner also receives the default CPU generator's state (dropout masks, sampling), so it
+  // draws what its source group draws next. Off: each rank keeps its own generator.
+  TORCH_ARG(bool, transfer_rng) = true;
 };
 
 // One attempt of a step, as this rank saw it.
@@ -81,7 +94,7 @@ struct HsdpStepRecord {
   absl::Duration quorum_wait;     // begin_step's quorum() and communicator replacement
   absl::Duration transfer_time;   // the state broadcasts (zero when nobody joined)
   absl::Duration reduce_time;     // the gradient all-reduces
-  std::string error;              // why the reduction failed (a discarded step)
+  std::string error;              // why the transfer or reduction failed (a discarded step)
 };
 
 class FaultTolerantHsdp {
@@ -93,6 +106,14 @@ class FaultTolerantHsdp {
                     Membership& membership, HsdpOptions options = {});
   FaultTolerantHsdp(const FaultTolerantHsdp&) = delete;
   FaultTolerantHsdp& operator=(const FaultTolerantHsdp&) = delete;
+
+  // State of the training loop beyond the model and optimizer (a data loader's position, a
+  // scheduler's counters) that a joiner must receive: `save` runs on the source's ranks during a
+  // transfer, `load` on the joiner's with those bytes. Every rank adds the same names in the
+  // same order before its first begin_step() (a joiner whose names differ from its source's
+  // fails the transfer naming them). Names must be unique and non-empty (c10::Error).
+  void add_state(std::string name, std::function<std::string()> save,
+                 std::function<void(const std::string&)> load);
 
   // The quorum of step(): replaces the replicate communicator and transfers state (see above).
   const Quorum& begin_step();
@@ -110,8 +131,17 @@ class FaultTolerantHsdp {
   const HsdpOptions& options() const { return options_; }
 
  private:
+  struct AddedState {
+    std::string name;
+    std::function<std::string()> save;
+    std::function<void(const std::string&)> load;
+  };
   [[noreturn]] void Fail(const absl::Status& status, const std::string& what) const;
-  void Transfer();
+  // The broadcasts of begin_step(); an error on a rank that is not joining (see the contract).
+  absl::Status Transfer();
+  // The sender's archive bytes (optimizer, generator, added states) / the receiver's load.
+  std::string SaveArchive();
+  absl::Status LoadArchive(const std::string& bytes, int source);
 
   fsdp::FullyShardedDataParallel model_;
   torch::optim::Optimizer& optimizer_;
@@ -121,6 +151,8 @@ class FaultTolerantHsdp {
   Quorum quorum_;
   int64_t step_ = 0;
   bool in_step_ = false;
+  absl::Status transfer_status_;  // this step's failed transfer (a non-joining rank)
+  std::vector<AddedState> added_;
   std::vector<HsdpStepRecord> history_;
 };
 

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -81,6 +82,9 @@ struct Outcome {
   std::vector<HsdpStepRecord> history;
   std::vector<torch::Tensor> full_params;  // the Net's named_parameters() order
   std::vector<torch::Tensor> shards_after_transfer;  // parameters() after a transfer step began
+  // The loop's own state (add_state): rows trained on, counted on each commit; a joiner's
+  // fresh incarnation starts at 0 and must receive its source's.
+  int64_t samples = 0;
 };
 
 class Outcomes {
@@ -133,6 +137,10 @@ absl::Status Train(int rank, int incarnation, uint64_t seed, int64_t until, int6
       model, opt, *m,
       HsdpOptions().backend("inproc").comm_config(base).quorum_timeout(absl::Seconds(20))
           .commit_timeout(absl::Seconds(20)).collective_timeout(absl::Seconds(3)));
+  int64_t samples = 0;
+  hsdp->add_state(
+      "samples", [&] { return std::to_string(samples); },
+      [&](const std::string& bytes) { samples = std::stoll(bytes); });
   if (ready) ready();
   while (hsdp->step() < until) {
     if (hsdp->step() == stop_at) {
@@ -156,8 +164,9 @@ absl::Status Train(int rank, int incarnation, uint64_t seed, int64_t until, int6
     auto [x, y] = Batch(hsdp->step(), g, s);
     torch::Tensor loss = torch::mse_loss(model(x), y);
     loss.backward();
-    hsdp->end_step();
+    if (hsdp->end_step()) samples += x.size(0);
   }
+  out->samples = samples;
   {
     auto guard = model->summon_full_params(/*writeback=*/false);
     for (const auto& p : model->module()->parameters()) out->full_params.push_back(p.clone());
@@ -357,6 +366,8 @@ void RunFailure(bool rejoin, bool mid_step = false) {
     const double err = MaxError(outcomes.Get(rank).full_params, want);
     worst = std::max(worst, err);
     EXPECT_LE(err, 1e-6) << "rank " << rank;
+    // Every committed step trained 4 rows on each rank (the joiner got the count by transfer).
+    EXPECT_EQ(outcomes.Get(rank).samples, kSteps * 4) << "rank " << rank;
   }
   if (rejoin) {
     for (int s = 0; s < kGroupSize; ++s) {
@@ -371,6 +382,36 @@ void RunFailure(bool rejoin, bool mid_step = false) {
   std::printf("hsdp: %s: max |param - replay| %.3g over %d ranks, %.2fs\n",
               rejoin ? "die and rejoin" : mid_step ? "die mid-step" : "die", worst, ranks,
               absl::ToDoubleSeconds(absl::Now() - start));
+}
+
+TEST(FaultTolerantHsdp, AddStateRefusesDuplicatesAndEmptyNames) {
+  ExpectAllOk(comm::testing::RunThreads(1, [&](int) -> absl::Status {
+    comm::CommConfig config = comm::testing::RankConfig(absl::Seconds(10));
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> c,
+                        comm::CreateCommunicator("inproc", config));
+    FS_ASSIGN_OR_RETURN(std::unique_ptr<Membership> m,
+                        Membership::Create(CurrentRank()->store, testing::FastOptions(1, 1, 0)));
+    fsdp::FullyShardedDataParallel model(MakeNet(0), c, fsdp::FsdpOptions());
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(kLr));
+    FaultTolerantHsdp hsdp(model, opt, *m, HsdpOptions().backend("inproc").comm_config(config));
+    auto save = [] { return std::string(); };
+    auto load = [](const std::string&) {};
+    hsdp.add_state("a", save, load);
+    try {
+      hsdp.add_state("a", save, load);
+      return absl::InternalError("a duplicate name was accepted");
+    } catch (const c10::Error& e) {
+      FS_RETURN_IF_ERROR(Check(absl::StrContains(e.what(), "state 'a' added twice"), e.what()));
+    }
+    try {
+      hsdp.add_state("", save, load);
+      return absl::InternalError("an empty name was accepted");
+    } catch (const c10::Error& e) {
+      FS_RETURN_IF_ERROR(Check(absl::StrContains(e.what(), "add_state needs a name"), e.what()));
+    }
+    m->Leave();
+    return absl::OkStatus();
+  }, absl::Seconds(30)), "add_state");
 }
 
 TEST(FaultTolerantHsdp, SurvivorsContinueWhenAGroupDies) { RunFailure(/*rejoin=*/false); }

@@ -278,6 +278,22 @@ void Membership::ReportFailure(const absl::Status& why) {
 
 void Membership::Leave() { state_->StopBeating(absl::StrCat("done:", state_->nonce)); }
 
+std::vector<int> Membership::live_groups() const {
+  std::vector<int> out;
+  for (int g = 0; g < options_.num_groups; ++g) {
+    bool beating = true;
+    {
+      absl::MutexLock lock(&state_->mu);
+      if (state_->last_sample_ok == absl::Time()) return out;
+      for (int s = 0; s < options_.group_size; ++s) {
+        beating = beating && !state_->views[g * options_.group_size + s].value.empty();
+      }
+    }
+    if (beating && state_->DeadReason(g).empty()) out.push_back(g);
+  }
+  return out;
+}
+
 std::vector<QuorumRecord> Membership::history() const {
   absl::MutexLock lock(&state_->mu);
   return state_->history;

@@ -174,6 +174,12 @@ class Membership {
   // A clean exit: the peers drop this group at the next round. Stops beating.
   void Leave();
 
+  // The groups whose every rank is beating in this rank's heartbeat view (its last sample, at
+  // most heartbeat_interval old; a rank silent for dead_after, failed or left is not), sorted.
+  // For progress lines and for waiting until a restarted group is back; the quorum decides who
+  // trains.
+  std::vector<int> live_groups() const;
+
   // The rounds this rank took part in, oldest first.
   std::vector<QuorumRecord> history() const;
   const Options& options() const { return options_; }

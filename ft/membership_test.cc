@@ -132,12 +132,23 @@ TEST(Membership, GroupDiesAndComesBack) {
                                  absl::StrCat("drop: epoch ", q.epoch, " ", absl::StrJoin(q.dropped_reasons, ";"))));
         FS_RETURN_IF_ERROR(Check(detect <= kDetectBound, absl::StrCat("detection took ", absl::FormatDuration(detect))));
         FS_RETURN_IF_ERROR(Check(q.replicate_rank == 0 && q.replicate_size == 1, "replicate size 1"));
+        FS_RETURN_IF_ERROR(Check((*m)->live_groups() == std::vector<int>{0},
+                                 absl::StrCat("live groups after the drop: ",
+                                              absl::StrJoin((*m)->live_groups(), ","))));
         phase = 1;
         dropped = true;
       } else if (phase == 1 && q.groups.size() == 2) {
         FS_RETURN_IF_ERROR(Check(q.epoch == 2 && q.changed && q.joiners == std::vector<int>{1} &&
                                      q.sources == std::vector<int>{0} && !q.joining,
                                  absl::StrCat("rejoin seen by group 0: epoch ", q.epoch)));
+        // The heartbeat view catches up within an interval of the new incarnation's first beat.
+        const absl::Time until = absl::Now() + absl::Seconds(2);
+        while ((*m)->live_groups().size() != 2 && absl::Now() < until) {
+          absl::SleepFor(absl::Milliseconds(10));
+        }
+        FS_RETURN_IF_ERROR(Check((*m)->live_groups() == std::vector<int>{0, 1},
+                                 absl::StrCat("live groups after the rejoin: ",
+                                              absl::StrJoin((*m)->live_groups(), ","))));
         phase = 2;
       } else if (phase == 2) {
         ++after_rejoin;
