@@ -30,7 +30,11 @@ ABSL_FLAG(std::string, master_addr, "127.0.0.1",
 ABSL_FLAG(int, master_port, 29500,
           "port of the job's TCPStore (MASTER_PORT); 0 picks a free one (single node only)");
 ABSL_FLAG(int, max_restarts, 0,
-          "restart the whole job at most this many times after a failure (FS_RESTART_COUNT)");
+          "restart the whole job (each replica group, with --replica_group_size) at most this "
+          "many times after a failure (FS_RESTART_COUNT)");
+ABSL_FLAG(int, replica_group_size, 0,
+          "0: a failure restarts the whole job; S > 0: groups of S consecutive ranks (S divides "
+          "--nproc_per_node), and a failure stops and restarts only the failed rank's group");
 ABSL_FLAG(double, stop_timeout_s, 5, "seconds between SIGTERM and SIGKILL when stopping ranks");
 ABSL_FLAG(double, stopped_timeout_s, 10,
           "seconds a rank may stay stopped (SIGSTOP, SIGTSTP, ...) before it fails the job");
@@ -52,12 +56,15 @@ constexpr char kUsage[] =
     "  fs_launch --nproc_per_node=4 --master_port=0 -- bazel-bin/examples/train_gpt\n"
     "\n"
     "Starts --nproc_per_node ranks of program, hosts the job's TCPStore on node 0 and supervises\n"
-    "the ranks (stop on failure, --max_restarts). torchrun's spellings work (--nproc-per-node 4).\n"
+    "the ranks (stop on failure, --max_restarts, per group with --replica_group_size).\n"
+    "torchrun's spellings work (--nproc-per-node 4).\n"
     "\n"
     "Environment read: FS_STORE_TOKEN (the job token; generated on one node, required with\n"
     "--nnodes > 1). Set for every rank: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,\n"
     "GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE, FS_STORE_TOKEN,\n"
-    "FS_STORE_PREFIX, FS_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS.\n"
+    "FS_STORE_PREFIX, FS_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,\n"
+    "and with --replica_group_size: FS_REPLICA_GROUP, FS_REPLICA_GROUP_SIZE, "
+    "FS_NUM_REPLICA_GROUPS.\n"
     "Passed on to the ranks: FS_SOCKET_IFNAME=<interface> (where ranks listen for each other and\n"
     "the address they advertise; default with --nnodes > 1: the local address of the route to\n"
     "--master_addr, with one node: 127.0.0.1), FS_COMM_BACKEND, UCX_*.\n"
@@ -111,6 +118,7 @@ int main(int argc, char** argv) {
   o.master_addr = absl::GetFlag(FLAGS_master_addr);
   o.master_port = absl::GetFlag(FLAGS_master_port);
   o.max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  o.replica_group_size = absl::GetFlag(FLAGS_replica_group_size);
   o.stop_timeout = absl::Seconds(absl::GetFlag(FLAGS_stop_timeout_s));
   o.stopped_timeout = absl::Seconds(absl::GetFlag(FLAGS_stopped_timeout_s));
   o.rendezvous_timeout = absl::Seconds(absl::GetFlag(FLAGS_rdzv_timeout_s));

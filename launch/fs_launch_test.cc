@@ -113,9 +113,11 @@ class Launcher {
   pid_t pid_ = -1;
 };
 
-// "KEY=VALUE ..." after "ENV " on the line of each rank: rank -> (key -> value).
-std::map<int, std::map<std::string, std::string>> EnvReports(const std::string& out) {
-  std::map<int, std::map<std::string, std::string>> reports;
+using EnvReport = std::map<std::string, std::string>;
+
+// "KEY=VALUE ..." after "ENV " on the lines of each rank, in order: rank -> incarnations.
+std::map<int, std::vector<EnvReport>> AllEnvReports(const std::string& out) {
+  std::map<int, std::vector<EnvReport>> reports;
   for (const std::string& line : Lines(out)) {
     const size_t at = line.find("] ENV ");
     if (at == std::string::npos) continue;
@@ -127,9 +129,16 @@ std::map<int, std::map<std::string, std::string>> EnvReports(const std::string& 
     int rank = -1;
     EXPECT_TRUE(absl::SimpleAtoi(kv["RANK"], &rank)) << line;
     EXPECT_TRUE(absl::StartsWith(line, absl::StrCat("[rank ", rank, "] "))) << line;
-    reports[rank] = kv;
+    reports[rank].push_back(kv);
   }
   return reports;
+}
+
+// The last report of each rank: rank -> (key -> value).
+std::map<int, EnvReport> EnvReports(const std::string& out) {
+  std::map<int, EnvReport> last;
+  for (auto& [rank, reports] : AllEnvReports(out)) last[rank] = reports.back();
+  return last;
 }
 
 // Waits (bounded) until every rank wrote its pid file; returns the pids.
@@ -385,6 +394,171 @@ TEST(FsLaunch, WithoutRestartsLeftTheFailureIsTheJobStatus) {
   EXPECT_THAT(two.err(), HasSubstr("job failed: rank 1 exited with code 6 (after 2 restart(s))"));
 }
 
+// Replica groups: 4 ranks per node in groups of 2 ({0,1} and {2,3} on node 0), each group with
+// its own restarts (2 by default), a short stop timeout.
+std::vector<std::string> GroupFlags(int max_restarts = 2, int master_port = 0) {
+  return {"--nproc_per_node=4", absl::StrCat("--master_port=", master_port),
+          "--replica_group_size=2", absl::StrCat("--max_restarts=", max_restarts),
+          "--stop_timeout_s=2"};
+}
+
+int CountLines(const std::string& text, const std::string& line) {
+  int n = 0;
+  for (const std::string& l : Lines(text)) n += l == line ? 1 : 0;
+  return n;
+}
+
+TEST(FsLaunchReplicaGroups, OnlyTheFailedGroupIsRestarted) {
+  const std::string pids = NewDir();
+  Launcher l;
+  // Rank 3 SIGKILLs itself in its first incarnation; every rank lives 3 s otherwise.
+  l.Start(GroupFlags(),
+          {"--report_env", "--report_sigterm", "--pid_dir=" + pids, "--fail_rank=3",
+           "--fail_signal", "--fail_until_restart=1", "--sleep", "--sleep_s=3"});
+  ASSERT_EQ(l.Wait(), 0) << l.err() << l.out();
+  EXPECT_THAT(l.err(), HasSubstr("fs_launch: rank 3 (local rank 3 on node 0, pid "));
+  EXPECT_THAT(l.err(), HasSubstr(") was killed by SIGKILL (status 137); restarting replica group "
+                                 "1 (ranks 2-3, restart 1 of at most 2); the other groups keep "
+                                 "running"));
+  EXPECT_THAT(l.err(),
+              HasSubstr("fs_launch: replica group 1 restarted (ranks 2-3, FS_RESTART_COUNT=1)"));
+  EXPECT_THAT(l.err(), Not(HasSubstr("replica group 0")));
+
+  const auto reports = AllEnvReports(l.out());
+  ASSERT_EQ(reports.size(), 4u) << l.out();
+  for (int r : {0, 1}) {  // ran once, untouched
+    ASSERT_EQ(reports.at(r).size(), 1u) << l.out();
+    EXPECT_EQ(reports.at(r)[0].at("FS_REPLICA_GROUP"), "0");
+    EXPECT_EQ(reports.at(r)[0].at("FS_RESTART_COUNT"), "0");
+    EXPECT_EQ(CountLines(l.out(), absl::StrCat("[rank ", r, "] GOT SIGTERM")), 0);
+  }
+  for (int r : {2, 3}) {
+    ASSERT_EQ(reports.at(r).size(), 2u) << l.out();
+    const EnvReport& first = reports.at(r)[0];
+    const EnvReport& second = reports.at(r)[1];
+    EXPECT_NE(first.at("PID"), second.at("PID"));
+    for (const EnvReport* kv : {&first, &second}) {
+      EXPECT_EQ(kv->at("FS_REPLICA_GROUP"), "1");
+      EXPECT_EQ(kv->at("FS_REPLICA_GROUP_SIZE"), "2");
+      EXPECT_EQ(kv->at("FS_NUM_REPLICA_GROUPS"), "2");
+      EXPECT_EQ(kv->at("WORLD_SIZE"), "4");
+      // The restarted group meets the running ones in the job's store namespace.
+      EXPECT_EQ(kv->at("FS_STORE_PREFIX"), "fs_launch/0/job");
+    }
+    EXPECT_EQ(first.at("FS_RESTART_COUNT"), "0");
+    EXPECT_EQ(second.at("FS_RESTART_COUNT"), "1");
+    EXPECT_EQ(second.at("TORCHELASTIC_RESTART_COUNT"), "1");
+  }
+  // Rank 2 was stopped with SIGTERM for the restart; rank 3 died by itself.
+  EXPECT_EQ(CountLines(l.out(), "[rank 2] GOT SIGTERM"), 1) << l.out();
+  EXPECT_EQ(CountLines(l.out(), "[rank 3] GOT SIGTERM"), 0) << l.out();
+}
+
+TEST(FsLaunchReplicaGroups, AGroupOutOfRestartsFailsTheJob) {
+  const std::string pids = NewDir();
+  Launcher l;
+  l.Start(GroupFlags(), {"--report_env", "--report_sigterm", "--pid_dir=" + pids, "--fail_rank=3",
+                         "--fail_code=6", "--sleep"});
+  EXPECT_EQ(l.Wait(), 6) << l.err();
+  EXPECT_THAT(l.err(), HasSubstr("restarting replica group 1 (ranks 2-3, restart 1 of at most 2)"));
+  EXPECT_THAT(l.err(), HasSubstr("restarting replica group 1 (ranks 2-3, restart 2 of at most 2)"));
+  EXPECT_THAT(l.err(), Not(HasSubstr("restart 3 of")));
+  EXPECT_THAT(l.err(), HasSubstr("fs_launch: job failed: rank 3 exited with code 6 (replica "
+                                 "group 1 (ranks 2-3) is out of restarts: 2 of at most 2); "
+                                 "exit status 6"));
+  const auto reports = AllEnvReports(l.out());
+  EXPECT_EQ(reports.at(3).size(), 3u) << l.out();
+  // The other group ran once, and was stopped with the job.
+  EXPECT_EQ(reports.at(0).size(), 1u) << l.out();
+  EXPECT_EQ(CountLines(l.out(), "[rank 0] GOT SIGTERM"), 1) << l.out();
+  EXPECT_EQ(CountLines(l.out(), "[rank 1] GOT SIGTERM"), 1) << l.out();
+  ExpectGone(AwaitPids(pids, 4));
+}
+
+TEST(FsLaunchReplicaGroups, EachGroupHasItsOwnRestartCount) {
+  Launcher l;
+  // Rank 1 (group 0) and rank 2 (group 1) fail in their first incarnation: one restart each.
+  l.Start(GroupFlags(/*max_restarts=*/1),
+          {"--report_env", "--fail_rank=1,2", "--fail_code=5", "--fail_until_restart=1",
+           "--sleep", "--sleep_s=2"});
+  ASSERT_EQ(l.Wait(), 0) << l.err();
+  EXPECT_THAT(l.err(), HasSubstr("rank 1 (local rank 1 on node 0, pid "));
+  EXPECT_THAT(l.err(), HasSubstr("restarting replica group 0 (ranks 0-1, restart 1 of at most 1)"));
+  EXPECT_THAT(l.err(), HasSubstr("restarting replica group 1 (ranks 2-3, restart 1 of at most 1)"));
+  EXPECT_THAT(l.err(), HasSubstr("replica group 0 restarted (ranks 0-1, FS_RESTART_COUNT=1)"));
+  EXPECT_THAT(l.err(), HasSubstr("replica group 1 restarted (ranks 2-3, FS_RESTART_COUNT=1)"));
+  const auto reports = AllEnvReports(l.out());
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_EQ(reports.at(r).size(), 2u) << l.out();
+    EXPECT_EQ(reports.at(r)[1].at("FS_RESTART_COUNT"), "1");
+  }
+}
+
+// Rank 2 finished its work (exit 0) before rank 3 of its group failed: restarting the group
+// would run rank 2's work again, so the job fails.
+TEST(FsLaunchReplicaGroups, AGroupWithAFinishedRankIsNotRestarted) {
+  const std::string pids = NewDir();
+  Launcher l;
+  l.Start(GroupFlags(), {"--pid_dir=" + pids, "--fail_rank=3", "--fail_code=4",
+                         "--fail_after_s=0.5", "--no_sleep_rank=2", "--sleep"});
+  EXPECT_EQ(l.Wait(), 4) << l.err();
+  EXPECT_THAT(l.err(), HasSubstr("job failed: rank 3 exited with code 4 (replica group 1 (ranks "
+                                 "2-3) is not restarted: rank 2 had already exited 0); exit "
+                                 "status 4"));
+  EXPECT_THAT(l.err(), Not(HasSubstr("restarting")));
+  ExpectGone(AwaitPids(pids, 4));
+}
+
+TEST(FsLaunchReplicaGroups, SigtermToTheLauncherStopsEveryGroup) {
+  const std::string pids = NewDir();
+  Launcher l;
+  l.Start(GroupFlags(), {"--pid_dir=" + pids, "--sleep"});
+  const std::vector<pid_t> ranks = AwaitPids(pids, 4);
+  ASSERT_EQ(kill(l.pid(), SIGTERM), 0);
+  EXPECT_EQ(l.Wait(), 128 + SIGTERM) << l.err();
+  EXPECT_THAT(l.err(), Not(HasSubstr("restarting")));
+  ExpectGone(ranks);
+}
+
+// A group restart is the node's own affair: node 1 restarts group 3 (ranks 6-7) while node 0's
+// groups and node 1's group 2 keep running, and both launchers end with status 0.
+TEST(FsLaunchReplicaGroups, AGroupRestartStaysOnItsNode) {
+  const std::vector<std::string> env = {"FS_STORE_TOKEN=00112233445566778899aabbccddeeff"};
+  const std::vector<std::string> rank_flags = {"--report_env", "--fail_rank=7", "--fail_signal",
+                                               "--fail_until_restart=1", "--sleep", "--sleep_s=2"};
+  Launcher node0;
+  Launcher node1;
+  for (int node : {0, 1}) {
+    std::vector<std::string> flags = GroupFlags(/*max_restarts=*/2, /*master_port=*/29523);
+    flags.push_back("--nnodes=2");
+    flags.push_back(absl::StrCat("--node_rank=", node));
+    (node == 0 ? node0 : node1).Start(flags, rank_flags, env);
+  }
+  ASSERT_EQ(node0.Wait(), 0) << node0.err();
+  ASSERT_EQ(node1.Wait(), 0) << node1.err();
+  EXPECT_THAT(node1.err(), HasSubstr("replica group 3 restarted (ranks 6-7, FS_RESTART_COUNT=1)"));
+  EXPECT_THAT(node0.err(), Not(HasSubstr("restart")));
+  const auto reports0 = AllEnvReports(node0.out());
+  const auto reports1 = AllEnvReports(node1.out());
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(reports0.at(r).size(), 1u) << node0.out();
+  for (int r = 4; r < 6; ++r) EXPECT_EQ(reports1.at(r).size(), 1u) << node1.out();
+  for (int r = 6; r < 8; ++r) {
+    ASSERT_EQ(reports1.at(r).size(), 2u) << node1.out();
+    EXPECT_EQ(reports1.at(r)[1].at("FS_REPLICA_GROUP"), "3");
+    EXPECT_EQ(reports1.at(r)[1].at("FS_NUM_REPLICA_GROUPS"), "4");
+    EXPECT_EQ(reports1.at(r)[1].at("FS_RESTART_COUNT"), "1");
+  }
+}
+
+TEST(FsLaunchReplicaGroups, BadGroupSizesAreRefusedNamingTheFlag) {
+  Launcher l;
+  l.StartRaw({"--nproc_per_node=4", "--replica-group-size=3", "--", g_fake_rank});
+  EXPECT_EQ(l.Wait(), 1);
+  EXPECT_THAT(l.err(),
+              HasSubstr("--replica_group_size=3 must divide --nproc_per_node=4: a replica group "
+                        "lies within one node"));
+}
+
 TEST(FsLaunch, PortZeroAndARealAllReduceThroughTheLaunchersStore) {
   Launcher l;
   l.Start({"--nproc_per_node=3", "--master_port=0"}, {"--all_reduce"});
@@ -592,6 +766,13 @@ TEST(LaunchOptions, ValidationNamesTheBadField) {
       },
       "--master_port=0 (pick a free port) needs --nnodes=1");
   bad([](LaunchOptions& c) { c.max_restarts = -1; }, "--max_restarts=-1");
+  bad([](LaunchOptions& c) { c.replica_group_size = -1; }, "--replica_group_size=-1 must be >= 0");
+  bad(
+      [](LaunchOptions& c) {
+        c.nproc_per_node = 4;
+        c.replica_group_size = 3;
+      },
+      "--replica_group_size=3 must divide --nproc_per_node=4");
   bad([](LaunchOptions& c) { c.stopped_timeout = absl::Seconds(-1); },
       "the stopped-rank timeout must be >= 0");
 }
@@ -611,6 +792,17 @@ TEST(LaunchOptions, RankEnvAndTokens) {
         "FS_RESTART_COUNT=2", "FS_STORE_TOKEN=tok", "FS_STORE_PREFIX=fs_launch/2/job"}) {
     EXPECT_THAT(env, Contains(std::string(want)));
   }
+  for (const std::string& kv : env) EXPECT_FALSE(absl::StartsWith(kv, "FS_REPLICA_GROUP")) << kv;
+
+  // Replica groups of 2: rank 9 is in group 4 of 6, and the restart count is its group's.
+  o.replica_group_size = 2;
+  const std::vector<std::string> grouped = RankEnv(o, 1, 29500, "tok", 0, /*group_restarts=*/3);
+  for (const char* want :
+       {"FS_REPLICA_GROUP=4", "FS_REPLICA_GROUP_SIZE=2", "FS_NUM_REPLICA_GROUPS=6",
+        "FS_RESTART_COUNT=3", "TORCHELASTIC_RESTART_COUNT=3", "FS_STORE_PREFIX=fs_launch/0/job"}) {
+    EXPECT_THAT(grouped, Contains(std::string(want)));
+  }
+
   const std::string a = NewStoreToken();
   const std::string b = NewStoreToken();
   EXPECT_EQ(a.size(), 32u);

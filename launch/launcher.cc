@@ -24,6 +24,7 @@
 #include "base/subprocess.h"
 #include "comm/store/tcp_store.h"
 #include "launch/line_prefixer.h"
+#include "launch/replica_groups.h"
 
 namespace fairscale::launch {
 namespace {
@@ -170,6 +171,8 @@ struct Rank {
   // Set while the rank is stopped (WIFSTOPPED): since when, and by which signal.
   absl::Time stopped_since = absl::InfiniteFuture();
   int stop_signal = 0;
+  // This incarnation exited 0 (its group is then not restarted: its work is done).
+  bool exited_zero = false;
   int out_fd = -1;
   int err_fd = -1;
   std::unique_ptr<LinePrefixer> out;
@@ -220,7 +223,8 @@ class Job {
         store_(store),
         master_port_(master_port),
         token_(std::move(token)),
-        signals_(signals) {}
+        signals_(signals),
+        groups_(o) {}
 
   void Say(absl::string_view message) {
     WriteAll(o_.stderr_fd, absl::StrCat("fs_launch: ", message, "\n"));
@@ -237,10 +241,34 @@ class Job {
   // Meets the other launchers before attempt `attempt`; a signal ends the wait.
   absl::StatusOr<int> Rendezvous(int attempt);
   absl::Status SpawnRanks(int attempt);
+  // Starts (again) the rank of local rank `local`, whose previous incarnation was reaped.
+  absl::Status SpawnRank(int local, int attempt);
+  // On a rank that could not be started: kills the others, tells the other nodes, returns `s`.
+  absl::Status SpawnFailed(absl::Status s, const std::string& failed_key);
   void SignalRanks(int sig);
+  // Signals the rank's process group, then continues it (a stopped process acts on a signal
+  // other than SIGKILL only once continued).
+  void SignalRank(const Rank& r, int sig);
   void KillAndReapAll();
+  // Collects a state change of the running rank `r` (waitpid WNOHANG): how it ended, when it
+  // exited or has been stopped past stopped_timeout (a failure like a kill by that signal);
+  // nothing when it runs on or was only stopped or continued (reported, unless `quiet`: the
+  // launcher is stopping it).
+  std::optional<Ending> Reap(Rank& r, bool quiet);
+  // Replica groups: after rank `failed` ended with `e`, starts stopping its group for a restart
+  // and returns true; or returns false and sets `why` to why the group is not restarted (the
+  // job fails).
+  bool BeginGroupRestart(const Rank& failed, const Ending& e, std::string& why);
+  // Replica groups being restarted: SIGKILL for ranks past the stop timeout; once all of a
+  // group's ranks are reaped, starts them again.
+  absl::Status AdvanceGroupRestarts(int attempt);
+  bool GroupRestarting(const Rank& r) const {
+    return groups_.enabled() && groups_.restarting(groups_.GroupOf(r.rank));
+  }
   // Reads what is available on `fd` into `prefixer`; closes it at EOF.
   void Pump(int& fd, LinePrefixer& prefixer);
+  // Reads what is left of a rank's output and closes its pipes.
+  void CloseOutput(Rank& r);
   void CloseOutputs();
   // Waits until every node's ranks finished, or another node failed.
   absl::StatusOr<Outcome> AwaitOtherNodes(int attempt);
@@ -251,6 +279,7 @@ class Job {
   const std::string token_;
   SignalPipe& signals_;
   std::vector<Rank> ranks_;
+  ReplicaGroups groups_;
 };
 
 absl::StatusOr<int> Job::Rendezvous(int attempt) {
@@ -295,68 +324,88 @@ absl::Status Job::SpawnRanks(int attempt) {
   ranks_.clear();
   ranks_.resize(o_.nproc_per_node);
   for (int local = 0; local < o_.nproc_per_node; ++local) {
-    Rank& r = ranks_[local];
-    r.local_rank = local;
-    r.rank = o_.node_rank * o_.nproc_per_node + local;
-    if (!o_.capture_output) {  // the ranks write to the launcher's own stdout / stderr
-      absl::StatusOr<pid_t> pid =
-          base::Spawn(o_.program, o_.args, RankEnv(o_, local, master_port_, token_, attempt), {},
-                      /*new_process_group=*/true);
-      if (!pid.ok()) {
-        return absl::Status(pid.status().code(), absl::StrCat("fs_launch: cannot start rank ",
-                                                              r.rank, ": ", pid.status().message()));
-      }
-      r.pid = *pid;
-      r.running = true;
-      continue;
-    }
-    int out[2];
-    int err[2];
-    if (pipe2(out, O_CLOEXEC) != 0) {
-      return absl::InternalError(absl::StrCat("fs_launch: pipe2: ", std::strerror(errno)));
-    }
-    if (pipe2(err, O_CLOEXEC) != 0) {
-      const int e = errno;
-      close(out[0]);
-      close(out[1]);
-      return absl::InternalError(absl::StrCat("fs_launch: pipe2: ", std::strerror(e)));
-    }
-    absl::StatusOr<pid_t> pid =
-        base::Spawn(o_.program, o_.args, RankEnv(o_, local, master_port_, token_, attempt),
-                    {{out[1], 1}, {err[1], 2}}, /*new_process_group=*/true);
-    close(out[1]);
-    close(err[1]);
-    if (!pid.ok()) {
-      close(out[0]);
-      close(err[0]);
-      return absl::Status(pid.status().code(), absl::StrCat("fs_launch: cannot start rank ", r.rank,
-                                                            ": ", pid.status().message()));
-    }
-    r.pid = *pid;
-    r.running = true;
-    r.out_fd = out[0];
-    r.err_fd = err[0];
-    fcntl(r.out_fd, F_SETFL, fcntl(r.out_fd, F_GETFL) | O_NONBLOCK);
-    fcntl(r.err_fd, F_SETFL, fcntl(r.err_fd, F_GETFL) | O_NONBLOCK);
-    const std::string prefix = o_.prefix_output ? absl::StrCat("[rank ", r.rank, "] ") : "";
-    const int out_sink = o_.stdout_fd;
-    const int err_sink = o_.stderr_fd;
-    r.out = std::make_unique<LinePrefixer>(
-        prefix, [out_sink](absl::string_view line) { WriteAll(out_sink, line); });
-    r.err = std::make_unique<LinePrefixer>(
-        prefix, [err_sink](absl::string_view line) { WriteAll(err_sink, line); });
+    FS_RETURN_IF_ERROR(SpawnRank(local, attempt));
   }
   return absl::OkStatus();
 }
 
-void Job::SignalRanks(int sig) {
-  for (Rank& r : ranks_) {
-    if (!r.running) continue;
-    // The whole process group: a rank's own children stop too. A stopped process only acts on
-    // a signal (other than SIGKILL) once continued.
-    if (kill(-r.pid, sig) != 0) kill(r.pid, sig);
-    if (sig != SIGKILL && kill(-r.pid, SIGCONT) != 0) kill(r.pid, SIGCONT);
+absl::Status Job::SpawnRank(int local, int attempt) {
+  Rank& r = ranks_[local];
+  CloseOutput(r);
+  r = Rank();
+  r.local_rank = local;
+  r.rank = o_.node_rank * o_.nproc_per_node + local;
+  const std::vector<std::string> env =
+      RankEnv(o_, local, master_port_, token_, attempt,
+              groups_.enabled() ? groups_.restarts(groups_.GroupOf(r.rank)) : 0);
+  auto cannot_start = [&](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("fs_launch: cannot start rank ", r.rank, ": ",
+                                               s.message()));
+  };
+  if (!o_.capture_output) {  // the ranks write to the launcher's own stdout / stderr
+    absl::StatusOr<pid_t> pid = base::Spawn(o_.program, o_.args, env, {},
+                                            /*new_process_group=*/true);
+    if (!pid.ok()) return cannot_start(pid.status());
+    r.pid = *pid;
+    r.running = true;
+    return absl::OkStatus();
   }
+  int out[2];
+  int err[2];
+  if (pipe2(out, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrCat("fs_launch: pipe2: ", std::strerror(errno)));
+  }
+  if (pipe2(err, O_CLOEXEC) != 0) {
+    const int e = errno;
+    close(out[0]);
+    close(out[1]);
+    return absl::InternalError(absl::StrCat("fs_launch: pipe2: ", std::strerror(e)));
+  }
+  absl::StatusOr<pid_t> pid = base::Spawn(o_.program, o_.args, env, {{out[1], 1}, {err[1], 2}},
+                                          /*new_process_group=*/true);
+  close(out[1]);
+  close(err[1]);
+  if (!pid.ok()) {
+    close(out[0]);
+    close(err[0]);
+    return cannot_start(pid.status());
+  }
+  r.pid = *pid;
+  r.running = true;
+  r.out_fd = out[0];
+  r.err_fd = err[0];
+  fcntl(r.out_fd, F_SETFL, fcntl(r.out_fd, F_GETFL) | O_NONBLOCK);
+  fcntl(r.err_fd, F_SETFL, fcntl(r.err_fd, F_GETFL) | O_NONBLOCK);
+  const std::string prefix = o_.prefix_output ? absl::StrCat("[rank ", r.rank, "] ") : "";
+  const int out_sink = o_.stdout_fd;
+  const int err_sink = o_.stderr_fd;
+  r.out = std::make_unique<LinePrefixer>(
+      prefix, [out_sink](absl::string_view line) { WriteAll(out_sink, line); });
+  r.err = std::make_unique<LinePrefixer>(
+      prefix, [err_sink](absl::string_view line) { WriteAll(err_sink, line); });
+  return absl::OkStatus();
+}
+
+absl::Status Job::SpawnFailed(absl::Status s, const std::string& failed_key) {
+  KillAndReapAll();
+  if (o_.nnodes > 1) {
+    (void)store_.CompareSet(
+        failed_key, "",
+        EncodeFailure(
+            {-1, 127, absl::StrCat("node ", o_.node_rank, " could not start its ranks")}));
+  }
+  return s;
+}
+
+void Job::SignalRanks(int sig) {
+  for (const Rank& r : ranks_) SignalRank(r, sig);
+}
+
+void Job::SignalRank(const Rank& r, int sig) {
+  if (!r.running) return;
+  // The whole process group: a rank's own children stop too.
+  if (kill(-r.pid, sig) != 0) kill(r.pid, sig);
+  if (sig != SIGKILL && kill(-r.pid, SIGCONT) != 0) kill(r.pid, SIGCONT);
 }
 
 void Job::KillAndReapAll() {
@@ -389,19 +438,21 @@ void Job::Pump(int& fd, LinePrefixer& prefixer) {
   }
 }
 
-void Job::CloseOutputs() {
-  for (Rank& r : ranks_) {
-    if (r.out_fd >= 0) Pump(r.out_fd, *r.out);
-    if (r.err_fd >= 0) Pump(r.err_fd, *r.err);
-    for (auto [fd, p] :
-         {std::make_pair(&r.out_fd, r.out.get()), std::make_pair(&r.err_fd, r.err.get())}) {
-      if (*fd >= 0) {
-        close(*fd);
-        *fd = -1;
-      }
-      if (p != nullptr) p->Flush();
+void Job::CloseOutput(Rank& r) {
+  if (r.out_fd >= 0) Pump(r.out_fd, *r.out);
+  if (r.err_fd >= 0) Pump(r.err_fd, *r.err);
+  for (auto [fd, p] :
+       {std::make_pair(&r.out_fd, r.out.get()), std::make_pair(&r.err_fd, r.err.get())}) {
+    if (*fd >= 0) {
+      close(*fd);
+      *fd = -1;
     }
+    if (p != nullptr) p->Flush();
   }
+}
+
+void Job::CloseOutputs() {
+  for (Rank& r : ranks_) CloseOutput(r);
 }
 
 absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
@@ -416,16 +467,7 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
     }
   }
   const std::string failed_key = Key(attempt, "failed");
-  if (absl::Status s = SpawnRanks(attempt); !s.ok()) {
-    KillAndReapAll();
-    if (o_.nnodes > 1) {
-      (void)store_.CompareSet(
-          failed_key, "",
-          EncodeFailure(
-              {-1, 127, absl::StrCat("node ", o_.node_rank, " could not start its ranks")}));
-    }
-    return s;
-  }
+  if (absl::Status s = SpawnRanks(attempt); !s.ok()) return SpawnFailed(s, failed_key);
 
   std::optional<Failure> failure;
   int launcher_signal = 0;
@@ -487,48 +529,25 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
         killed = true;
       }
     }
-    // Ranks that ended, stopped or continued.
+    // Ranks that ended, stopped or continued. All are collected before any failure is acted
+    // on, so that a group whose other rank exited 0 meanwhile is known to be done.
+    std::vector<std::pair<Rank*, Ending>> ended;
     for (Rank& r : ranks_) {
       if (!r.running) continue;
-      int wstatus = 0;
-      const pid_t w = waitpid(r.pid, &wstatus, WNOHANG | WUNTRACED | WCONTINUED);
-      Ending e;
-      if (w != r.pid) {
-        // Still stopped past its grace: a failure like a kill by that signal.
-        if (r.stopped_since == absl::InfiniteFuture() ||
-            absl::Now() - r.stopped_since < o_.stopped_timeout) {
-          continue;
-        }
-        e = {128 + r.stop_signal,
-             absl::StrCat("has been stopped by ", SignalName(r.stop_signal), " for ",
-                          absl::FormatDuration(absl::Trunc(absl::Now() - r.stopped_since,
-                                                           absl::Milliseconds(100))),
-                          " (status ", 128 + r.stop_signal, ")")};
-        r.stopped_since = absl::InfiniteFuture();  // reported once; SIGTERM + SIGCONT follow
-      } else if (WIFSTOPPED(wstatus)) {
-        if (r.stopped_since == absl::InfiniteFuture() && !stopping) {
-          r.stopped_since = absl::Now();
-          r.stop_signal = WSTOPSIG(wstatus);
-          Say(absl::StrCat("rank ", r.rank, " (local rank ", r.local_rank, " on node ",
-                           o_.node_rank, ", pid ", r.pid, ") was stopped by ",
-                           SignalName(r.stop_signal), "; the job fails if it is still stopped in ",
-                           absl::FormatDuration(o_.stopped_timeout)));
-        }
-        continue;
-      } else if (WIFCONTINUED(wstatus)) {
-        if (r.stopped_since != absl::InfiniteFuture() && !stopping) {
-          Say(absl::StrCat("rank ", r.rank, " (pid ", r.pid, ") continued after ",
-                           absl::FormatDuration(absl::Trunc(absl::Now() - r.stopped_since,
-                                                            absl::Milliseconds(100)))));
-        }
-        r.stopped_since = absl::InfiniteFuture();
-        continue;
-      } else {
-        r.running = false;
-        e = FromWaitStatus(wstatus);
-      }
+      std::optional<Ending> e = Reap(r, stopping || GroupRestarting(r));
+      if (!e.has_value()) continue;
+      r.exited_zero = !r.running && e->status == 0;
+      ended.push_back({&r, *std::move(e)});
+    }
+    for (auto& [rank, e] : ended) {
+      const Rank& r = *rank;
       if (e.status == 0 || failure.has_value() || launcher_signal != 0) continue;
-      failure = Failure{r.rank, e.status, absl::StrCat("rank ", r.rank, " ", e.what)};
+      std::string why;
+      if (groups_.enabled()) {
+        if (GroupRestarting(r)) continue;  // one of the ranks the launcher is stopping
+        if (BeginGroupRestart(r, e, why)) continue;
+      }
+      failure = Failure{r.rank, e.status, absl::StrCat("rank ", r.rank, " ", e.what, why)};
       if (o_.nnodes > 1) {
         // The first failure published wins, so every node reports the same one. An unreachable
         // store does not stop this node from stopping its own ranks.
@@ -541,7 +560,7 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
         }
       }
       Say(absl::StrCat("rank ", r.rank, " (local rank ", r.local_rank, " on node ", o_.node_rank,
-                       ", pid ", r.pid, ") ", e.what, "; stopping the other ",
+                       ", pid ", r.pid, ") ", e.what, why, "; stopping the other ",
                        o_.nproc_per_node * o_.nnodes - 1, " rank(s) (SIGTERM, SIGKILL after ",
                        absl::FormatDuration(o_.stop_timeout), ")"));
       stop(SIGTERM);
@@ -580,6 +599,11 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
         stop(SIGTERM);
       }
     }
+    if (groups_.enabled() && !stopping) {
+      if (absl::Status s = AdvanceGroupRestarts(attempt); !s.ok()) {
+        return SpawnFailed(s, failed_key);
+      }
+    }
     if (stopping && !killed && absl::Now() >= kill_at && running() > 0) {
       Say(absl::StrCat(running(), " rank(s) still running ", absl::FormatDuration(o_.stop_timeout),
                        " after SIGTERM; sending SIGKILL"));
@@ -608,6 +632,91 @@ absl::StatusOr<Outcome> Job::RunAttempt(int attempt) {
   }
   if (o_.nnodes > 1) return AwaitOtherNodes(attempt);
   return outcome;
+}
+
+std::optional<Ending> Job::Reap(Rank& r, bool quiet) {
+  int wstatus = 0;
+  const pid_t w = waitpid(r.pid, &wstatus, WNOHANG | WUNTRACED | WCONTINUED);
+  if (w != r.pid) {
+    // Still stopped past its grace: a failure like a kill by that signal.
+    if (r.stopped_since == absl::InfiniteFuture() ||
+        absl::Now() - r.stopped_since < o_.stopped_timeout) {
+      return std::nullopt;
+    }
+    Ending e = {128 + r.stop_signal,
+                absl::StrCat("has been stopped by ", SignalName(r.stop_signal), " for ",
+                             absl::FormatDuration(absl::Trunc(absl::Now() - r.stopped_since,
+                                                              absl::Milliseconds(100))),
+                             " (status ", 128 + r.stop_signal, ")")};
+    r.stopped_since = absl::InfiniteFuture();  // reported once; SIGTERM + SIGCONT follow
+    return e;
+  }
+  if (WIFSTOPPED(wstatus)) {
+    if (r.stopped_since == absl::InfiniteFuture() && !quiet) {
+      r.stopped_since = absl::Now();
+      r.stop_signal = WSTOPSIG(wstatus);
+      Say(absl::StrCat("rank ", r.rank, " (local rank ", r.local_rank, " on node ", o_.node_rank,
+                       ", pid ", r.pid, ") was stopped by ", SignalName(r.stop_signal),
+                       "; the job fails if it is still stopped in ",
+                       absl::FormatDuration(o_.stopped_timeout)));
+    }
+    return std::nullopt;
+  }
+  if (WIFCONTINUED(wstatus)) {
+    if (r.stopped_since != absl::InfiniteFuture() && !quiet) {
+      Say(absl::StrCat("rank ", r.rank, " (pid ", r.pid, ") continued after ",
+                       absl::FormatDuration(absl::Trunc(absl::Now() - r.stopped_since,
+                                                        absl::Milliseconds(100)))));
+    }
+    r.stopped_since = absl::InfiniteFuture();
+    return std::nullopt;
+  }
+  r.running = false;
+  return FromWaitStatus(wstatus);
+}
+
+bool Job::BeginGroupRestart(const Rank& failed, const Ending& e, std::string& why) {
+  const int g = groups_.GroupOf(failed.rank);
+  const std::string group = absl::StrCat("replica group ", g, " (", groups_.RanksOf(g));
+  for (int local : groups_.LocalRanksOf(g)) {
+    if (ranks_[local].exited_zero) {
+      why = absl::StrCat(" (", group, ") is not restarted: rank ", ranks_[local].rank,
+                         " had already exited 0)");
+      return false;
+    }
+  }
+  if (!groups_.HasRestartsLeft(g)) {
+    why = absl::StrCat(" (", group, ") is out of restarts: ", groups_.restarts(g), " of at most ",
+                       o_.max_restarts, ")");
+    return false;
+  }
+  groups_.BeginRestart(g, absl::Now() + o_.stop_timeout);
+  Say(absl::StrCat("rank ", failed.rank, " (local rank ", failed.local_rank, " on node ",
+                   o_.node_rank, ", pid ", failed.pid, ") ", e.what, "; restarting ", group,
+                   ", restart ", groups_.restarts(g), " of at most ", o_.max_restarts,
+                   "); the other groups keep running"));
+  for (int local : groups_.LocalRanksOf(g)) SignalRank(ranks_[local], SIGTERM);
+  return true;
+}
+
+absl::Status Job::AdvanceGroupRestarts(int attempt) {
+  for (int g : groups_.Restarting()) {
+    const std::vector<int> locals = groups_.LocalRanksOf(g);
+    int running = 0;
+    for (int local : locals) running += ranks_[local].running ? 1 : 0;
+    if (running == 0) {
+      for (int local : locals) FS_RETURN_IF_ERROR(SpawnRank(local, attempt));
+      groups_.EndRestart(g);
+      Say(absl::StrCat("replica group ", g, " restarted (", groups_.RanksOf(g),
+                       ", FS_RESTART_COUNT=", groups_.restarts(g), ")"));
+    } else if (groups_.KillDue(g, absl::Now())) {
+      Say(absl::StrCat("replica group ", g, ": ", running, " rank(s) still running ",
+                       absl::FormatDuration(o_.stop_timeout), " after SIGTERM; sending SIGKILL"));
+      for (int local : locals) SignalRank(ranks_[local], SIGKILL);
+      groups_.MarkKilled(g);
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Outcome> Job::AwaitOtherNodes(int attempt) {
@@ -713,6 +822,14 @@ absl::Status ValidateLaunchOptions(const LaunchOptions& o) {
         "know the port; give every node the same fixed --master_port");
   }
   if (o.max_restarts < 0) return bad("--max_restarts=", o.max_restarts, " must be >= 0");
+  if (o.replica_group_size < 0) {
+    return bad("--replica_group_size=", o.replica_group_size, " must be >= 0 (0: no groups)");
+  }
+  if (o.replica_group_size > 0 && o.nproc_per_node % o.replica_group_size != 0) {
+    return bad("--replica_group_size=", o.replica_group_size,
+               " must divide --nproc_per_node=", o.nproc_per_node,
+               ": a replica group lies within one node");
+  }
   if (o.stop_timeout < absl::ZeroDuration()) return bad("the stop timeout must be >= 0");
   if (o.stopped_timeout < absl::ZeroDuration()) {
     return bad("the stopped-rank timeout must be >= 0");
@@ -727,7 +844,7 @@ absl::Status ValidateLaunchOptions(const LaunchOptions& o) {
 }
 
 std::vector<std::string> RankEnv(const LaunchOptions& o, int local_rank, int master_port,
-                                 const std::string& token, int attempt) {
+                                 const std::string& token, int attempt, int group_restarts) {
   std::vector<std::string> env = o.env;
   const int rank = o.node_rank * o.nproc_per_node + local_rank;
   env.push_back(absl::StrCat("RANK=", rank));
@@ -738,9 +855,16 @@ std::vector<std::string> RankEnv(const LaunchOptions& o, int local_rank, int mas
   env.push_back(absl::StrCat("MASTER_ADDR=", o.master_addr));
   env.push_back(absl::StrCat("MASTER_PORT=", master_port));
   env.push_back("TORCHELASTIC_USE_AGENT_STORE=True");
-  env.push_back(absl::StrCat("TORCHELASTIC_RESTART_COUNT=", attempt));
+  const int restarts = o.replica_group_size > 0 ? group_restarts : attempt;
+  env.push_back(absl::StrCat("TORCHELASTIC_RESTART_COUNT=", restarts));
   env.push_back(absl::StrCat("TORCHELASTIC_MAX_RESTARTS=", o.max_restarts));
-  env.push_back(absl::StrCat("FS_RESTART_COUNT=", attempt));
+  env.push_back(absl::StrCat("FS_RESTART_COUNT=", restarts));
+  if (o.replica_group_size > 0) {
+    env.push_back(absl::StrCat("FS_REPLICA_GROUP=", rank / o.replica_group_size));
+    env.push_back(absl::StrCat("FS_REPLICA_GROUP_SIZE=", o.replica_group_size));
+    env.push_back(absl::StrCat("FS_NUM_REPLICA_GROUPS=",
+                               o.nproc_per_node * o.nnodes / o.replica_group_size));
+  }
   env.push_back(absl::StrCat("FS_STORE_TOKEN=", token));
   env.push_back(absl::StrCat("FS_STORE_PREFIX=fs_launch/", attempt, "/job"));
   // The launcher prefixes every output line with "[rank N] ": the program need not.
@@ -802,7 +926,8 @@ absl::StatusOr<int> Launch(const LaunchOptions& o) {
       FS_RETURN_IF_ERROR(job.FinishJob(attempt));
       return 0;
     }
-    if (attempt < o.max_restarts) {
+    // With replica groups the failed group had its restarts: the job is over.
+    if (o.replica_group_size == 0 && attempt < o.max_restarts) {
       job.Say(absl::StrCat(outcome.failure->what, "; restarting the job (restart ", attempt + 1,
                            " of at most ", o.max_restarts, ", FS_RESTART_COUNT=", attempt + 1,
                            ")"));
@@ -810,7 +935,9 @@ absl::StatusOr<int> Launch(const LaunchOptions& o) {
     }
     job.Say(absl::StrCat(
         "job failed: ", outcome.failure->what,
-        o.max_restarts > 0 ? absl::StrCat(" (after ", o.max_restarts, " restart(s))") : "",
+        o.max_restarts > 0 && o.replica_group_size == 0
+            ? absl::StrCat(" (after ", o.max_restarts, " restart(s))")
+            : "",
         "; exit status ", outcome.status));
     FS_RETURN_IF_ERROR(job.FinishJob(attempt));
     return outcome.status;

@@ -20,6 +20,16 @@
 // * With max_restarts = N, a failed job is stopped and started again, at most N times, with
 //   FS_RESTART_COUNT = 1, 2, ... (the program resumes from its own last checkpoint) and a fresh
 //   store namespace (FS_STORE_PREFIX) per attempt, so no key of a failed attempt is seen.
+// * With replica_group_size = S > 0, the ranks form replica groups of S consecutive global
+//   ranks (group g: ranks [g*S, (g+1)*S), within one node), and a failure restarts only the
+//   failed rank's group: its other ranks get SIGTERM (SIGKILL after stop_timeout), and once all
+//   are reaped they start again with the group's FS_RESTART_COUNT = 1, 2, ..., while every
+//   other group keeps running untouched. max_restarts then counts per group. FS_STORE_PREFIX
+//   stays that of the job (the restarted ranks meet the running ones in the store; keeping
+//   incarnations apart is the program's business, e.g. //ft's epochs). A group out of restarts,
+//   or one whose failed rank has a sibling that had already exited 0 (its work is done), fails
+//   the job as above. A group restart is this node's own affair; only a job failure reaches
+//   the other nodes.
 // * Several nodes: run one launcher per node with the same nnodes / master_addr / master_port
 //   and FS_STORE_TOKEN, and node_rank 0..nnodes-1. The launchers meet in the store before each
 //   attempt, and a failure on any node stops (and restarts) the ranks of every node.
@@ -48,7 +58,11 @@ struct LaunchOptions {
   // Where node 0's TCPStore binds. Empty: master_addr for one node, every interface ("0.0.0.0")
   // for several.
   std::string store_bind_addr;
+  // Restarts after a failure: of the whole job (replica_group_size 0), or of each replica group.
   int max_restarts = 0;
+  // 0: a failure stops (and restarts) the whole job. S > 0: replica groups of S consecutive
+  // ranks, restarted one by one; nproc_per_node must be a multiple of S.
+  int replica_group_size = 0;
   // SIGTERM -> SIGKILL grace when stopping ranks.
   absl::Duration stop_timeout = absl::Seconds(5);
   // How long a rank may stay stopped (SIGSTOP, ...) before it fails the job.
@@ -88,9 +102,13 @@ std::string NewStoreToken();
 // The environment of one rank ("KEY=VALUE"), as Launch gives it: options.env, then RANK,
 // LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
 // TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
-// FS_RESTART_COUNT, FS_STORE_TOKEN, FS_STORE_PREFIX, and FS_OUTPUT_PREFIXED=1 when the launcher
-// prefixes the rank's output lines with "[rank N] " (so the program need not add its own).
+// FS_RESTART_COUNT, FS_STORE_TOKEN, FS_STORE_PREFIX (fs_launch/<attempt>/job), FS_OUTPUT_PREFIXED=1
+// when the launcher prefixes the rank's output lines with "[rank N] " (so the program need not
+// add its own), and with replica_group_size > 0: FS_REPLICA_GROUP (the rank's group),
+// FS_REPLICA_GROUP_SIZE and FS_NUM_REPLICA_GROUPS. FS_RESTART_COUNT and
+// TORCHELASTIC_RESTART_COUNT are `attempt` without replica groups, `group_restarts` (the rank's
+// group's restart count) with them.
 std::vector<std::string> RankEnv(const LaunchOptions& options, int local_rank, int master_port,
-                                 const std::string& token, int attempt);
+                                 const std::string& token, int attempt, int group_restarts = 0);
 
 }  // namespace fairscale::launch
