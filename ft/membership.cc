@@ -325,7 +325,13 @@ absl::StatusOr<Quorum> Membership::quorum(int64_t step, absl::Duration timeout) 
 
   absl::Time below_min_since = absl::InfiniteFuture();
   for (;;) {  // one iteration per round announced
-    FS_RETURN_IF_ERROR(store_->Set(ArriveKey(r, o.group, o.shard), absl::StrCat(step)));
+    // "<step> member" from a rank of round r - 1, "<step> new" from a new incarnation (or a rank
+    // that missed rounds): a group with a new rank needs the state even when the round before
+    // still lists it (restarted faster than its peers judged it dead).
+    const bool member_before =
+        st.has_prev && st.prev_round == r - 1 && Contains(st.prev.groups, o.group);
+    FS_RETURN_IF_ERROR(store_->Set(ArriveKey(r, o.group, o.shard),
+                                   absl::StrCat(step, member_before ? " member" : " new")));
     Decision prev;
     if (r > 0) {
       if (st.has_prev && st.prev_round == r - 1) {
@@ -456,26 +462,33 @@ absl::StatusOr<Quorum> Membership::quorum(int64_t step, absl::Duration timeout) 
               discarded = !absl::StartsWith(v, "1");
             }
           }
-          d.epoch = r == 0 ? 0 : prev.epoch + (d.groups != prev.groups || discarded ? 1 : 0);
+          // Which groups hold the state: members of round r - 1 all of whose ranks arrived as
+          // members (not a new incarnation).
+          d.max_step = step;
           std::vector<int> healthy;
           for (int g : d.groups) {
-            if (r > 0 && Contains(prev.groups, g)) healthy.push_back(g);
+            bool all_members = true;
+            for (int s = 0; s < o.group_size; ++s) {
+              FS_ASSIGN_OR_RETURN(std::string v, store_->Get(ArriveKey(r, g, s), kStoreCallTimeout));
+              const std::pair<absl::string_view, absl::string_view> fields =
+                  absl::StrSplit(v, absl::MaxSplits(' ', 1));
+              int64_t sv;
+              if (absl::SimpleAtoi(fields.first, &sv)) d.max_step = std::max(d.max_step, sv);
+              all_members = all_members && fields.second == "member";
+            }
+            if (r > 0 && Contains(prev.groups, g) && all_members) healthy.push_back(g);
           }
           if (r > 0) {
             for (int g : d.groups) {
-              if (Contains(prev.groups, g)) continue;
+              if (Contains(healthy, g)) continue;
               d.sources.push_back(healthy.empty() ? -1 : healthy[d.joiners.size() % healthy.size()]);
               d.joiners.push_back(g);
             }
           }
-          d.max_step = step;
-          for (int g : d.groups) {
-            for (int s = 0; s < o.group_size; ++s) {
-              FS_ASSIGN_OR_RETURN(std::string v, store_->Get(ArriveKey(r, g, s), kStoreCallTimeout));
-              int64_t sv;
-              if (absl::SimpleAtoi(v, &sv)) d.max_step = std::max(d.max_step, sv);
-            }
-          }
+          // A new group set, a discarded step or a new incarnation: new communicators.
+          d.epoch = r == 0 ? 0
+                           : prev.epoch + (d.groups != prev.groups || discarded || !d.joiners.empty()
+                                               ? 1 : 0);
           FS_RETURN_IF_ERROR(store_->CompareSet(RoundKey(r), "", Encode(d)).status());
           continue;  // read back whichever decision won
         }

@@ -37,11 +37,16 @@
 //   on "round/<r>"; every caller of round r returns that one decision, so all ranks of all
 //   groups in it get the same answer. Round r is decidable when every group of round r - 1 (for
 //   round 0: every group of the job) has either fully arrived or is dead; its groups are the
-//   groups that fully arrived (also new ones, which are then joiners). A group that arrives after
-//   the decision is in a later round.
+//   groups that fully arrived. Joiners: the groups of round r that were not in round r - 1, and
+//   those with a rank that was not a member of round r - 1 (a new incarnation: a group whose
+//   processes were restarted faster than its peers judged it dead is still listed in round
+//   r - 1, but lost its state). Sources: the other groups (healthy: every rank a member of
+//   round r - 1); none left (every group of round r - 1 died): source -1. A group that arrives
+//   after the decision is in a later round.
 // * Epoch: 0 at round 0; +1 exactly when a round's group set differs from the previous round's,
-//   or when the previous round's step was discarded by should_commit() (a collective failed:
-//   the communicators of that epoch are suspect even when every group is still alive).
+//   when it has joiners, or when the previous round's step was discarded by should_commit() (a
+//   collective failed: the communicators of that epoch are suspect even when every group is
+//   still alive).
 // * Bounds: a group that dies before or at a step boundary is dropped from that boundary's
 //   round within dead_after + heartbeat_interval + poll_interval (measured in ft/README.md). A
 //   group that comes back is admitted at the first round after all its ranks announced,

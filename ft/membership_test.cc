@@ -191,6 +191,67 @@ TEST(Membership, TwoGroupsDieAtOnce) {
   }, absl::Seconds(60)));
 }
 
+// A group whose processes restart faster than dead_after is still listed in the round before,
+// but its new incarnation lost the state: it must come back as a joiner with a source, at a new
+// epoch, without waiting for anyone to be judged dead.
+TEST(Membership, GroupRestartedBeforeJudgedDeadIsAJoiner) {
+  Answers answers;
+  ExpectAllOk(comm::testing::RunThreads(2, [&](int rank) -> absl::Status {
+    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), testing::FastOptions(2, 1, rank)));
+    for (int64_t step = 0; step < 2; ++step) {
+      FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(step, absl::Seconds(20)));
+      FS_RETURN_IF_ERROR(answers.Record(q));
+    }
+    const absl::Time start = absl::Now();
+    Quorum q;
+    if (rank == 1) {
+      m.reset();  // dies and is restarted at once (a new incarnation at step 0)
+      FS_ASSIGN_OR_RETURN(m, Membership::Create(SharedStore(), testing::FastOptions(2, 1, rank)));
+      FS_ASSIGN_OR_RETURN(q, m->quorum(0, absl::Seconds(20)));
+      FS_RETURN_IF_ERROR(Check(q.joining && q.source_group == 0 && q.changed,
+                               absl::StrCat("restarted group: joining ", q.joining, " source ",
+                                            q.source_group)));
+    } else {
+      FS_ASSIGN_OR_RETURN(q, m->quorum(2, absl::Seconds(20)));
+      FS_RETURN_IF_ERROR(Check(!q.joining && q.changed, "group 0 keeps its state"));
+    }
+    FS_RETURN_IF_ERROR(answers.Record(q));
+    FS_RETURN_IF_ERROR(Check(q.round == 2 && q.epoch == 1 && q.groups == std::vector<int>{0, 1} &&
+                                 q.joiners == std::vector<int>{1} &&
+                                 q.sources == std::vector<int>{0} && q.max_step == 2,
+                             absl::StrCat("round ", q.round, " epoch ", q.epoch, " joiners ",
+                                          absl::StrJoin(q.joiners, ","))));
+    // Decided as soon as the new incarnation arrived: nobody waited to be judged dead.
+    FS_RETURN_IF_ERROR(Check(absl::Now() - start < kDeadAfter,
+                             absl::StrCat("took ", absl::FormatDuration(absl::Now() - start))));
+    m->Leave();
+    return absl::OkStatus();
+  }, absl::Seconds(60)));
+}
+
+// Every group restarted: all are joiners and none has a source (the live state is lost).
+TEST(Membership, EveryGroupRestartedHasNoSource) {
+  Answers answers;
+  ExpectAllOk(comm::testing::RunThreads(2, [&](int rank) -> absl::Status {
+    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), testing::FastOptions(2, 1, rank)));
+    for (int64_t step = 0; step < 2; ++step) {
+      FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(step, absl::Seconds(20)));
+      FS_RETURN_IF_ERROR(answers.Record(q));
+    }
+    m.reset();
+    FS_ASSIGN_OR_RETURN(m, Membership::Create(SharedStore(), testing::FastOptions(2, 1, rank)));
+    FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(0, absl::Seconds(20)));
+    FS_RETURN_IF_ERROR(answers.Record(q));
+    FS_RETURN_IF_ERROR(Check(q.joining && q.source_group == -1 &&
+                                 q.joiners == std::vector<int>{0, 1} &&
+                                 q.sources == std::vector<int>{-1, -1},
+                             absl::StrCat("joining ", q.joining, " source ", q.source_group,
+                                          " joiners ", absl::StrJoin(q.joiners, ","))));
+    m->Leave();
+    return absl::OkStatus();
+  }, absl::Seconds(60)));
+}
+
 // One rank voting to discard discards the step on every rank; the next round has a new epoch.
 TEST(Membership, ShouldCommitIsTheSameEverywhere) {
   ExpectAllOk(comm::testing::RunThreads(4, [&](int rank) -> absl::Status {
