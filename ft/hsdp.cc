@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -193,9 +194,20 @@ absl::Status FaultTolerantHsdp::Transfer() {
     if (s >= 0) sources.insert(s);
   }
   if (quorum_.joining && quorum_.source_group < 0) {
+    bool all_left = !quorum_.dropped_reasons.empty();
+    for (const std::string& why : quorum_.dropped_reasons) {
+      all_left = all_left && absl::EndsWith(why, " left");
+    }
     Fail(absl::UnavailableError(absl::StrCat(
-             "no group of the previous round is left to copy the state from (every replica group "
-             "died: the live state is lost; restart the job from a checkpoint)")),
+             "no group of the previous round is left to copy the state from (",
+             all_left ? "the other groups finished and left before this group rejoined: nothing "
+                        "to rejoin"
+                      : "every replica group died: the live state is lost; restart the job from "
+                        "a checkpoint",
+             quorum_.dropped_reasons.empty()
+                 ? ""
+                 : absl::StrCat("; ", absl::StrJoin(quorum_.dropped_reasons, "; ")),
+             ")")),
          "state transfer");
   }
   for (int source : sources) {

@@ -46,7 +46,7 @@
 //   (quorum timeouts, a rank left out of the quorum: its group must restart and come back as a
 //   joiner, a joiner's failed transfer, no group left to copy the state from: every group of
 //   the previous round died, the live state is lost and the job must restart from a
-//   checkpoint). A failed gradient reduction, or a failed transfer on a rank that is not
+//   checkpoint, or they all finished and left before this group came back). A failed gradient reduction, or a failed transfer on a rank that is not
 //   joining, is not an error: the step is discarded. Methods in order begin_step, end_step, from the training loop's thread.
 #pragma once
 

@@ -15,8 +15,9 @@
 //     save    while sending the state to a joiner (after the tensors, before the optimizer)
 //     load    while receiving the state (everything received, nothing of the archive applied)
 //   The killing rank first writes <dir>/kill.<rank>.<incarnation> with the wall time (µs).
-// Before its last step a rank whose last quorum lacked a group waits (up to 60 s) until every
-// group beats again and then 1 s, so that a restarted group is back before the run ends.
+// Before its last step a rank waits (up to 60 s) until every killed group's next incarnation is
+// about to join (WaitForRestartedGroups), so that the run does not end before it is back.
+#include <dirent.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -121,6 +122,38 @@ void WriteAtomically(const std::string& path, const std::string& text) {
   }
 }
 
+bool Exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
+
+// Before the last step: every group killed (kill.<rank>.<k>) must be back (ready.<r>.<k + 1> of
+// each of its ranks, written right before their first quorum), so that the run does not end
+// before a restarted group rejoins. Then a moment for their arrival to be posted. At most 60 s.
+void WaitForRestartedGroups(const std::string& dir, int group_size) {
+  const absl::Time until = absl::Now() + absl::Seconds(60);
+  bool waited = false;
+  for (;;) {
+    bool missing = false;
+    DIR* d = opendir(dir.c_str());
+    if (d == nullptr) return;
+    while (dirent* e = readdir(d)) {
+      int rank = 0;
+      int k = 0;
+      const std::vector<std::string> p = absl::StrSplit(e->d_name, '.');
+      if (p.size() != 3 || p[0] != "kill" || !absl::SimpleAtoi(p[1], &rank) ||
+          !absl::SimpleAtoi(p[2], &k)) {
+        continue;
+      }
+      for (int r = rank / group_size * group_size; r < (rank / group_size + 1) * group_size; ++r) {
+        missing = missing || !Exists(absl::StrCat(dir, "/ready.", r, ".", k + 1));
+      }
+    }
+    closedir(d);
+    if (!missing || absl::Now() >= until) break;
+    waited = true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  if (waited) absl::SleepFor(absl::Milliseconds(500));
+}
+
 int Run(int argc, char** argv) {
   const Flags flags = ParseFlags(argc, argv);
   const int rank = EnvInt("RANK", -1);
@@ -194,19 +227,16 @@ int Run(int argc, char** argv) {
 
   nlohmann::json attempts = nlohmann::json::array();
   size_t recorded = 0;
-  size_t last_groups = static_cast<size_t>(mo.num_groups);
+  bool ready_written = false;
   while (hsdp.step() < flags.steps) {
     const int64_t step = hsdp.step();
-    if (step == flags.steps - 1 && last_groups < static_cast<size_t>(mo.num_groups)) {
-      const absl::Time until = absl::Now() + absl::Seconds(60);
-      while (m->live_groups().size() < static_cast<size_t>(mo.num_groups) && absl::Now() < until) {
-        absl::SleepFor(absl::Milliseconds(20));
-      }
-      absl::SleepFor(absl::Seconds(1));
-    }
+    if (step == flags.steps - 1) WaitForRestartedGroups(flags.dir, group_size);
     kill_here(step, "before");
-    const Quorum& q = hsdp.begin_step();
-    last_groups = q.groups.size();
+    if (!ready_written) {
+      WriteAtomically(absl::StrCat(flags.dir, "/ready.", rank, ".", incarnation), "");
+      ready_written = true;
+    }
+    hsdp.begin_step();
     opt.zero_grad();
     auto [x, y] = testing::KillBatch(hsdp.step(), g, s);
     at::mse_loss(model(x), y).backward();
