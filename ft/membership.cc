@@ -125,22 +125,29 @@ struct Membership::State {
   int64_t prev_round = -1;
   Decision prev;
 
+  // One heartbeat write (nothing once stopped or no longer beating).
+  absl::Status BeatOnce() {
+    std::string value;
+    {
+      absl::MutexLock lock(&mu);
+      if (stop || !beating) return absl::OkStatus();
+      value = absl::StrCat(nonce, ":", ++count);
+    }
+    absl::Status s = store->Set(HeartbeatKey(options.group, options.shard), value);
+    if (!s.ok()) {
+      absl::MutexLock lock(&mu);
+      last_store_error = s;
+    }
+    return s;
+  }
+
   void Beat() {
-    const std::string own = HeartbeatKey(options.group, options.shard);
     for (;;) {
-      std::string value;
       {
         absl::MutexLock lock(&mu);
         if (stop) return;
-        if (beating) value = absl::StrCat(nonce, ":", ++count);
       }
-      if (!value.empty()) {
-        absl::Status s = store->Set(own, value);
-        if (!s.ok()) {
-          absl::MutexLock lock(&mu);
-          last_store_error = s;
-        }
-      }
+      (void)BeatOnce();
       Sample();
       absl::MutexLock lock(&mu);
       auto stopped = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return stop; };
@@ -192,7 +199,10 @@ struct Membership::State {
       }
       if (absl::StartsWith(v.value, "done:")) return absl::StrCat("group ", g, ": rank ", s, " left");
       const absl::Duration silent = last_sample_ok - v.last_change;
-      if (silent >= options.dead_after) {
+      // A rank that never beat is still starting (processes of a job start unevenly on a busy
+      // machine): dead only after start_timeout.
+      if (silent >= (v.value.empty() ? std::max(options.start_timeout, options.dead_after)
+                                     : options.dead_after)) {
         return absl::StrCat("group ", g, ": rank ", s,
                             v.value.empty() ? " never sent a heartbeat in " : " missed heartbeats for ",
                             absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))));
@@ -255,6 +265,11 @@ absl::StatusOr<std::unique_ptr<Membership>> Membership::Create(std::shared_ptr<c
   }
   auto ns = std::make_shared<comm::PrefixStore>(options.name, std::move(store));
   std::unique_ptr<Membership> m(new Membership(std::move(ns), std::move(options)));
+  // The first beat before returning: a rank that arrives in a round has always beaten (one that
+  // never did counts as still starting, for start_timeout).
+  if (absl::Status s = m->state_->BeatOnce(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("Membership: the first heartbeat: ", s.message()));
+  }
   return m;
 }
 

@@ -25,8 +25,9 @@
 // * Liveness. Each rank writes "hb/g<g>/s<s>" = "<nonce>:<count>" every `heartbeat_interval` on
 //   a thread of its own (the nonce is new per Membership, so a restarted rank is a new
 //   incarnation), and on the same thread reads every rank's key. A rank is dead in this rank's
-//   view when its value did not change for `dead_after` of successful reads (a reader whose own
-//   reads stalled judges nobody), when it reported a failure (ReportFailure) or left (Leave).
+//   view when its value did not change for `dead_after` of successful reads (a rank whose key
+//   never appeared, still starting: `start_timeout`; a reader whose own reads stalled judges
+//   nobody), when it reported a failure (ReportFailure) or left (Leave).
 //   A group is dead when any of its ranks is. Before declaring a group dead, quorum() and
 //   should_commit() re-read every heartbeat key (a fresh sample, not the heartbeat thread's
 //   last one, which may predate a restarted group's first beat).
@@ -134,6 +135,10 @@ class Membership {
     int group_size = 1;
     absl::Duration heartbeat_interval = absl::Milliseconds(500);
     absl::Duration dead_after = absl::Seconds(5);
+    // How long a rank that never sent a heartbeat (its process still starting, at the job's
+    // start) counts as alive: round 0 waits this long for a slow group before going on without
+    // it (which then joins later, taking the state of the others).
+    absl::Duration start_timeout = absl::Seconds(60);
     // How often quorum() polls the store while waiting.
     absl::Duration poll_interval = absl::Milliseconds(20);
     int min_groups = 1;

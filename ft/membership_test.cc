@@ -88,7 +88,7 @@ TEST(Membership, SteadyStateSameQuorumEveryStep) {
 TEST(Membership, GroupDiesAndComesBack) {
   Answers answers;
   std::atomic<int64_t> death_us{0};
-  std::atomic<bool> dropped{false};
+  std::atomic<int> dropped{0};  // group 0's ranks that saw the drop (and checked live_groups)
   ExpectAllOk(comm::testing::RunThreads(4, [&](int rank) -> absl::Status {
     const int g = rank / 2;
     auto m = Membership::Create(SharedStore(), testing::FastOptions(2, 2, rank));
@@ -101,7 +101,7 @@ TEST(Membership, GroupDiesAndComesBack) {
       m->reset();  // dies: no more heartbeats, never arrives at step 3
       death_us = absl::ToUnixMicros(absl::Now());
       const absl::Time until = absl::Now() + absl::Seconds(20);
-      while (!dropped && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
+      while (dropped < 2 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
       // Restarted: a new incarnation, at its own step (it has lost its state).
       FS_ASSIGN_OR_RETURN(auto again, Membership::Create(SharedStore(), testing::FastOptions(2, 2, rank)));
       FS_ASSIGN_OR_RETURN(Quorum q, again->quorum(0, absl::Seconds(20)));
@@ -132,11 +132,16 @@ TEST(Membership, GroupDiesAndComesBack) {
                                  absl::StrCat("drop: epoch ", q.epoch, " ", absl::StrJoin(q.dropped_reasons, ";"))));
         FS_RETURN_IF_ERROR(Check(detect <= kDetectBound, absl::StrCat("detection took ", absl::FormatDuration(detect))));
         FS_RETURN_IF_ERROR(Check(q.replicate_rank == 0 && q.replicate_size == 1, "replicate size 1"));
+        // This rank's heartbeat view may be up to an interval older than the deciding sample.
+        for (absl::Time until = absl::Now() + 3 * kInterval;
+             (*m)->live_groups() != std::vector<int>{0} && absl::Now() < until;) {
+          absl::SleepFor(absl::Milliseconds(10));
+        }
         FS_RETURN_IF_ERROR(Check((*m)->live_groups() == std::vector<int>{0},
                                  absl::StrCat("live groups after the drop: ",
                                               absl::StrJoin((*m)->live_groups(), ","))));
         phase = 1;
-        dropped = true;
+        ++dropped;
       } else if (phase == 1 && q.groups.size() == 2) {
         FS_RETURN_IF_ERROR(Check(q.epoch == 2 && q.changed && q.joiners == std::vector<int>{1} &&
                                      q.sources == std::vector<int>{0} && !q.joining,
@@ -224,6 +229,40 @@ TEST(Membership, GroupRestartedBeforeJudgedDeadIsAJoiner) {
     // Decided as soon as the new incarnation arrived: nobody waited to be judged dead.
     FS_RETURN_IF_ERROR(Check(absl::Now() - start < kDeadAfter,
                              absl::StrCat("took ", absl::FormatDuration(absl::Now() - start))));
+    m->Leave();
+    return absl::OkStatus();
+  }, absl::Seconds(60)));
+}
+
+// Processes start unevenly: a group that has not beaten yet is waited for up to start_timeout
+// (not dead_after), and one that never starts is dropped after it.
+TEST(Membership, SlowStartIsWaitedForUpToStartTimeout) {
+  ExpectAllOk(comm::testing::RunThreads(2, [&](int rank) -> absl::Status {
+    Membership::Options o = testing::FastOptions(2, 1, rank);
+    o.start_timeout = absl::Seconds(3);
+    if (rank == 1) absl::SleepFor(kDeadAfter + absl::Milliseconds(700));  // slower than dead_after
+    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), o));
+    FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(0, absl::Seconds(20)));
+    FS_RETURN_IF_ERROR(Check(q.groups == std::vector<int>{0, 1} && q.dropped.empty(),
+                             absl::StrCat("round 0: ", absl::StrJoin(q.groups, ","), " dropped ",
+                                          absl::StrJoin(q.dropped_reasons, ";"))));
+    m->Leave();
+    return absl::OkStatus();
+  }, absl::Seconds(60)));
+  ExpectAllOk(comm::testing::RunThreads(1, [&](int rank) -> absl::Status {
+    Membership::Options o = testing::FastOptions(2, 1, rank);
+    o.name = "never";
+    o.start_timeout = absl::Seconds(2);
+    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(SharedStore(), o));
+    const absl::Time start = absl::Now();
+    FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(0, absl::Seconds(20)));
+    const absl::Duration took = absl::Now() - start;
+    FS_RETURN_IF_ERROR(Check(q.groups == std::vector<int>{0} && q.dropped == std::vector<int>{1} &&
+                                 absl::StrContains(q.dropped_reasons[0], "never sent a heartbeat") &&
+                                 took >= o.start_timeout && took <= o.start_timeout + kSlack,
+                             absl::StrCat("round 0 without group 1 after ",
+                                          absl::FormatDuration(took), ": ",
+                                          absl::StrJoin(q.dropped_reasons, ";"))));
     m->Leave();
     return absl::OkStatus();
   }, absl::Seconds(60)));
