@@ -14,10 +14,12 @@
 //     mid     after that step's backward, before its gradient average (its peers' fails)
 //     save    while sending the state to a joiner (after the tensors, before the optimizer)
 //     load    while receiving the state (everything received, nothing of the archive applied)
-//   The killing rank first writes <dir>/kill.<rank>.<incarnation> with the wall time (µs).
+//   The killing rank first writes <dir>/kill.<rank>.<incarnation> with the wall time (µs), and
+//   <dir>/down.<rank>.<incarnation> (also written by a rank that fails).
 // Before its last step a rank waits (up to 60 s) until every killed group's next incarnation is
 // about to join (WaitForRestartedGroups), so that the run does not end before it is back.
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -124,9 +126,10 @@ void WriteAtomically(const std::string& path, const std::string& text) {
 
 bool Exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
 
-// Before the last step: every group killed (kill.<rank>.<k>) must be back (ready.<r>.<k + 1> of
-// each of its ranks, written right before their first quorum), so that the run does not end
-// before a restarted group rejoins. Then a moment for their arrival to be posted. At most 60 s.
+// Before the last step: every group that went down (down.<rank>.<k>: killed, or failed, e.g. a
+// joiner whose source died in the transfer) must be back (ready.<r>.<k + 1> of each of its
+// ranks, written right before their first quorum), so that the run does not end before a
+// restarted group rejoins. Then a moment for their arrival to be posted. At most 60 s.
 void WaitForRestartedGroups(const std::string& dir, int group_size) {
   const absl::Time until = absl::Now() + absl::Seconds(60);
   bool waited = false;
@@ -138,7 +141,7 @@ void WaitForRestartedGroups(const std::string& dir, int group_size) {
       int rank = 0;
       int k = 0;
       const std::vector<std::string> p = absl::StrSplit(e->d_name, '.');
-      if (p.size() != 3 || p[0] != "kill" || !absl::SimpleAtoi(p[1], &rank) ||
+      if (p.size() != 3 || p[0] != "down" || !absl::SimpleAtoi(p[1], &rank) ||
           !absl::SimpleAtoi(p[2], &k)) {
         continue;
       }
@@ -154,6 +157,9 @@ void WaitForRestartedGroups(const std::string& dir, int group_size) {
   if (waited) absl::SleepFor(absl::Milliseconds(500));
 }
 
+// Where main() marks this incarnation down when it fails ("" until known).
+std::string g_down_marker;
+
 int Run(int argc, char** argv) {
   const Flags flags = ParseFlags(argc, argv);
   const int rank = EnvInt("RANK", -1);
@@ -166,12 +172,14 @@ int Run(int argc, char** argv) {
   }
   const int g = rank / group_size;
   const int s = rank % group_size;
+  g_down_marker = absl::StrCat(flags.dir, "/down.", rank, ".", incarnation);
   auto kill_here = [&](int64_t step, const std::string& point) {
     for (const Kill& k : flags.kills) {
       if (k.rank == rank && k.incarnation == incarnation && k.point == point &&
           (k.step == step || point == "save" || point == "load")) {
         WriteAtomically(absl::StrCat(flags.dir, "/kill.", rank, ".", incarnation),
                         absl::StrCat(absl::ToUnixMicros(absl::Now())));
+        WriteAtomically(absl::StrCat(flags.dir, "/down.", rank, ".", incarnation), "");
         raise(SIGKILL);
       }
     }
@@ -288,5 +296,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kill_worker: %s\n", e.what());
   }
   std::fflush(stderr);
+  if (!fairscale::ft::g_down_marker.empty()) {
+    const int fd = open(fairscale::ft::g_down_marker.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd >= 0) close(fd);
+  }
   _exit(3);  // no destructors: a dead peer must not make teardown wait
 }
