@@ -27,6 +27,10 @@ constexpr absl::Duration kStoreCallTimeout = absl::Seconds(10);
 std::string HeartbeatKey(int g, int s) { return absl::StrCat("hb/g", g, "/s", s); }
 std::string ArriveKey(int64_t r, int g, int s) { return absl::StrCat("arrive/", r, "/g", g, "/s", s); }
 std::string RoundKey(int64_t r) { return absl::StrCat("round/", r); }
+std::string VoteKey(int64_t r, int g, int s) { return absl::StrCat("vote/", r, "/g", g, "/s", s); }
+// Rounds kept in the store: a rank of round r reads rounds r - 1 and r only; a rank coming back
+// reads "latest" and the rounds after it.
+constexpr int64_t kKeepRounds = 16;
 
 // What round r decided (the value of "round/<r>", one field per line).
 struct Decision {
@@ -422,6 +426,19 @@ absl::StatusOr<Quorum> Membership::quorum(int64_t step, absl::Duration timeout) 
             seen = *now;
           }
         }
+        // The keys of round r - kKeepRounds go (by one rank: shard 0 of the round's first group),
+        // so the store holds a bounded number of rounds however long the job runs. Best effort.
+        if (r >= kKeepRounds && o.shard == 0 && o.group == q.groups.front()) {
+          const int64_t old = r - kKeepRounds;
+          (void)store_->Delete(RoundKey(old));
+          (void)store_->Delete(absl::StrCat("commit/", old));
+          for (int g = 0; g < o.num_groups; ++g) {
+            for (int s = 0; s < o.group_size; ++s) {
+              (void)store_->Delete(ArriveKey(old, g, s));
+              (void)store_->Delete(VoteKey(old, g, s));
+            }
+          }
+        }
         QuorumRecord rec{q.round, q.epoch, step, q.groups, q.joiners, q.dropped, absl::Now() - start};
         {
           absl::MutexLock lock(&st.mu);
@@ -431,6 +448,20 @@ absl::StatusOr<Quorum> Membership::quorum(int64_t step, absl::Duration timeout) 
         return q;
       }
 
+      // A rank that was not a member: round r may have been decided and pruned while this rank
+      // was away ("latest" >= r): go on to the first undecided round after it.
+      if (!was_member) {
+        FS_ASSIGN_OR_RETURN(bool has_latest, store_->Check("latest"));
+        int64_t latest = -1;
+        if (has_latest) {
+          FS_ASSIGN_OR_RETURN(std::string v, store_->Get("latest", kStoreCallTimeout));
+          if (!absl::SimpleAtoi(v, &latest)) return absl::DataLossError("bad 'latest' in the store");
+        }
+        if (latest >= r) {
+          r = latest + 1;
+          break;
+        }
+      }
       // Not decided yet: decide it when every group of the previous round arrived or is dead.
       std::vector<int> complete;
       std::vector<int64_t> steps;
@@ -525,7 +556,7 @@ absl::StatusOr<bool> Membership::should_commit(const Quorum& q, bool ok, absl::D
   const std::string who = absl::StrCat("should_commit (round ", q.round, ", step ", q.step,
                                        ", group ", o.group, " rank ", o.shard, ")");
   const std::string verdict_key = absl::StrCat("commit/", q.round);
-  auto vote_key = [&](int g, int s) { return absl::StrCat("vote/", q.round, "/g", g, "/s", s); };
+  auto vote_key = [&](int g, int s) { return VoteKey(q.round, g, s); };
   FS_RETURN_IF_ERROR(store_->Set(vote_key(o.group, o.shard), ok ? "1" : "0"));
   for (;;) {
     FS_RETURN_IF_ERROR(st.StoreHealth());

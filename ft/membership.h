@@ -62,7 +62,9 @@
 // * Threads: quorum() and replicate_communicator() from one thread (the training loop); the
 //   others are thread-safe.
 // * Store cost: per rank, one Set and num_groups * group_size Gets per heartbeat_interval; per
-//   quorum(), a few keys per rank per round, never deleted (like comm/replace.h's epochs).
+//   quorum(), a few keys per rank per round. The keys of a round are deleted 16 rounds later
+//   (by shard 0 of the round's first group), so the store holds a bounded number whatever the
+//   job's length; a rank coming back after a pruned round skips to the latest one.
 #pragma once
 
 #include <cstdint>

@@ -196,6 +196,44 @@ TEST(Membership, TwoGroupsDieAtOnce) {
   }, absl::Seconds(60)));
 }
 
+// The store keeps a bounded number of rounds: after 40 rounds (with votes) the keys of the
+// first ones are gone, the recent ones there; a group that comes back afterwards still joins.
+TEST(Membership, OldRoundsArePrunedAndAJoinerStillFindsItsRound) {
+  ExpectAllOk(comm::testing::RunThreads(2, [&](int rank) -> absl::Status {
+    std::shared_ptr<comm::Store> store = SharedStore();
+    FS_ASSIGN_OR_RETURN(auto m, Membership::Create(store, testing::FastOptions(2, 1, rank)));
+    constexpr int64_t kRounds = 40;
+    for (int64_t step = 0; step < kRounds; ++step) {
+      FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(step, absl::Seconds(20)));
+      FS_ASSIGN_OR_RETURN(bool commit, m->should_commit(q, true, absl::Seconds(20)));
+      FS_RETURN_IF_ERROR(Check(commit, "commit"));
+    }
+    if (rank == 0) {
+      for (const std::string key : {"ft/round/0", "ft/commit/0", "ft/arrive/0/g1/s0", "ft/vote/0/g0/s0",
+                                    "ft/round/20", "ft/arrive/20/g0/s0"}) {
+        FS_ASSIGN_OR_RETURN(bool present, store->Check(key));
+        FS_RETURN_IF_ERROR(Check(!present, absl::StrCat(key, " was not pruned")));
+      }
+      for (const std::string key : {"ft/round/39", "ft/round/30", "ft/vote/38/g1/s0"}) {
+        FS_ASSIGN_OR_RETURN(bool present, store->Check(key));
+        FS_RETURN_IF_ERROR(Check(present, absl::StrCat(key, " is missing")));
+      }
+      FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(kRounds, absl::Seconds(20)));
+      FS_RETURN_IF_ERROR(Check(q.joiners == std::vector<int>{1} && q.round == kRounds,
+                               absl::StrCat("round ", q.round, " joiners ",
+                                            absl::StrJoin(q.joiners, ","))));
+    } else {
+      m.reset();  // restarted at once
+      FS_ASSIGN_OR_RETURN(m, Membership::Create(store, testing::FastOptions(2, 1, rank)));
+      FS_ASSIGN_OR_RETURN(Quorum q, m->quorum(0, absl::Seconds(20)));
+      FS_RETURN_IF_ERROR(Check(q.joining && q.source_group == 0 && q.round == kRounds,
+                               absl::StrCat("rejoin at round ", q.round)));
+    }
+    m->Leave();
+    return absl::OkStatus();
+  }, absl::Seconds(60)));
+}
+
 // A group whose processes restart faster than dead_after is still listed in the round before,
 // but its new incarnation lost the state: it must come back as a joiner with a source, at a new
 // epoch, without waiting for anyone to be judged dead.
