@@ -198,16 +198,21 @@ absl::Status FaultTolerantHsdp::Transfer() {
     for (const std::string& why : quorum_.dropped_reasons) {
       all_left = all_left && absl::EndsWith(why, " left");
     }
+    const std::string reasons =
+        quorum_.dropped_reasons.empty()
+            ? ""
+            : absl::StrCat("; ", absl::StrJoin(quorum_.dropped_reasons, "; "));
+    if (all_left) {
+      const Membership::Options& m = membership_.options();
+      throw NothingToRejoin(absl::StrCat(
+          "ft::FaultTolerantHsdp group ", m.group, " rank ", m.shard, "/", m.group_size,
+          ": nothing to rejoin: every other group finished and left while this group was away",
+          reasons));
+    }
     Fail(absl::UnavailableError(absl::StrCat(
-             "no group of the previous round is left to copy the state from (",
-             all_left ? "the other groups finished and left before this group rejoined: nothing "
-                        "to rejoin"
-                      : "every replica group died: the live state is lost; restart the job from "
-                        "a checkpoint",
-             quorum_.dropped_reasons.empty()
-                 ? ""
-                 : absl::StrCat("; ", absl::StrJoin(quorum_.dropped_reasons, "; ")),
-             ")")),
+             "no group of the previous round is left to copy the state from (every replica group "
+             "died: the live state is lost; restart the job from a checkpoint",
+             reasons, ")")),
          "state transfer");
   }
   for (int source : sources) {

@@ -46,10 +46,11 @@
 //   (quorum timeouts, a rank left out of the quorum: its group must restart and come back as a
 //   joiner, a joiner's failed transfer, no group left to copy the state from: every group of
 //   the previous round died, the live state is lost and the job must restart from a
-//   checkpoint, or they all finished and left before this group came back). A failed gradient reduction, or a failed transfer on a rank that is not
+//   checkpoint, or they all finished and left before this group came back: NothingToRejoin). A failed gradient reduction, or a failed transfer on a rank that is not
 //   joining, is not an error: the step is discarded. Methods in order begin_step, end_step, from the training loop's thread.
 #pragma once
 
+#include <c10/util/Exception.h>
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
@@ -57,6 +58,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -67,6 +69,16 @@
 #include "ft/membership.h"
 
 namespace fairscale::ft {
+
+// Thrown by begin_step() on a joining group when no group of the previous round is left to copy
+// the state from and every one of them left cleanly (Membership::Leave: the run is over while
+// this group was restarting): there is nothing to rejoin. A restarted group's process would exit
+// 0 on it (the launcher then ends the job with the others' success). A c10::Error, so callers
+// that do not care see the usual error.
+class NothingToRejoin : public c10::Error {
+ public:
+  explicit NothingToRejoin(std::string message) : c10::Error(std::move(message), "") {}
+};
 
 struct HsdpOptions {
   // The backend of the replicate communicators ("" = the highest priority linked).

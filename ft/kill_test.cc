@@ -78,6 +78,7 @@ struct Job {
   int step_ms = 10;
   int max_restarts = 2;
   std::vector<std::string> kills;  // rank:incarnation:step:point
+  bool no_wait = false;
 };
 
 struct Outcome {
@@ -100,6 +101,7 @@ Outcome RunJob(const Job& job) {
       absl::StrCat("--max_restarts=", job.max_restarts), "--master_port=0", "--stop_timeout_s=2",
       "--", g_worker, absl::StrCat("--dir=", o.dir), absl::StrCat("--steps=", job.steps),
       absl::StrCat("--step_ms=", job.step_ms), absl::StrCat("--kills=", absl::StrJoin(job.kills, ","))};
+  if (job.no_wait) args.push_back("--no_wait");
   const absl::Time start = absl::Now();
   absl::StatusOr<pid_t> pid = base::Spawn(g_fs_launch, args, {}, {{out, 1}, {err, 2}});
   close(out);
@@ -367,6 +369,30 @@ TEST(FaultTolerantKill, TwoGroupsDyingAtOnce) {
   CheckRecovered(job, o, {1, 2});
   std::printf("kill: two of three groups at once: status %d in %.1fs\n", o.status,
               absl::ToDoubleSeconds(o.took));
+}
+
+// Killed at the end: the survivors finish without waiting; the restarted group either makes it
+// back in time (and finishes with them) or finds everybody gone (NothingToRejoin) and exits 0.
+// Either way the job succeeds.
+TEST(FaultTolerantKill, GroupBackAfterTheOthersFinishedExitsCleanly) {
+  Job job;
+  job.no_wait = true;
+  job.kills = {"2:0:22:mid"};
+  const Outcome o = RunJob(job);
+  const std::string why = Describe(o);
+  EXPECT_FALSE(o.hung) << why;
+  EXPECT_EQ(o.status, 0) << why;
+  const bool back_in_time = o.results.count(2) != 0;
+  if (!back_in_time) {
+    EXPECT_TRUE(absl::StrContains(o.out, "nothing to rejoin: every other group finished and left"))
+        << why;
+  }
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(o.results.count(r), 1u) << why;
+    EXPECT_EQ(o.results.at(r)["incarnation"].get<int>(), 0) << why;
+  }
+  std::printf("kill: group back after the others finished: status %d in %.1fs (%s)\n", o.status,
+              absl::ToDoubleSeconds(o.took), back_in_time ? "back in time" : "nothing to rejoin");
 }
 
 TEST(FaultTolerantKill, EveryGroupDyingFailsTheJobClearly) {

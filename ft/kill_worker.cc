@@ -17,7 +17,8 @@
 //   The killing rank first writes <dir>/kill.<rank>.<incarnation> with the wall time (µs), and
 //   <dir>/down.<rank>.<incarnation> (also written by a rank that fails).
 // Before its last step a rank waits (up to 60 s) until every killed group's next incarnation is
-// about to join (WaitForRestartedGroups), so that the run does not end before it is back.
+// about to join (WaitForRestartedGroups), so that the run does not end before it is back; not
+// with --no_wait. A restarted group that finds every other group gone (NothingToRejoin) exits 0.
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -66,6 +67,7 @@ struct Flags {
   int heartbeat_ms = 100;
   int dead_after_ms = 1000;
   std::vector<Kill> kills;
+  bool no_wait = false;  // do not wait for restarted groups before the last step
 };
 
 int EnvInt(const char* name, int fallback) {
@@ -93,6 +95,8 @@ Flags ParseFlags(int argc, char** argv) {
       f.heartbeat_ms = static_cast<int>(n);
     } else if (kv.first == "--dead_after_ms" && number) {
       f.dead_after_ms = static_cast<int>(n);
+    } else if (kv.first == "--no_wait") {
+      f.no_wait = true;
     } else if (kv.first == "--kills") {
       for (absl::string_view spec : absl::StrSplit(kv.second, ',', absl::SkipEmpty())) {
         std::vector<std::string> p = absl::StrSplit(spec, ':');
@@ -238,7 +242,7 @@ int Run(int argc, char** argv) {
   bool ready_written = false;
   while (hsdp.step() < flags.steps) {
     const int64_t step = hsdp.step();
-    if (step == flags.steps - 1) WaitForRestartedGroups(flags.dir, group_size);
+    if (step == flags.steps - 1 && !flags.no_wait) WaitForRestartedGroups(flags.dir, group_size);
     kill_here(step, "before");
     if (!ready_written) {
       WriteAtomically(absl::StrCat(flags.dir, "/ready.", rank, ".", incarnation), "");
@@ -290,6 +294,10 @@ int Run(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     return fairscale::ft::Run(argc, argv);
+  } catch (const fairscale::ft::NothingToRejoin& e) {
+    std::printf("kill_worker: %s: exiting 0\n", e.what_without_backtrace());
+    std::fflush(stdout);
+    _exit(0);
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "kill_worker: %s\n", e.what_without_backtrace());
   } catch (const std::exception& e) {
