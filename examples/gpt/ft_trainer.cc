@@ -12,6 +12,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -128,6 +129,12 @@ class FtTrainer {
     if (ctx_.group == nullptr || ctx_.group->size() != size_ || ctx_.group->rank() != shard_) {
       return absl::InvalidArgumentError(absl::StrCat(
           "the group communicator must be rank ", shard_, " of ", size_, " (group ", group_, ")"));
+    }
+    if (!config_.metrics_path.empty()) {  // under another launcher nothing created it
+      std::error_code ec;
+      const std::filesystem::path parent =
+          std::filesystem::path(config_.metrics_path).parent_path();
+      if (!parent.empty()) std::filesystem::create_directories(parent, ec);
     }
     const int threads =
         config_.threads > 0
