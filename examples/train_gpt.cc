@@ -12,7 +12,9 @@
 // --nproc_per_node copies of itself with the torchrun environment, stops every rank within
 // --failure_grace_s when one fails, and with --max_restarts restarts them all from the newest
 // complete checkpoint. Under a launcher (fs_launch, torchrun, mpirun, srun) it runs as that
-// rank through CreateCommunicatorFromEnv(). Outputs go to --out_dir (default
+// rank through CreateCommunicatorFromEnv(). With --fault_tolerant (examples/gpt/ft_trainer.h)
+// a failed rank restarts only its replica group (LaunchOptions::replica_group_size), and a rank
+// makes its group's communicator itself (RunFaultTolerantRank). Outputs go to --out_dir (default
 // out/train_gpt in the workspace under `bazel run`, else in the current directory).
 #include <signal.h>
 #include <sys/wait.h>
@@ -35,6 +37,7 @@
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -154,10 +157,10 @@ ABSL_FLAG(bool, deterministic, false,
           "thread per rank)");
 ABSL_FLAG(int64_t, micro_batches, 0,
           "--deterministic: micro-batches of --batch sequences per step over all ranks");
-ABSL_FLAG(int, max_restarts, -1,
+ABSL_FLAG(int, max_restarts, 0,
           "self-launch only: restart all ranks from the last complete checkpoint up to this many "
           "times after a rank fails; with --fault_tolerant, restart only the failed rank's "
-          "replica group, up to this many times per group (-1: 0, or 3 with --fault_tolerant)");
+          "replica group, up to this many times per group (default 3 with --fault_tolerant)");
 ABSL_FLAG(int, failure_grace_s, 10,
           "self-launch only: after a rank fails, the others get this long to exit, then SIGKILL");
 ABSL_FLAG(std::string, trace, "",
@@ -498,7 +501,12 @@ int LaunchLocal(const std::vector<std::string>& args) {
     return 2;
   }
   int max_restarts = absl::GetFlag(FLAGS_max_restarts);
-  if (max_restarts == -1) max_restarts = absl::GetFlag(FLAGS_fault_tolerant) ? 3 : 0;
+  const bool restarts_given = std::any_of(args.begin(), args.end(), [](const std::string& a) {
+    return absl::StartsWith(a, "--max_restarts") || absl::StartsWith(a, "-max_restarts");
+  });
+  if (absl::GetFlag(FLAGS_fault_tolerant) && !restarts_given) {
+    max_restarts = 3;  // per replica group: a dead rank need not end the job
+  }
   const int grace_s = absl::GetFlag(FLAGS_failure_grace_s);
   if (max_restarts < 0 || max_restarts > 1000 || grace_s < 0 || grace_s > 3600) {
     std::fprintf(stderr,
@@ -559,6 +567,9 @@ constexpr char kUsage[] =
     "\n"
     "  train_gpt [--nproc_per_node=N] [--steps=400] [--resume] [--out_dir=DIR] ...\n"
     "  fs_launch --nproc_per_node=4 -- train_gpt ...      (under a launcher: one rank each)\n"
+    "  train_gpt --nproc_per_node=4 --fault_tolerant --strategy=hybrid_shard\n"
+    "            --hybrid_shard_group_size=2              (keep training when a rank dies; under\n"
+    "                                                      fs_launch add --replica_group_size=2)\n"
     "\n"
     "Environment read: RANK, or Open MPI / PMI / Slurm rank variables (set: run as that rank\n"
     "under a launcher; unset: launch --nproc_per_node ranks of this binary), WORLD_SIZE,\n"
@@ -567,7 +578,8 @@ constexpr char kUsage[] =
     "FS_COMM_BACKEND (tcp or ucx), FS_SOCKET_IFNAME (the interface ranks on several hosts\n"
     "reach each other on; comm/registry.h),\n"
     "FS_COMM_TIMEOUT_S (collective and rendezvous timeout; 60 when self-launched),\n"
-    "FS_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT (> 0: a restart, which resumes),\n"
+    "FS_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT (> 0: a restart, which resumes; with\n"
+    "--fault_tolerant: the replica group's restarts, which rejoins),\n"
     "BUILD_WORKSPACE_DIRECTORY (bazel run: the default --out_dir is in the workspace),\n"
     "FS_ERROR_DIR (set by the self-launcher for its ranks).";
 

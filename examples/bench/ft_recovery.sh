@@ -55,11 +55,12 @@ for i in range(1, runs + 1):
     rows["ft_next"].append(nxt - t)
     drop = [x for x in r if x["type"] == "membership" and x["dropped"]]
     rows["ft_detect"].append(drop[0]["quorum_wait_s"])
-    join = [x for x in r if x["type"] == "join"][0]
-    rows["ft_startup"].append(join["startup_s"])
-    rows["ft_quorum"].append(join["quorum_wait_s"])
-    rows["ft_transfer"].append(join["transfer_s"])
-    rows["ft_catchup"].append(join["first_commit_s"])
+    joins = [x for x in r if x["type"] == "join"]
+    if joins:  # none when the survivors finished before the restarted group was back
+        rows["ft_startup"].append(joins[0]["startup_s"])
+        rows["ft_quorum"].append(joins[0]["quorum_wait_s"])
+        rows["ft_transfer"].append(joins[0]["transfer_s"])
+        rows["ft_catchup"].append(joins[0]["first_commit_s"])
     rows["ft_step"].append(statistics.median(x["step_s"] for x in train if x["step"] < kill))
     t = kill_t(f"{d}/plain{i}.log")
     r = records(f"{d}/plain{i}/metrics.jsonl")
@@ -72,6 +73,8 @@ for i in range(1, runs + 1):
     rows["plain_step"].append(statistics.median(x["step_s"] for x in train if x["step"] < kill))
 def cell(k, fmt="%.2f"):
     v = rows[k]
+    if not v:
+        return "n/a (no rejoin before the end)"
     return f"{fmt % statistics.median(v)} ({fmt % min(v)}-{fmt % max(v)})"
 print()
 print(f"| after the kill of rank 3 (group 1) at step {kill}, median (min-max) of {runs} | --fault_tolerant | plain hybrid_shard + checkpoints |")
@@ -81,7 +84,7 @@ print(f"| kill -> next completed step (s) | {cell('ft_next')} (survivors, step {
 print(f"| kill -> back at step {kill + 1} (s) | = the line above | {cell('plain_back')} |")
 print(f"| steps lost (redone) | 0 | {cell('plain_lost', '%d')} |")
 print(f"| survivors' quorum wait dropping group 1 (s) | {cell('ft_detect')} | - |")
-print(f"| rejoin: process start -> first quorum (s) | {cell('ft_startup')} | - |")
+print(f"| rejoin ({len(rows['ft_startup'])} of {runs} runs): process start -> first quorum (s) | {cell('ft_startup')} | - |")
 print(f"| rejoin: quorum wait (s) | {cell('ft_quorum')} | - |")
 print(f"| rejoin: state transfer (s) | {cell('ft_transfer', '%.3f')} | - |")
 print(f"| rejoin: process start -> first committed step (s) | {cell('ft_catchup')} | - |")

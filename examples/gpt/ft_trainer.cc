@@ -430,8 +430,9 @@ class FtTrainer {
 
   // Exchanged as two 32-bit halves in doubles (exact), as trainer.cc does.
   absl::StatusOr<std::vector<uint64_t>> GroupHashes(uint64_t h) {
-    FS_ASSIGN_OR_RETURN(std::vector<double> all, GroupGather({static_cast<double>(h >> 32),
-                                                              static_cast<double>(h & 0xffffffffu)}));
+    FS_ASSIGN_OR_RETURN(
+        std::vector<double> all,
+        GroupGather({static_cast<double>(h >> 32), static_cast<double>(h & 0xffffffffu)}));
     std::vector<uint64_t> out(size_);
     for (int r = 0; r < size_; ++r) {
       out[r] = static_cast<uint64_t>(all[2 * r]) << 32 | static_cast<uint64_t>(all[2 * r + 1]);

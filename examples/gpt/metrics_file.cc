@@ -97,7 +97,8 @@ absl::Status AppendMetricsRecord(const std::string& path, const nlohmann::json& 
   if (n != static_cast<ssize_t>(line.size())) {
     return absl::UnavailableError(absl::StrCat(
         "cannot append to metrics file ", path, ": ",
-        n < 0 ? std::strerror(write_errno) : absl::StrCat("short write, ", n, " of ", line.size(), " bytes")));
+        n < 0 ? std::strerror(write_errno)
+              : absl::StrCat("short write, ", n, " of ", line.size(), " bytes")));
   }
   return absl::OkStatus();
 }

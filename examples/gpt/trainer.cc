@@ -213,7 +213,8 @@ class Trainer {
       }
     }
     at::set_num_threads(threads);
-    FS_ASSIGN_OR_RETURN(const GptConfig gc, internal::JobGptConfig(config_, tokenizer_.vocab_size()));
+    FS_ASSIGN_OR_RETURN(const GptConfig gc,
+                        internal::JobGptConfig(config_, tokenizer_.vocab_size()));
     torch::manual_seed(config_.seed);  // the same initial weights on every rank
     FS_ASSIGN_OR_RETURN(model_, MakeParallelModel(config_, gc, comm_));
     optim_ = &model_->optimizer();
