@@ -9,7 +9,8 @@
 #
 # Env: FS_BENCH_STEPS (default 40), FS_BENCH_KILL (the step after which rank 3, in group 1, is
 # killed; default 15), FS_BENCH_CKPT (plain mode's --checkpoint_every; default 10),
-# TRAIN_GPT (default bazel-bin/examples/train_gpt), FS_BENCH_DIR (default a temp directory).
+# TRAIN_GPT (default bazel-bin/examples/train_gpt), FS_BENCH_DIR (default a temp directory),
+# FS_BENCH_REPORT_ONLY=1 (no runs: the table of the runs already in FS_BENCH_DIR).
 # The model is the main job's default size (width 128, 4 blocks, batch 16, seq 64), bf16, on 4
 # ranks = 2 groups x 2 of this machine.
 set -euo pipefail
@@ -21,10 +22,12 @@ KILL=${FS_BENCH_KILL:-15}
 CKPT=${FS_BENCH_CKPT:-10}
 DIR=${FS_BENCH_DIR:-$(mktemp -d)}
 mkdir -p "$DIR"
+(( KILL % CKPT != 1 )) || { echo "FS_BENCH_KILL % FS_BENCH_CKPT must not be 1 (see below)"; exit 2; }
 COMMON=(--nproc_per_node=4 --strategy=hybrid_shard --hybrid_shard_group_size=2 --steps="$STEPS"
         --sample_tokens=0 --eval_every=0 --log_every=1 --fault_kill=3:"$KILL" "$@")
 echo "ft_recovery: $RUNS runs each, interleaved; steps $STEPS, rank 3 (group 1) killed after step $KILL;" \
      "plain: --checkpoint_every=$CKPT --max_restarts=1; outputs in $DIR"
+if [[ "${FS_BENCH_REPORT_ONLY:-0}" != 1 ]]; then
 echo "load before: $(uptime)"
 for i in $(seq 1 "$RUNS"); do
   rm -rf "$DIR/ft$i" "$DIR/plain$i"
@@ -36,6 +39,7 @@ for i in $(seq 1 "$RUNS"); do
   echo "run $i done ($(uptime | sed 's/.*load/load/'))"
 done
 echo "load after: $(uptime)"
+fi
 python3 - "$DIR" "$RUNS" "$KILL" <<'PY'
 import json, re, statistics, sys
 d, runs, kill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -51,7 +55,8 @@ for i in range(1, runs + 1):
     t = kill_t(f"{d}/ft{i}.log")
     r = records(f"{d}/ft{i}/metrics.jsonl")
     train = [x for x in r if x["type"] == "train"]
-    nxt = min(x["t"] for x in train if x["t"] > t)
+    # The writer may record the kill's own step just after the kill: the next step is kill + 1.
+    nxt = min(x["t"] for x in train if x["step"] > kill)
     rows["ft_next"].append(nxt - t)
     drop = [x for x in r if x["type"] == "membership" and x["dropped"]]
     rows["ft_detect"].append(drop[0]["quorum_wait_s"])
@@ -65,7 +70,9 @@ for i in range(1, runs + 1):
     t = kill_t(f"{d}/plain{i}.log")
     r = records(f"{d}/plain{i}/metrics.jsonl")
     train = [x for x in r if x["type"] == "train"]
-    after = [x for x in train if x["t"] > t]
+    # The resumed run's steps (from the checkpoint's + 1 < kill; the dying run may still record
+    # the kill's step just after the kill, hence KILL % CKPT != 1).
+    after = [x for x in train if x["t"] > t and (x["step"] < kill or x["step"] > kill)]
     first = min(after, key=lambda x: x["t"])
     rows["plain_next"].append(first["t"] - t)
     rows["plain_back"].append(min(x["t"] for x in after if x["step"] == kill + 1) - t)
