@@ -486,7 +486,7 @@ absl::StatusOr<std::shared_ptr<Store>> RendezvousStore(const EnvConfig& env,
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(const CommConfig& base) {
+absl::StatusOr<EnvCommConfig> CommConfigFromEnv(const CommConfig& base) {
   FS_ASSIGN_OR_RETURN(EnvConfig env, ParseEnv());
   CommConfig config = base;
   config.rank = env.rank;
@@ -533,7 +533,12 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(const Co
       config.store = std::make_shared<PrefixStore>(env.store_prefix, std::move(config.store));
     }
   }
-  return CreateCommunicator(env.backend, config);
+  return EnvCommConfig{std::move(env), std::move(config)};
+}
+
+absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicatorFromEnv(const CommConfig& base) {
+  FS_ASSIGN_OR_RETURN(EnvCommConfig e, CommConfigFromEnv(base));
+  return CreateCommunicator(e.env.backend, e.config);
 }
 
 }  // namespace fairscale::comm

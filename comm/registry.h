@@ -163,7 +163,20 @@ bool StartedByLauncher();
 // Parses and validates the variables above; kInvalidArgument names the variable at fault.
 absl::StatusOr<EnvConfig> ParseEnv();
 
-// ParseEnv(), then the rendezvous store described above, then CreateCommunicator.
+// What CreateCommunicatorFromEnv(base) creates its communicator from: the parsed environment
+// and the config (rank, size, timeout, bind address, and the rendezvous store described above,
+// under FS_STORE_PREFIX; options as below). For a rank that makes communicators of its own over
+// the job's store instead of one world communicator (the main job's --fault_tolerant mode: one
+// per replica group, since a dead rank breaks a world communicator and a restarted group could
+// not rejoin it). With WORLD_SIZE > 1 and neither TORCHELASTIC_USE_AGENT_STORE nor a FileStore,
+// rank 0 hosts the store (env.use_agent_store false): it lives only as long as rank 0.
+struct EnvCommConfig {
+  EnvConfig env;
+  CommConfig config;
+};
+absl::StatusOr<EnvCommConfig> CommConfigFromEnv(const CommConfig& base = {});
+
+// CommConfigFromEnv(base), then CreateCommunicator(env.backend, config).
 // `base` supplies the fields the environment does not (options; bind_address when not the
 // default, see above; timeout unless FS_COMM_TIMEOUT_S is set; a store, which then replaces the
 // rendezvous). With FS_STORE_PREFIX

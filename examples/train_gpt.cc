@@ -12,7 +12,9 @@
 // --nproc_per_node copies of itself with the torchrun environment, stops every rank within
 // --failure_grace_s when one fails, and with --max_restarts restarts them all from the newest
 // complete checkpoint. Under a launcher (fs_launch, torchrun, mpirun, srun) it runs as that
-// rank through CreateCommunicatorFromEnv(). Outputs go to --out_dir (default
+// rank through CreateCommunicatorFromEnv(). With --fault_tolerant (examples/gpt/ft_trainer.h)
+// a failed rank restarts only its replica group (LaunchOptions::replica_group_size), and a rank
+// makes its group's communicator itself (RunFaultTolerantRank). Outputs go to --out_dir (default
 // out/train_gpt in the workspace under `bazel run`, else in the current directory).
 #include <signal.h>
 #include <sys/wait.h>
@@ -35,6 +37,7 @@
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -50,6 +53,7 @@
 #include "comm/registry.h"
 #include "launch/launcher.h"
 #include "comm/store/tcp_store.h"
+#include "examples/gpt/ft_trainer.h"
 #include "examples/gpt/trainer.h"
 
 ABSL_FLAG(int, nproc_per_node, 0,
@@ -155,7 +159,8 @@ ABSL_FLAG(int64_t, micro_batches, 0,
           "--deterministic: micro-batches of --batch sequences per step over all ranks");
 ABSL_FLAG(int, max_restarts, 0,
           "self-launch only: restart all ranks from the last complete checkpoint up to this many "
-          "times after a rank fails");
+          "times after a rank fails; with --fault_tolerant, restart only the failed rank's "
+          "replica group, up to this many times per group (default 3 with --fault_tolerant)");
 ABSL_FLAG(int, failure_grace_s, 10,
           "self-launch only: after a rank fails, the others get this long to exit, then SIGKILL");
 ABSL_FLAG(std::string, trace, "",
@@ -164,6 +169,20 @@ ABSL_FLAG(std::string, trace, "",
 ABSL_FLAG(bool, profile, false,
           "print time in compute vs communication vs idle per rank at the end (traces to "
           "--trace, default <out_dir>/trace.json)");
+ABSL_FLAG(bool, fault_tolerant, false,
+          "keep training when a rank dies (//ft, issue 25): replica groups of "
+          "--hybrid_shard_group_size ranks (needs --strategy=hybrid_shard), FSDP inside each, "
+          "gradients averaged over each step's quorum of live groups; a group that loses a rank "
+          "is restarted alone (--max_restarts per group) and receives the state from a live "
+          "group; no checkpoints (--checkpoint_dir=none is implied)");
+ABSL_FLAG(int64_t, ft_heartbeat_ms, 200, "--fault_tolerant: heartbeat interval of every rank");
+ABSL_FLAG(int64_t, ft_dead_after_ms, 2000,
+          "--fault_tolerant: a rank silent this long is dead (its group is dropped)");
+ABSL_FLAG(int64_t, ft_min_groups, 1,
+          "--fault_tolerant: fewer live replica groups than this fails the job");
+ABSL_FLAG(int64_t, ft_timeout_s, 60,
+          "--fault_tolerant: bound of a quorum (a joiner waits for the others' next step), the "
+          "commit vote and the cross-group collectives");
 ABSL_FLAG(std::string, fault_kill, "",
           "fault injection for tests, RANK:STEP: that rank SIGKILLs itself after that step, in "
           "the first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0); RANK:STEP:save: "
@@ -231,8 +250,14 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
   c.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
   c.moe_experts = absl::GetFlag(FLAGS_moe_experts);
   c.moe_aux_loss_coef = absl::GetFlag(FLAGS_moe_aux_loss_coef);
+  c.fault_tolerant = absl::GetFlag(FLAGS_fault_tolerant);
+  c.ft_heartbeat_ms = absl::GetFlag(FLAGS_ft_heartbeat_ms);
+  c.ft_dead_after_ms = absl::GetFlag(FLAGS_ft_dead_after_ms);
+  c.ft_min_groups = absl::GetFlag(FLAGS_ft_min_groups);
+  c.ft_timeout_s = absl::GetFlag(FLAGS_ft_timeout_s);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
-  if (c.checkpoint_dir.empty()) c.checkpoint_dir = out + "/checkpoints";
+  // Fault-tolerant mode writes no checkpoints (yet): no default directory.
+  if (c.checkpoint_dir.empty() && !c.fault_tolerant) c.checkpoint_dir = out + "/checkpoints";
   if (c.checkpoint_dir == "none") c.checkpoint_dir.clear();
   c.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
@@ -243,8 +268,10 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
     c.overwrite_checkpoints = absl::GetFlag(FLAGS_overwrite_checkpoints);
     // A restarted attempt (fs_launch --max_restarts, or ours) continues from its checkpoint, and
     // never deletes what the first attempt saved.
+    // (Fault-tolerant mode: a restarted replica group rejoins and gets the state from a live
+    // group instead.)
     const char* restarts = std::getenv("FS_RESTART_COUNT");
-    if (restarts != nullptr && std::atoi(restarts) > 0) {
+    if (restarts != nullptr && std::atoi(restarts) > 0 && !c.fault_tolerant) {
       c.resume = gpt::ResumeMode::kAuto;
       c.overwrite_checkpoints = false;
     }
@@ -285,8 +312,11 @@ absl::StatusOr<gpt::TrainConfig> ConfigFromFlags() {
           absl::StrCat("--fault_kill=", fault, ": expected RANK:STEP or RANK:STEP:save"));
     }
     c.fault_in_save = rs.size() == 3;
-    const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
-    if (restarts != nullptr && std::atoi(restarts) > 0) c.fault_rank = -1;
+    // The first incarnation only: of the job, or (--fault_tolerant) of the rank's replica group.
+    for (const char* var : {"TORCHELASTIC_RESTART_COUNT", "FS_RESTART_COUNT"}) {
+      const char* restarts = std::getenv(var);
+      if (restarts != nullptr && std::atoi(restarts) > 0) c.fault_rank = -1;
+    }
   }
   FS_RETURN_IF_ERROR(c.Validate());
   return c;
@@ -363,6 +393,62 @@ void PrintRankErrors(const std::string& dir, int n, bool job_succeeded) {
   }
 }
 
+// A --fault_tolerant rank: no world communicator; its replica group's communicator over the
+// launcher's store (comm::CommConfigFromEnv), named per group incarnation (FS_RESTART_COUNT).
+int RunFaultTolerantRank(const gpt::TrainConfig& config) {
+  const char* rank_var = std::getenv("RANK");
+  int rank = rank_var != nullptr ? std::atoi(rank_var) : -1;
+  absl::StatusOr<comm::EnvCommConfig> env = comm::CommConfigFromEnv();
+  if (!env.ok()) {
+    ReportRankError(rank, absl::StrCat("cannot read the environment: ", env.status().ToString()));
+    return 1;
+  }
+  rank = env->env.rank;
+  const int world = env->env.world_size;
+  base::SetLogRank(rank, world);
+  if (world > 1 && !env->env.use_agent_store && env->env.store_dir.empty()) {
+    ReportRankError(rank,
+                    "--fault_tolerant needs a store that the launcher hosts (fs_launch or "
+                    "train_gpt's self-launcher: TORCHELASTIC_USE_AGENT_STORE=True): here rank 0 "
+                    "would host it, and its death would end the job");
+    return 2;
+  }
+  const char* restarts = std::getenv("FS_RESTART_COUNT");
+  const int incarnation = restarts != nullptr ? std::max(0, std::atoi(restarts)) : 0;
+  const int s = static_cast<int>(config.hybrid_shard_group_size);
+  if (s < 1 || world % s != 0) {
+    ReportRankError(rank, absl::StrCat("--hybrid_shard_group_size=", s,
+                                       " does not divide the rank count ", world));
+    return 2;
+  }
+  comm::CommConfig group_config = env->config;
+  group_config.rank = rank % s;
+  group_config.size = s;
+  group_config.name = gpt::FtGroupCommName(rank / s, incarnation);
+  absl::StatusOr<std::shared_ptr<comm::Communicator>> group =
+      comm::CreateCommunicator(env->env.backend, group_config);
+  if (!group.ok()) {
+    ReportRankError(rank, absl::StrCat("cannot create the replica group's communicator: ",
+                                       group.status().ToString()));
+    return 1;
+  }
+  gpt::FtRankContext context;
+  context.rank = rank;
+  context.world_size = world;
+  context.incarnation = incarnation;
+  context.group = *group;
+  context.store = env->config.store;
+  context.backend = env->env.backend;
+  context.base = env->config;
+  absl::StatusOr<gpt::TrainResult> result = gpt::TrainFaultTolerantRank(config, context);
+  if (!result.ok()) {
+    ReportRankError(rank, absl::StrCat(absl::StatusCodeToString(result.status().code()), ": ",
+                                       result.status().message()));
+    return 1;
+  }
+  return 0;
+}
+
 // One rank, started by a launcher (ours or another) with the torchrun environment.
 int RunRank() {
   absl::StatusOr<gpt::TrainConfig> config = ConfigFromFlags();
@@ -371,6 +457,7 @@ int RunRank() {
     ReportRankError(rank != nullptr ? std::atoi(rank) : -1, std::string(config.status().message()));
     return 2;
   }
+  if (config->fault_tolerant) return RunFaultTolerantRank(*config);
   absl::StatusOr<std::shared_ptr<comm::Communicator>> comm = comm::CreateCommunicatorFromEnv();
   if (!comm.ok()) {
     const char* rank = std::getenv("RANK");
@@ -413,7 +500,13 @@ int LaunchLocal(const std::vector<std::string>& args) {
                  n, kMaxRanks);
     return 2;
   }
-  const int max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  int max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  const bool restarts_given = std::any_of(args.begin(), args.end(), [](const std::string& a) {
+    return absl::StartsWith(a, "--max_restarts") || absl::StartsWith(a, "-max_restarts");
+  });
+  if (absl::GetFlag(FLAGS_fault_tolerant) && !restarts_given) {
+    max_restarts = 3;  // per replica group: a dead rank need not end the job
+  }
   const int grace_s = absl::GetFlag(FLAGS_failure_grace_s);
   if (max_restarts < 0 || max_restarts > 1000 || grace_s < 0 || grace_s > 3600) {
     std::fprintf(stderr,
@@ -437,13 +530,16 @@ int LaunchLocal(const std::vector<std::string>& args) {
   launch::LaunchOptions o;
   o.nproc_per_node = n;
   o.master_port = 0;
-  o.max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  o.max_restarts = max_restarts;
   o.stop_timeout = absl::Seconds(absl::GetFlag(FLAGS_failure_grace_s));
   o.program = "/proc/self/exe";
   o.args = args;
   o.capture_output = false;
   if (std::getenv("FS_COMM_TIMEOUT_S") == nullptr) o.env.push_back("FS_COMM_TIMEOUT_S=60");
-  if (o.max_restarts > 0 && config->checkpoint_dir.empty()) {
+  if (config->fault_tolerant) {
+    // A failed rank restarts only its replica group; the others keep training.
+    o.replica_group_size = static_cast<int>(config->hybrid_shard_group_size);
+  } else if (o.max_restarts > 0 && config->checkpoint_dir.empty()) {
     std::fprintf(stderr, "train_gpt: --max_restarts needs checkpoints (--checkpoint_dir)\n");
     return 2;
   }
@@ -471,6 +567,9 @@ constexpr char kUsage[] =
     "\n"
     "  train_gpt [--nproc_per_node=N] [--steps=400] [--resume] [--out_dir=DIR] ...\n"
     "  fs_launch --nproc_per_node=4 -- train_gpt ...      (under a launcher: one rank each)\n"
+    "  train_gpt --nproc_per_node=4 --fault_tolerant --strategy=hybrid_shard\n"
+    "            --hybrid_shard_group_size=2              (keep training when a rank dies; under\n"
+    "                                                      fs_launch add --replica_group_size=2)\n"
     "\n"
     "Environment read: RANK, or Open MPI / PMI / Slurm rank variables (set: run as that rank\n"
     "under a launcher; unset: launch --nproc_per_node ranks of this binary), WORLD_SIZE,\n"
@@ -479,7 +578,8 @@ constexpr char kUsage[] =
     "FS_COMM_BACKEND (tcp or ucx), FS_SOCKET_IFNAME (the interface ranks on several hosts\n"
     "reach each other on; comm/registry.h),\n"
     "FS_COMM_TIMEOUT_S (collective and rendezvous timeout; 60 when self-launched),\n"
-    "FS_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT (> 0: a restart, which resumes),\n"
+    "FS_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT (> 0: a restart, which resumes; with\n"
+    "--fault_tolerant: the replica group's restarts, which rejoins),\n"
     "BUILD_WORKSPACE_DIRECTORY (bazel run: the default --out_dir is in the workspace),\n"
     "FS_ERROR_DIR (set by the self-launcher for its ranks).";
 

@@ -1,6 +1,11 @@
 #include "examples/gpt/metrics_file.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <limits>
 
@@ -72,6 +77,30 @@ KeptMetrics ReadMetricsForResume(const std::string& path, int64_t keep_through_s
     absl::StrAppend(&kept.text, line, "\n");
   }
   return kept;
+}
+
+absl::Status AppendMetricsRecord(const std::string& path, const nlohmann::json& record,
+                                 bool truncate) {
+  const std::string line = record.dump() + "\n";
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC |
+                                          (truncate ? O_TRUNC : 0), 0644);
+  if (fd < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot open metrics file ", path, ": ", std::strerror(errno)));
+  }
+  ssize_t n = 0;
+  do {
+    n = ::write(fd, line.data(), line.size());
+  } while (n < 0 && errno == EINTR);
+  const int write_errno = errno;
+  ::close(fd);
+  if (n != static_cast<ssize_t>(line.size())) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot append to metrics file ", path, ": ",
+        n < 0 ? std::strerror(write_errno)
+              : absl::StrCat("short write, ", n, " of ", line.size(), " bytes")));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace fairscale::examples::gpt

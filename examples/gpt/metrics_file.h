@@ -19,6 +19,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/status/status.h"
+
 namespace fairscale::examples::gpt {
 
 nlohmann::json MetricNumber(double v);
@@ -34,5 +36,12 @@ struct KeptMetrics {
 // The records of the metrics file `path` with step <= keep_through_step, minus the "final" and
 // "sample" records (a resumed run writes its own). A missing file keeps nothing and warns not.
 KeptMetrics ReadMetricsForResume(const std::string& path, int64_t keep_through_step);
+
+// Appends `record` to the metrics file `path` as one line, with one write(2) on an O_APPEND
+// descriptor (created if missing; `truncate`: emptied first), so that several processes writing
+// the file over time (the fault-tolerant job's writer moves to another replica group when its
+// group dies) never interleave inside a line. kUnavailable naming the file and the OS error.
+absl::Status AppendMetricsRecord(const std::string& path, const nlohmann::json& record,
+                                 bool truncate = false);
 
 }  // namespace fairscale::examples::gpt

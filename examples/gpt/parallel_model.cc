@@ -313,6 +313,7 @@ class FsdpModel final : public ParallelModel {
   }
   int64_t num_params() const override { return num_params_; }
   std::string label() const override { return label_; }
+  fsdp::FullyShardedDataParallel* fsdp_root() override { return &model_; }
 
   // The sharded model and its Adam (fsdp_item: restorable at any world size). An OffloadedAdam
   // is staged through an in-memory torch::optim::Adam of the same archive layout. Experts: see

@@ -30,6 +30,10 @@
 #include "examples/gpt/trainer.h"
 #include "train_state/stateful.h"
 
+namespace fairscale::fsdp {
+class FullyShardedDataParallel;
+}  // namespace fairscale::fsdp
+
 namespace fairscale::examples::gpt {
 
 // Methods throw c10::Error / std::exception on failure (LibTorch, FSDP, OSS); the trainer
@@ -74,6 +78,9 @@ class ParallelModel {
   virtual int64_t num_params() const = 0;
   // For the banner and the plot title: the FSDP strategy, or "sdp/<partition>".
   virtual std::string label() const = 0;
+  // The fsdp mode's FSDP root (null in the other modes): for a loop that drives the FSDP
+  // module itself (--fault_tolerant: ft::FaultTolerantHsdp).
+  virtual fsdp::FullyShardedDataParallel* fsdp_root() { return nullptr; }
 
   // Adds this mode's items to the job's training state (//train_state; every rank adds the same
   // names): fsdp "model" (fsdp_item: the sharded model and its Adam); sdp "model" (module_item)

@@ -43,6 +43,43 @@ absl::Status InRange(absl::string_view flag, int64_t v, int64_t lo, int64_t hi,
 
 constexpr int64_t kMaxSteps = int64_t{1} << 40;
 
+// TrainConfig::fault_tolerant's requirements (the first violated one, naming its flag).
+absl::Status ValidateFaultTolerant(const TrainConfig& c) {
+  if (!c.fault_tolerant) return absl::OkStatus();
+  auto unsupported = [](absl::string_view what) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--fault_tolerant does not support ", what, " (yet); drop it"));
+  };
+  if (c.strategy != "hybrid_shard" || c.hybrid_shard_group_size < 1 ||
+      c.data_parallel != "fsdp") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--fault_tolerant needs --data_parallel=fsdp --strategy=hybrid_shard "
+        "--hybrid_shard_group_size=S (S >= 1 ranks per replica group), got --data_parallel=",
+        c.data_parallel, " --strategy=", c.strategy, " --hybrid_shard_group_size=",
+        c.hybrid_shard_group_size));
+  }
+  if (c.pipeline_stages > 1) return unsupported("--pipeline_stages");
+  if (c.tensor_parallel > 1) return unsupported("--tensor_parallel");
+  if (c.moe_experts > 0) return unsupported("--moe_experts");
+  if (c.deterministic) return unsupported("--deterministic");
+  if (c.loss_scale) return unsupported("--loss_scale");
+  if (c.optimizer_offload != "none") return unsupported("--optimizer_offload");
+  if (!c.trace_path.empty() || c.profile) return unsupported("--trace / --profile");
+  if (c.stop_after > 0) return unsupported("--stop_after");
+  if (c.fault_in_save) return unsupported("--fault_kill=R:S:save (no checkpoints)");
+  if (!c.checkpoint_dir.empty() || c.resume != ResumeMode::kNever) {
+    return absl::InvalidArgumentError(
+        "--fault_tolerant does not write or resume checkpoints yet (a restarted replica group "
+        "gets the state from a live group): pass --checkpoint_dir=none and no --resume");
+  }
+  FS_RETURN_IF_ERROR(InRange("ft_heartbeat_ms", c.ft_heartbeat_ms, 10, 60000));
+  FS_RETURN_IF_ERROR(InRange("ft_dead_after_ms", c.ft_dead_after_ms, 2 * c.ft_heartbeat_ms,
+                             3600000, " (at least 2 heartbeats)"));
+  FS_RETURN_IF_ERROR(InRange("ft_min_groups", c.ft_min_groups, 1, kMaxDim));
+  FS_RETURN_IF_ERROR(InRange("ft_timeout_s", c.ft_timeout_s, 1, 86400));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int MaxThreads() {
@@ -116,6 +153,7 @@ absl::Status TrainConfig::Validate() const {
   if (sample_tokens > 0 && prompt.empty()) {
     return absl::InvalidArgumentError("prompt must not be empty when sampling");
   }
+  FS_RETURN_IF_ERROR(ValidateFaultTolerant(*this));
   return ValidateParallelConfig(*this);
 }
 
@@ -275,6 +313,12 @@ absl::Status CheckBeforeLaunch(const TrainConfig& config, int world_size) {
         "hybrid_shard_group_size ", config.hybrid_shard_group_size,
         " does not divide the rank count ", world_size,
         "; use a divisor of it, or --nproc_per_node as a multiple of the group size"));
+  }
+  if (config.fault_tolerant && config.ft_min_groups > world_size / config.hybrid_shard_group_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--ft_min_groups=", config.ft_min_groups, " is more than the ",
+        world_size / config.hybrid_shard_group_size, " replica groups of ",
+        config.hybrid_shard_group_size, " ranks that ", world_size, " ranks make"));
   }
   // Sizes before paths: memory is the first thing a large --seq or --batch runs out of.
   const double need = EstimateRankBytes(config, /*vocab=*/256);  // a byte vocabulary at most

@@ -1,10 +1,8 @@
 #include "examples/gpt/trainer.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
-#include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 #include <unistd.h>
@@ -40,7 +38,7 @@
 #include "examples/gpt/metrics_file.h"
 #include "examples/gpt/model.h"
 #include "examples/gpt/parallel_model.h"
-#include "examples/gpt/svg_plot.h"
+#include "examples/gpt/train_loop.h"
 #include "trace/chrome_trace.h"
 #include "trace/profile.h"
 #include "trace/recorder.h"
@@ -56,18 +54,8 @@ using Clock = std::chrono::steady_clock;
 using comm::MakeBuffer;
 using comm::MakeConstBuffer;
 
-std::string HumanBytes(double b) {
-  if (b >= 1 << 30) return absl::StrFormat("%.1fG", b / (1 << 30));
-  return absl::StrFormat("%.0fM", b / (1 << 20));
-}
-
-std::string HumanDuration(double s) {
-  if (!std::isfinite(s) || s < 0) return "?";
-  const int64_t t = static_cast<int64_t>(std::lround(s));
-  if (t >= 3600) return absl::StrFormat("%dh%02dm", t / 3600, t / 60 % 60);
-  if (t >= 60) return absl::StrFormat("%dm%02ds", t / 60, t % 60);
-  return absl::StrFormat("%ds", t);
-}
+using internal::HumanDuration;
+using internal::UnixSeconds;
 
 // Rank 0's metrics file. On resume the records after the checkpoint's step (written by the
 // interrupted run) are dropped, so the file reads as one uninterrupted run; malformed lines are
@@ -225,19 +213,8 @@ class Trainer {
       }
     }
     at::set_num_threads(threads);
-    GptConfig gc = GptConfig()
-                             .vocab(tokenizer_.vocab_size())
-                             .seq(config_.seq)
-                             .width(config_.width)
-                             .heads(config_.heads)
-                             .blocks(config_.blocks)
-                             .moe_experts(config_.moe_experts);
-    // A pipeline checkpoints whole stages per micro-batch (parallel_model.cc), not blocks.
-    if (config_.pipeline_stages == 1) {
-      FS_ASSIGN_OR_RETURN(int64_t checkpoint_every_k,
-                          ParseCheckpointActivations(config_.checkpoint_activations));
-      gc.checkpoint_every_k(checkpoint_every_k);
-    }
+    FS_ASSIGN_OR_RETURN(const GptConfig gc,
+                        internal::JobGptConfig(config_, tokenizer_.vocab_size()));
     torch::manual_seed(config_.seed);  // the same initial weights on every rank
     FS_ASSIGN_OR_RETURN(model_, MakeParallelModel(config_, gc, comm_));
     optim_ = &model_->optimizer();
@@ -305,7 +282,6 @@ class Trainer {
 
     const int64_t last = config_.stop_after > 0 ? std::min(config_.stop_after, config_.steps)
                                                 : config_.steps;
-    const bool tty = isatty(STDOUT_FILENO);
     const auto run_start = Clock::now();
     double timed_s = 0;  // steps after the first of this run (which includes warm-up costs)
     int64_t timed_steps = 0;
@@ -389,8 +365,9 @@ class Trainer {
         }
       }
       if (rank_ == config_.fault_rank && step == config_.fault_step && !config_.fault_in_save) {
-        std::fprintf(stderr, "%strain_gpt: fault injection: SIGKILL after step %lld\n",
-                     base::OutputRankPrefix(rank_).c_str(), static_cast<long long>(step));
+        std::fprintf(stderr, "%strain_gpt: fault injection: SIGKILL after step %lld at t=%.3f\n",
+                     base::OutputRankPrefix(rank_).c_str(), static_cast<long long>(step),
+                     UnixSeconds());
         std::fflush(stderr);
         ::raise(SIGKILL);
       }
@@ -433,6 +410,7 @@ class Trainer {
                             {"loss", MetricNumber(train_loss)},
                             {"lr", MetricNumber(lr)},
                             {"step_s", MetricNumber(step_s)},
+                            {"t", MetricNumber(UnixSeconds())},
                             {"tokens_per_s", MetricNumber(tokens_per_s)},
                             {"peak_rss_bytes", rss}};
         if (scaler_) {
@@ -445,16 +423,11 @@ class Trainer {
           metrics_.Write({{"type", "val"}, {"step", step}, {"loss", MetricNumber(val_loss)}});
         }
         if (config_.progress) {
-          const std::string line = ProgressLine(step, train_loss, val_loss, tokens_per_s,
-                                                avg_s * (last - step), rss);
-          if (tty) {
-            std::printf("\r%s\033[K", line.c_str());
-            if (step == last) std::printf("\n");
-          } else if (step == result.start_step + 1 || step == last ||
-                     (config_.log_every > 0 && step % config_.log_every == 0)) {
-            std::printf("%s\n", line.c_str());
-          }
-          std::fflush(stdout);
+          internal::PrintProgress(
+              config_,
+              internal::ProgressLine(config_, step, train_loss, val_loss, "", tokens_per_s,
+                                     avg_s * (last - step), rss),
+              step, result.start_step + 1, last);
         }
       }
       if (!config_.checkpoint_dir.empty() &&
@@ -503,27 +476,7 @@ class Trainer {
         metrics_.Write({{"type", "sample"}, {"step", config_.steps}, {"text", result.sample}});
       }
       FS_RETURN_IF_ERROR(WritePlot());
-      if (config_.progress) {
-        std::printf("train_gpt: done in %s: train loss %.4f, val loss %.4f\n",
-                    HumanDuration(wall_s).c_str(), train_loss, val_loss);
-        // The full parameters' hash (also in the metrics' final record): two runs trained the
-        // same model exactly when it matches (with --deterministic, at any world size).
-        if (!result.full_param_hashes.empty()) {
-          std::printf("  full parameter hash: %016llx%s\n",
-                      static_cast<unsigned long long>(result.full_param_hashes[0]),
-                      config_.deterministic ? " (deterministic mode)" : "");
-        }
-        if (!config_.metrics_path.empty()) std::printf("  metrics: %s\n", config_.metrics_path.c_str());
-        if (!config_.plot_path.empty()) std::printf("  plot:    %s\n", config_.plot_path.c_str());
-        if (!config_.checkpoint_dir.empty()) {
-          std::printf("  checkpoints: %s\n", config_.checkpoint_dir.c_str());
-        }
-        if (!result.sample.empty()) {
-          std::printf("sample (temperature %.2f, top-k %lld):\n%s\n", config_.temperature,
-                      static_cast<long long>(config_.top_k), result.sample.c_str());
-        }
-        std::fflush(stdout);
-      }
+      if (config_.progress) internal::PrintSummary(config_, result, wall_s);
     }
     return result;
   }
@@ -549,14 +502,7 @@ class Trainer {
   }
 
   at::Tensor Loss(std::vector<int64_t> rows) {
-    const int64_t n = static_cast<int64_t>(rows.size()) / (config_.seq + 1);
-    at::Tensor data = at::from_blob(rows.data(), {n, config_.seq + 1}, at::kLong).clone();
-    at::Tensor input = data.narrow(1, 0, config_.seq);
-    if (model_->computes_loss()) return model_->loss(input, data.narrow(1, 1, config_.seq));
-    at::Tensor logits = model_->forward(input);
-    return torch::nn::functional::cross_entropy(
-        logits.to(at::kFloat).reshape({-1, tokenizer_.vocab_size()}),
-        data.narrow(1, 1, config_.seq).reshape({-1}));
+    return internal::BatchLoss(*model_, std::move(rows), config_.seq, tokenizer_.vocab_size());
   }
 
   std::string ModeLabel() const { return model_->label(); }
@@ -777,41 +723,8 @@ class Trainer {
     return absl::OkStatus();
   }
 
-  std::string ProgressLine(int64_t step, double loss, double val, double tokens_per_s,
-                           double eta_s, const std::vector<int64_t>& rss) const {
-    constexpr int kBar = 20;
-    const int filled = static_cast<int>(kBar * step / std::max<int64_t>(1, config_.steps));
-    std::string line = absl::StrFormat(
-        "step %*d/%d [%s%s] loss %.4f", static_cast<int>(std::to_string(config_.steps).size()),
-        step, config_.steps, std::string(filled, '#'), std::string(kBar - filled, '.'), loss);
-    if (std::isfinite(val)) absl::StrAppendFormat(&line, " val %.4f", val);
-    absl::StrAppendFormat(&line, " | %.0f tok/s | ETA %s | rss", tokens_per_s,
-                          HumanDuration(eta_s));
-    for (int r = 0; r < world_; ++r) absl::StrAppend(&line, " r", r, " ", HumanBytes(rss[r]));
-    return line;
-  }
-
   absl::Status WritePlot() {
-    if (config_.plot_path.empty()) return absl::OkStatus();
-    PlotSeries train{"train loss", "#1f77b4", {}}, val{"val loss", "#d62728", {}};
-    for (const nlohmann::json& j : metrics_.records()) {
-      const std::string type = j.value("type", "");
-      if ((type != "train" && type != "val") || !j.contains("loss")) continue;
-      const std::optional<double> loss = ReadMetricNumber(j["loss"]);
-      if (!loss.has_value() || !std::isfinite(*loss)) continue;  // a NaN / inf has no point
-      (type == "train" ? train : val).points.emplace_back(j["step"].get<double>(), *loss);
-    }
-    std::error_code ec;
-    const std::filesystem::path parent = std::filesystem::path(config_.plot_path).parent_path();
-    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-    return train_state::WriteFileAtomic(
-        config_.plot_path,
-        LinePlotSvg({train, val},
-                    absl::StrFormat("GPT %lldx%lld on KJV Genesis+Exodus, %d ranks, %s, %s",
-                                    static_cast<long long>(config_.blocks),
-                                    static_cast<long long>(config_.width), world_,
-                                    ModeLabel(), config_.precision),
-                    "step", "cross-entropy loss (nats/char)"));
+    return internal::WriteLossPlot(config_, metrics_.records(), world_, ModeLabel());
   }
 
   TrainConfig config_;

@@ -212,6 +212,22 @@ struct TrainConfig {
   int fault_rank = -1;
   int64_t fault_step = 0;
   bool fault_in_save = false;
+  // Fault-tolerant mode (//ft, issue 25; examples/gpt/ft_trainer.h): the job keeps training
+  // when a rank dies. The ranks form replica groups of hybrid_shard_group_size S consecutive
+  // ranks (group RANK / S; S = 1: plain data-parallel replicas), each running FSDP FULL_SHARD over
+  // a communicator of its own; ft::FaultTolerantHsdp averages the gradients over the groups of
+  // each step's quorum (ft::Membership over the launcher's store). A group that loses a rank
+  // exits and is restarted alone by the launcher (--replica_group_size), the others keep
+  // stepping; the restarted group rejoins and receives the state from a live group directly.
+  // Needs strategy hybrid_shard with hybrid_shard_group_size > 0 and data_parallel fsdp; not
+  // supported (rejected by Validate): pipeline_stages, tensor_parallel, moe_experts,
+  // deterministic, loss_scale, optimizer_offload, checkpoints (checkpoint_dir), resume,
+  // stop_after, trace_path / profile. The ft_* fields are ft::Membership's timings.
+  bool fault_tolerant = false;
+  int64_t ft_heartbeat_ms = 200;     // Membership::Options::heartbeat_interval
+  int64_t ft_dead_after_ms = 2000;   // a silent rank is dead after this long
+  int64_t ft_min_groups = 1;         // fewer live groups: the job fails
+  int64_t ft_timeout_s = 60;         // quorum, commit vote and collective timeouts
 
   // Validates the values (kInvalidArgument naming the flag and its range, e.g. "--min_lr_ratio=2
   // is out of range: must be in [0, 1]"). Every numeric field has a range; sizes are bounded so
