@@ -441,6 +441,12 @@ int RunFaultTolerantRank(const gpt::TrainConfig& config) {
   context.backend = env->env.backend;
   context.base = env->config;
   absl::StatusOr<gpt::TrainResult> result = gpt::TrainFaultTolerantRank(config, context);
+  if (absl::IsCancelled(result.status())) {  // restarted after the others finished: nothing to do
+    std::printf("%s%s; exiting 0\n", base::OutputRankPrefix(rank).c_str(),
+                std::string(result.status().message()).c_str());
+    std::fflush(stdout);
+    return 0;
+  }
   if (!result.ok()) {
     ReportRankError(rank, absl::StrCat(absl::StatusCodeToString(result.status().code()), ": ",
                                        result.status().message()));

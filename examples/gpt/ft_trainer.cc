@@ -498,6 +498,9 @@ absl::StatusOr<TrainResult> TrainFaultTolerantRank(const TrainConfig& config,
     absl::StatusOr<TrainResult> r = trainer->Run();
     if (r.ok()) return r;
     status = absl::Status(r.status().code(), absl::StrCat(where, ": ", r.status().message()));
+  } catch (const ft::NothingToRejoin& e) {
+    // Back after every other group finished and left: the run is over (kCancelled: exit 0).
+    return absl::CancelledError(absl::StrCat(where, ": ", e.what_without_backtrace()));
   } catch (const c10::Error& e) {
     status = absl::InternalError(absl::StrCat(where, ": ", e.what_without_backtrace()));
   } catch (const std::exception& e) {

@@ -67,7 +67,8 @@ std::string FtGroupCommName(int group, int incarnation);
 
 // Runs the job on this rank until the committed step reaches config.steps (then
 // Membership::Leave). Errors name the rank, group and step; the caller exits non-zero so that
-// the launcher restarts the group.
+// the launcher restarts the group. kCancelled: this (restarted) group came back after every
+// other group had finished and left (ft::NothingToRejoin): the run is over, exit 0.
 absl::StatusOr<TrainResult> TrainFaultTolerantRank(const TrainConfig& config,
                                                    const FtRankContext& context);
 
