@@ -476,11 +476,13 @@ TEST(FsLaunchReplicaGroups, AGroupOutOfRestartsFailsTheJob) {
 }
 
 TEST(FsLaunchReplicaGroups, EachGroupHasItsOwnRestartCount) {
+  const std::string pids = NewDir();
   Launcher l;
-  // Rank 1 (group 0) and rank 2 (group 1) fail in their first incarnation: one restart each.
+  // Rank 1 (group 0) and rank 2 (group 1) fail in their first incarnation: one restart each,
+  // once every rank reported (--pid_dir: CI once stopped rank 3 before its first line).
   l.Start(GroupFlags(/*max_restarts=*/1),
-          {"--report_env", "--fail_rank=1,2", "--fail_code=5", "--fail_until_restart=1",
-           "--sleep", "--sleep_s=2"});
+          {"--report_env", "--pid_dir=" + pids, "--fail_rank=1,2", "--fail_code=5",
+           "--fail_until_restart=1", "--sleep", "--sleep_s=2"});
   ASSERT_EQ(l.Wait(), 0) << l.err();
   EXPECT_THAT(l.err(), HasSubstr("rank 1 (local rank 1 on node 0, pid "));
   EXPECT_THAT(l.err(), HasSubstr("restarting replica group 0 (ranks 0-1, restart 1 of at most 1)"));
@@ -525,7 +527,8 @@ TEST(FsLaunchReplicaGroups, SigtermToTheLauncherStopsEveryGroup) {
 TEST(FsLaunchReplicaGroups, AGroupRestartStaysOnItsNode) {
   const std::vector<std::string> env = {"FS_STORE_TOKEN=00112233445566778899aabbccddeeff"};
   const std::vector<std::string> rank_flags = {"--report_env", "--fail_rank=7", "--fail_signal",
-                                               "--fail_until_restart=1", "--sleep", "--sleep_s=2"};
+                                               "--fail_until_restart=1", "--sleep", "--sleep_s=2",
+                                               "--fail_after_s=1"};
   Launcher node0;
   Launcher node1;
   for (int node : {0, 1}) {

@@ -145,6 +145,7 @@ int main(int argc, char** argv) {
         Env("TORCHELASTIC_RESTART_COUNT").c_str(), Env("FS_REPLICA_GROUP").c_str(),
         Env("FS_REPLICA_GROUP_SIZE").c_str(), Env("FS_NUM_REPLICA_GROUPS").c_str(),
         static_cast<int>(getpid()));
+    std::fflush(stdout);  // out before the pid file: a failing rank waits for those
   }
   if (const std::string dir = absl::GetFlag(FLAGS_pid_dir); !dir.empty()) {
     const std::string path = absl::StrCat(dir, "/rank_", rank, ".pid");
